@@ -1,0 +1,99 @@
+"""WAN emulation profiles: defined once, used by the launcher, the benchmarks and the docs.
+
+Rates are bits per second of the emulated link, one link per directed DC pair. ``rtt_s`` is the round-trip
+time; each direction adds ``rtt_s / 2`` of one-way delay. ``uplink_bps``/``downlink_bps`` differ only for
+asymmetric profiles (``volunteer``): "up" is DC -> central party, "down" is central party -> DC.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from geomx.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class WanProfile:
+    name: str
+    uplink_bps: float | None      # None = not emulated (direct loopback)
+    downlink_bps: float | None
+    rtt_s: float
+    jitter_s: float = 0.0
+    description: str = ""
+
+    @property
+    def emulated(self) -> bool:
+        return self.uplink_bps is not None
+
+    @property
+    def one_way_delay_s(self) -> float:
+        return self.rtt_s / 2.0
+
+    def rate_for(self, src_dc: str, dst_dc: str) -> float:
+        """Rate of the directed link src_dc -> dst_dc (the central party is named ``central``)."""
+        if self.uplink_bps is None:
+            raise ConfigError(f"profile {self.name!r} is not emulated")
+        return self.downlink_bps if src_dc == CENTRAL_DC else self.uplink_bps
+
+
+CENTRAL_DC = "central"
+
+MBIT = 1e6
+GBIT = 1e9
+
+PROFILES: dict[str, WanProfile] = {
+    p.name: p
+    for p in (
+        WanProfile("lan", None, None, 0.0, description="no emulation: every link is the machine's loopback"),
+        WanProfile("regional", 1 * GBIT, 1 * GBIT, 0.020, 0.0005, "1 Gbit/s, 20 ms RTT (Dublin-Frankfurt)"),
+        WanProfile("transatlantic", 300 * MBIT, 300 * MBIT, 0.080, 0.002, "300 Mbit/s, 80 ms RTT"),
+        WanProfile("transpacific", 100 * MBIT, 100 * MBIT, 0.180, 0.005, "100 Mbit/s, 180 ms RTT"),
+        WanProfile("volunteer", 50 * MBIT, 250 * MBIT, 0.080, 0.005,
+                   "50 Mbit/s up (DC to central), 250 Mbit/s down, 80 ms RTT"),
+    )
+}
+
+
+def get_profile(name: str) -> WanProfile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ConfigError(f"unknown WAN profile {name!r}; known profiles: {', '.join(PROFILES)}") from None
+
+
+def custom_profile(rate_bps: float, rtt_s: float, jitter_s: float = 0.0) -> WanProfile:
+    """A symmetric profile from explicit numbers (``--wan-rate`` / ``--wan-rtt``)."""
+    if rate_bps <= 0:
+        raise ConfigError(f"WAN rate must be > 0 bit/s, got {rate_bps}")
+    if rtt_s < 0 or jitter_s < 0:
+        raise ConfigError(f"WAN RTT and jitter must be >= 0, got rtt={rtt_s} jitter={jitter_s}")
+    return WanProfile("custom", rate_bps, rate_bps, rtt_s, jitter_s,
+                      f"{rate_bps / MBIT:g} Mbit/s, {rtt_s * 1000:g} ms RTT")
+
+
+def parse_rate(text: str) -> float:
+    """'100mbit', '1gbit', '500kbit', '1e8' -> bits per second."""
+    t = text.strip().lower().replace("/s", "").replace("bps", "bit")
+    for suffix, mult in (("gbit", GBIT), ("mbit", MBIT), ("kbit", 1e3), ("bit", 1.0), ("g", GBIT), ("m", MBIT),
+                         ("k", 1e3)):
+        if t.endswith(suffix):
+            t, scale = t[: -len(suffix)], mult
+            break
+    else:
+        scale = 1.0
+    try:
+        return float(t) * scale
+    except ValueError:
+        raise ConfigError(f"cannot read a rate from {text!r}; write e.g. 100mbit or 1gbit") from None
+
+
+def parse_duration(text: str) -> float:
+    """'80ms', '0.08s', '80' (milliseconds) -> seconds."""
+    t = text.strip().lower()
+    try:
+        if t.endswith("ms"):
+            return float(t[:-2]) / 1000.0
+        if t.endswith("s"):
+            return float(t[:-1])
+        return float(t) / 1000.0
+    except ValueError:
+        raise ConfigError(f"cannot read a duration from {text!r}; write e.g. 80ms") from None

@@ -1,0 +1,169 @@
+"""The van: one node's endpoint on the network (the name and the job come from ps-lite).
+
+Every node binds one ZeroMQ ROUTER socket and reaches each peer through a DEALER socket connected to the
+peer's ROUTER. Two threads, each owning its sockets (ZeroMQ sockets are not thread-safe):
+
+* the receive thread decodes every frame set into a :class:`Message` and hands it to ``on_message``;
+  malformed input is logged and dropped, never fatal;
+* the send thread drains a queue ordered by (priority desc, arrival asc): FIFO among equal priorities,
+  unlike ps-lite's heap, which reverses equal-priority backlogs.
+
+When a WAN emulator is configured, a message to a node of another DC goes to the emulator instead, behind a
+small route frame (see :mod:`geomx.netem.emulator`); the receiver cannot tell the difference.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+from collections import defaultdict
+from typing import Callable
+
+import msgpack
+import zmq
+
+from geomx.errors import ConfigError, ProtocolError
+from geomx.transport.message import Message, decode, encode, payload_nbytes
+
+log = logging.getLogger("geomx.van")
+
+_POLL_MS = 100
+
+
+def tcp_address(host: str, port: int) -> str:
+    return f"tcp://{host}:{port}"
+
+
+class Van:
+    """Send and receive :class:`Message` objects; see the module docstring."""
+
+    def __init__(self, *, node_id: str, dc: str, on_message: Callable[[Message], None], host: str = "127.0.0.1",
+                 port: int = 0, bind_host: str | None = None, emulator: str | None = None,
+                 context: zmq.Context | None = None) -> None:
+        self.node_id = node_id
+        self.dc = dc
+        self.host = host
+        self._bind_host = bind_host or host
+        self._port = port
+        self._on_message = on_message
+        self._emulator = emulator
+        self._ctx = context or zmq.Context.instance()
+        self._queue: list = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._running = False
+        self._router: zmq.Socket | None = None
+        self._threads: list[threading.Thread] = []
+        self.sent_bytes: dict[str, int] = defaultdict(int)      # by destination DC
+        self.received_bytes = 0
+        self.dropped_messages = 0
+
+    @property
+    def address(self) -> str:
+        return tcp_address(self.host, self._port)
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def start(self) -> None:
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.RCVHWM, 0)
+        try:
+            if self._port:
+                router.bind(tcp_address(self._bind_host, self._port))
+            else:
+                self._port = router.bind_to_random_port(f"tcp://{self._bind_host}")
+        except zmq.ZMQError as exc:
+            router.close()
+            raise ConfigError(f"cannot listen on {tcp_address(self._bind_host, self._port)}: {exc.strerror}"
+                              + (" (port already in use)" if exc.errno == zmq.EADDRINUSE else "")) from None
+        self._router = router
+        self._running = True
+        for target, name in ((self._receive_loop, "recv"), (self._send_loop, "send")):
+            t = threading.Thread(target=target, name=f"van-{name}-{self.node_id}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def send(self, addr: str, msg: Message, *, dst_dc: str | None = None) -> None:
+        """Queue ``msg`` for ``addr`` (a tcp:// address); ``dst_dc`` routes it through the WAN emulator."""
+        if not msg.src:
+            msg.src = self.node_id
+        frames = encode(msg)
+        with self._cv:
+            heapq.heappush(self._queue, (-msg.priority, next(self._seq), addr, dst_dc, frames))
+            self._cv.notify()
+
+    def stop(self, flush_timeout: float = 2.0) -> None:
+        """Send what is queued (up to ``flush_timeout``), then close the sockets."""
+        with self._cv:
+            if not self._running:
+                return
+            self._cv.wait_for(lambda: not self._queue, timeout=flush_timeout)
+            self._running = False
+            self._cv.notify_all()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=flush_timeout + 1.0)
+
+    # -- threads -----------------------------------------------------------------------------------------
+
+    def _receive_loop(self) -> None:
+        router = self._router
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        try:
+            while self._running:
+                if not poller.poll(_POLL_MS):
+                    continue
+                frames = router.recv_multipart(copy=False)
+                self.received_bytes += payload_nbytes(frames[1:])
+                try:
+                    msg = decode(frames[1:])
+                except ProtocolError as exc:
+                    self.dropped_messages += 1
+                    log.warning("%s dropped a malformed message from peer %r: %s", self.node_id,
+                                bytes(frames[0].bytes[:32]), exc)
+                    continue
+                try:
+                    self._on_message(msg)
+                except Exception:  # a handler bug must not kill the node's receive loop
+                    log.exception("%s failed to handle %r from %s", self.node_id, msg.op, msg.src)
+        finally:
+            router.close(linger=0)
+
+    def _send_loop(self) -> None:
+        sockets: dict[str, zmq.Socket] = {}
+        try:
+            while True:
+                with self._cv:
+                    self._cv.wait_for(lambda: self._queue or not self._running)
+                    if not self._queue:
+                        return
+                    neg_prio, _, addr, dst_dc, frames = heapq.heappop(self._queue)
+                    if not self._queue:
+                        self._cv.notify_all()
+                via_emulator = self._emulator is not None and dst_dc is not None and dst_dc != self.dc
+                if via_emulator:
+                    route = msgpack.packb({"dst": addr, "src_dc": self.dc, "dst_dc": dst_dc,
+                                           "prio": -neg_prio}, use_bin_type=True)
+                    frames = [route] + frames
+                    addr = self._emulator
+                sock = sockets.get(addr)
+                if sock is None:
+                    sock = sockets[addr] = self._connect(addr)
+                self.sent_bytes[dst_dc or self.dc] += payload_nbytes(frames[1:] if via_emulator else frames)
+                sock.send_multipart(frames, copy=False)
+        finally:
+            for sock in sockets.values():
+                sock.close(linger=200)
+
+    def _connect(self, addr: str) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.node_id.encode())
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(addr)
+        return sock
