@@ -1,0 +1,249 @@
+"""``geomx launch``: start a whole geomx deployment on this machine and tear it down afterwards.
+
+Every role is a real process with its own log file in the run directory. Workers and the master worker run
+the user's command; their output is also echoed with a ``[dc/rank]`` prefix. If any process fails, every
+process is stopped and the launcher exits non-zero, naming the failed role and printing the tail of its log.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from geomx.cli.topology import Topology
+from geomx.profiles import CENTRAL_DC
+
+INFRA_EXIT_GRACE_S = 30.0
+
+
+@dataclass
+class RoleSpec:
+    name: str
+    kind: str               # emulator, scheduler, server, worker, master
+    argv: list[str]
+    env: dict[str, str]
+    echo: bool = False      # echo its output on the console
+
+
+@dataclass
+class Running:
+    spec: RoleSpec
+    proc: subprocess.Popen
+    log_path: Path
+    pump: threading.Thread | None = None
+    returncode: int | None = None
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind((host, 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | None = None) -> list[RoleSpec]:
+    """The processes of ``topo``, in start order, with the environment each one reads."""
+    h = topo.host
+    node = [sys.executable, "-m", "geomx.node"]
+    n_dcs, G, N = topo.dcs, topo.global_servers, topo.num_all_workers
+    flat = topo.topology == "flat"
+    ports = ports or free_ports(3 + n_dcs, h)
+    p_global, p_central, p_emu, dc_ports = ports[0], ports[1], ports[2], ports[3:]
+    global_workers = N if flat else n_dcs
+    base = {"PYTHONUNBUFFERED": "1", "GEOMX_RUN_DIR": str(run_dir), "GEOMX_TOPOLOGY": topo.topology,
+            "GEOMX_MODE": topo.mode, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **topo.env}
+    specs: list[RoleSpec] = []
+    if topo.profile.emulated:
+        base["GEOMX_WAN_EMULATOR"] = f"tcp://{h}:{p_emu}"
+        p = topo.profile
+        specs.append(RoleSpec("wan-emulator", "emulator", node, {
+            **base, "GEOMX_ROLE": "emulator", "GEOMX_EMULATOR_HOST": h, "GEOMX_EMULATOR_PORT": str(p_emu),
+            **({"GEOMX_WAN_PROFILE": p.name} if p.name != "custom" else
+               {"GEOMX_WAN_RATE": str(p.uplink_bps), "GEOMX_WAN_RTT": str(p.rtt_s),
+                "GEOMX_WAN_JITTER": str(p.jitter_s)})}))
+    glob = {"DMLC_PS_GLOBAL_ROOT_URI": h, "DMLC_PS_GLOBAL_ROOT_PORT": str(p_global),
+            "DMLC_NUM_GLOBAL_SERVER": str(G), "DMLC_NUM_GLOBAL_WORKER": str(global_workers)}
+    central = {"DMLC_PS_ROOT_URI": h, "DMLC_PS_ROOT_PORT": str(p_central), "DMLC_NUM_SERVER": str(G),
+               "DMLC_NUM_WORKER": "1", "GEOMX_DC": CENTRAL_DC}
+    specs.append(RoleSpec("global-scheduler", "scheduler", node,
+                          {**base, **glob, "DMLC_ROLE_GLOBAL": "global_scheduler", "GEOMX_DC": CENTRAL_DC}))
+    specs.append(RoleSpec("central-scheduler", "scheduler", node, {**base, **central, "DMLC_ROLE": "scheduler"}))
+    for i in range(G):
+        specs.append(RoleSpec(f"global-server-{i}", "server", node, {
+            **base, **glob, **central, "DMLC_ROLE_GLOBAL": "global_server", "DMLC_ROLE": "server",
+            "DMLC_NUM_ALL_WORKER": str(N), "GEOMX_RANK": str(i)}))
+    specs.append(RoleSpec("master", "master", list(command), {
+        **base, **central, "DMLC_ROLE": "worker", "DMLC_ROLE_MASTER_WORKER": "1", "DMLC_NUM_ALL_WORKER": str(N)},
+        echo=True))
+    index = 0
+    for d, (dc, n) in enumerate(zip(topo.dc_names, topo.workers_per_dc)):
+        local = {"DMLC_PS_ROOT_URI": h, "DMLC_PS_ROOT_PORT": str(dc_ports[d]), "DMLC_NUM_WORKER": str(n),
+                 "DMLC_NUM_SERVER": "0" if flat else "1", "GEOMX_DC": dc}
+        specs.append(RoleSpec(f"{dc}-scheduler", "scheduler", node, {**base, **local, "DMLC_ROLE": "scheduler"}))
+        if not flat:
+            specs.append(RoleSpec(f"{dc}-server", "server", node, {**base, **local, **glob, "DMLC_ROLE": "server"}))
+        for r in range(n):
+            env = {**base, **local, "DMLC_ROLE": "worker", "DMLC_NUM_ALL_WORKER": str(N), "GEOMX_RANK": str(r),
+                   "GEOMX_WORKER_INDEX": str(index)}
+            if flat:
+                env.update(glob)
+            specs.append(RoleSpec(f"{dc}-worker-{r}", "worker", list(command), env, echo=True))
+            index += 1
+    return specs
+
+
+class Launcher:
+    def __init__(self, topo: Topology, command: list[str], *, run_dir: Path, quiet: bool = False,
+                 out: TextIO | None = None) -> None:
+        self.topo, self.command, self.run_dir, self.quiet = topo, command, Path(run_dir), quiet
+        self.out = out or sys.stdout
+        self.running: list[Running] = []
+        self._print_lock = threading.Lock()
+
+    def say(self, text: str) -> None:
+        with self._print_lock:
+            print(text, file=self.out, flush=True)
+
+    def run(self, timeout: float | None = None) -> int:
+        """Start everything, wait, tear down. Returns the exit code for the launcher."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        specs = plan(self.topo, self.command, self.run_dir)
+        self._write_manifest(specs)
+        interrupted = {"sig": None}
+
+        def on_signal(signum, _frame):
+            interrupted["sig"] = signum
+
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
+            if threading.current_thread() is threading.main_thread() else {}
+        try:
+            for spec in specs:
+                self._start(spec)
+            if not self.quiet:
+                p = self.topo.profile
+                self.say(f"geomx: {len(specs)} processes up ({self.topo.topology}, {self.topo.mode}, "
+                         f"{self.topo.dcs} DCs x {self.topo.workers_per_dc} workers, {self.topo.global_servers} "
+                         f"global server(s), WAN {p.name}: {p.description}); logs in {self.run_dir}")
+            return self._monitor(interrupted, timeout)
+        finally:
+            self._stop_all()
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    # -----------------------------------------------------------------------------------------------------
+    def _write_manifest(self, specs: list[RoleSpec]) -> None:
+        p = self.topo.profile
+        manifest = {"topology": self.topo.topology, "mode": self.topo.mode, "dcs": self.topo.dc_names,
+                    "workers_per_dc": self.topo.workers_per_dc, "global_servers": self.topo.global_servers,
+                    "wan": {"profile": p.name, "uplink_bps": p.uplink_bps, "downlink_bps": p.downlink_bps,
+                            "rtt_s": p.rtt_s, "jitter_s": p.jitter_s},
+                    "command": self.command, "roles": [s.name for s in specs], "started": time.time()}
+        (self.run_dir / "launch.json").write_text(json.dumps(manifest, indent=2))
+
+    def _start(self, spec: RoleSpec) -> None:
+        log_path = self.run_dir / f"{spec.name}.log"
+        env = {**os.environ, **spec.env}
+        log_file = open(log_path, "wb")
+        if spec.echo and not self.quiet:
+            proc = subprocess.Popen(spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            r = Running(spec, proc, log_path)
+            r.pump = threading.Thread(target=self._pump, args=(proc.stdout, log_file, spec.name), daemon=True)
+            r.pump.start()
+        else:
+            proc = subprocess.Popen(spec.argv, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            log_file.close()
+            r = Running(spec, proc, log_path)
+        self.running.append(r)
+
+    def _pump(self, pipe, log_file, name: str) -> None:
+        prefix = name.replace("-worker-", "/")
+        with log_file:
+            for line in iter(pipe.readline, b""):
+                log_file.write(line)
+                log_file.flush()
+                self.say(f"[{prefix}] {line.decode(errors='replace').rstrip()}")
+
+    def _monitor(self, interrupted: dict, timeout: float | None) -> int:
+        start = time.monotonic()
+        trainers = [r for r in self.running if r.spec.kind in ("worker", "master")]
+        trainers_done_at: float | None = None
+        while True:
+            if interrupted["sig"] is not None:
+                self.say("geomx: interrupted; stopping every process")
+                return 130
+            for r in self.running:
+                if r.returncode is None:
+                    r.returncode = r.proc.poll()
+                    if r.returncode not in (None, 0) and not (r.spec.kind == "emulator" and trainers_done_at):
+                        self._report_failure(r)
+                        return 1
+            if trainers_done_at is None and all(r.returncode == 0 for r in trainers):
+                trainers_done_at = time.monotonic()
+            if trainers_done_at is not None:
+                infra = [r for r in self.running if r.spec.kind in ("scheduler", "server")]
+                if all(r.returncode == 0 for r in infra):
+                    if not self.quiet:
+                        self.say(f"geomx: all {len(self.running)} processes finished in "
+                                 f"{time.monotonic() - start:.1f} s; logs in {self.run_dir}")
+                    return 0
+                if time.monotonic() - trainers_done_at > INFRA_EXIT_GRACE_S:
+                    stuck = ", ".join(r.spec.name for r in infra if r.returncode is None)
+                    self.say(f"geomx: training finished but {stuck} did not exit within {INFRA_EXIT_GRACE_S:g} s")
+                    return 1
+            if timeout is not None and time.monotonic() - start > timeout:
+                self.say(f"geomx: the run exceeded --timeout {timeout:g} s; stopping every process")
+                return 124
+            time.sleep(0.1)
+
+    def _report_failure(self, r: Running) -> None:
+        code = r.returncode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        if r.pump is not None:
+            r.pump.join(timeout=2)
+        tail = _tail(r.log_path, 30)
+        self.say(f"geomx: role {r.spec.name} {how}; stopping every process. Last lines of {r.log_path}:\n{tail}")
+
+    def _stop_all(self) -> None:
+        alive = [r for r in self.running if r.proc.poll() is None]
+        for r in alive:
+            _signal_group(r.proc, signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        for r in alive:
+            try:
+                r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(r.proc, signal.SIGKILL)
+                r.proc.wait(timeout=5)
+        for r in self.running:
+            if r.pump is not None:
+                r.pump.join(timeout=2)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join("    " + line for line in text[-lines:]) or "    (empty log)"

@@ -1,0 +1,72 @@
+"""The ``geomx`` command."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from geomx.errors import GeomxError
+from geomx.profiles import PROFILES
+
+
+def _add_topology_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="topology TOML file (flags override it)")
+    p.add_argument("--dcs", type=int, help="number of data centers (default 2)")
+    p.add_argument("--workers-per-dc", type=int, help="workers in every DC (default 2)")
+    p.add_argument("--global-servers", type=int, help="global servers in the central party (default 1)")
+    p.add_argument("--wan", choices=sorted(PROFILES), help="WAN profile between DCs (default regional)")
+    p.add_argument("--wan-rate", help="custom WAN rate, e.g. 100mbit (with --wan-rtt)")
+    p.add_argument("--wan-rtt", help="custom WAN round-trip time, e.g. 180ms (with --wan-rate)")
+    p.add_argument("--mode", choices=["dist_sync", "dist_async"], help="FSA (dist_sync, default) or MixedSync")
+    p.add_argument("--topology", choices=["hips", "flat"], help="hierarchical (default) or flat parameter server")
+
+
+def topology_from_args(args: argparse.Namespace):
+    from geomx.cli.topology import load_topology
+
+    return load_topology(args.config, dcs=args.dcs, workers_per_dc=args.workers_per_dc,
+                         global_servers=args.global_servers, wan=args.wan, wan_rate=args.wan_rate,
+                         wan_rtt=args.wan_rtt, mode=args.mode, topology=args.topology)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from geomx.cli.launch import Launcher
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise GeomxError("geomx launch needs the training command after --, e.g. "
+                         "geomx launch -- python examples/train_cnn.py")
+    topo = topology_from_args(args)
+    run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    return Launcher(topo, command, run_dir=run_dir, quiet=args.quiet).run(timeout=args.timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="geomx", description="geo-distributed training with a hierarchical "
+                                                                "parameter server")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("launch", help="start a whole deployment on this machine and run a training command")
+    _add_topology_flags(p)
+    p.add_argument("--run-dir", help="directory for logs and metrics (default runs/<timestamp>)")
+    p.add_argument("--quiet", action="store_true", help="do not echo the workers' output")
+    p.add_argument("--timeout", type=float, help="stop everything after this many seconds")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
+    p.set_defaults(fn=cmd_launch)
+
+    from geomx.bench.cli import add_bench_parser
+    add_bench_parser(sub)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except GeomxError as exc:
+        print(f"geomx: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""A deployment to start on one machine: DCs, workers, global servers, WAN profile, mode.
+
+Read from a TOML file and/or command-line flags (flags win). Example topo.toml:
+
+    dcs = 2
+    workers_per_dc = [2, 3]      # or one number for every DC
+    global_servers = 1
+    mode = "dist_sync"           # or "dist_async"
+    topology = "hips"            # or "flat"
+    wan = "transpacific"         # a profile name, or a table: wan = { rate = "100mbit", rtt = "180ms" }
+"""
+from __future__ import annotations
+
+import string
+import tomllib
+from dataclasses import dataclass, field
+
+from geomx.config import MODES, TOPOLOGIES
+from geomx.errors import ConfigError
+from geomx.profiles import WanProfile, custom_profile, get_profile, parse_duration, parse_rate
+
+
+@dataclass
+class Topology:
+    dcs: int = 2
+    workers_per_dc: list[int] = field(default_factory=lambda: [2, 2])
+    global_servers: int = 1
+    mode: str = "dist_sync"
+    topology: str = "hips"
+    profile: WanProfile = field(default_factory=lambda: get_profile("regional"))
+    host: str = "127.0.0.1"
+    env: dict[str, str] = field(default_factory=dict)   # extra variables for every role
+
+    @property
+    def dc_names(self) -> list[str]:
+        return [dc_name(i) for i in range(self.dcs)]
+
+    @property
+    def num_all_workers(self) -> int:
+        return sum(self.workers_per_dc)
+
+    def validate(self) -> "Topology":
+        if self.dcs < 1:
+            raise ConfigError(f"--dcs must be >= 1, got {self.dcs}")
+        if len(self.workers_per_dc) != self.dcs:
+            raise ConfigError(f"workers_per_dc lists {len(self.workers_per_dc)} DCs but dcs = {self.dcs}")
+        if any(n < 1 for n in self.workers_per_dc):
+            raise ConfigError(f"every DC needs >= 1 worker, got workers_per_dc = {self.workers_per_dc}")
+        if self.global_servers < 1:
+            raise ConfigError(f"--global-servers must be >= 1, got {self.global_servers}")
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown mode {self.mode!r}; modes are {', '.join(MODES)}")
+        if self.topology not in TOPOLOGIES:
+            raise ConfigError(f"unknown topology {self.topology!r}; topologies are {', '.join(TOPOLOGIES)}")
+        return self
+
+
+def dc_name(i: int) -> str:
+    letters = string.ascii_lowercase
+    return letters[i] if i < 26 else f"dc{i}"
+
+
+def _wan_from(value) -> WanProfile:
+    if isinstance(value, str):
+        return get_profile(value)
+    if isinstance(value, dict):
+        unknown = set(value) - {"rate", "rtt", "jitter"}
+        if unknown or "rate" not in value or "rtt" not in value:
+            raise ConfigError(f"wan table needs 'rate' and 'rtt' (and optionally 'jitter'), got {sorted(value)}")
+        return custom_profile(parse_rate(str(value["rate"])), parse_duration(str(value["rtt"])),
+                              parse_duration(str(value.get("jitter", "0ms"))))
+    raise ConfigError(f"wan must be a profile name or a table, got {value!r}")
+
+
+def load_topology(path: str | None = None, **flags) -> Topology:
+    """Build a Topology from a TOML file (optional) overridden by non-None ``flags``."""
+    data: dict = {}
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"topology file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"topology file {path} is not valid TOML: {exc}") from None
+        known = {"dcs", "workers_per_dc", "global_servers", "mode", "topology", "wan", "env", "host"}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"topology file {path}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    data.update({k: v for k, v in flags.items() if v is not None})
+    topo = Topology()
+    topo.dcs = int(data.get("dcs", topo.dcs))
+    wpd = data.get("workers_per_dc", 2)
+    topo.workers_per_dc = [int(x) for x in wpd] if isinstance(wpd, list) else [int(wpd)] * topo.dcs
+    topo.global_servers = int(data.get("global_servers", topo.global_servers))
+    topo.mode = data.get("mode", topo.mode)
+    topo.topology = data.get("topology", topo.topology)
+    if "wan_rate" in data or "wan_rtt" in data:
+        if "wan_rate" not in data or "wan_rtt" not in data:
+            raise ConfigError("--wan-rate and --wan-rtt go together")
+        topo.profile = custom_profile(parse_rate(str(data["wan_rate"])), parse_duration(str(data["wan_rtt"])))
+    elif "wan" in data:
+        topo.profile = _wan_from(data["wan"])
+    topo.host = data.get("host", topo.host)
+    topo.env = {str(k): str(v) for k, v in (data.get("env") or {}).items()}
+    return topo.validate()

@@ -1,0 +1,234 @@
+"""Client side of the key-value protocol, shared by workers, the master worker and local servers.
+
+A client talks to the servers of one tier: a worker in the HiPS topology to its DC's local server, a local
+server (as a worker of the global tier), a flat-topology worker and the master worker to the global servers.
+Every request returns a :class:`Handle`; replies are matched by request id.
+
+Keys live whole on one global server. The master worker places each key on the server with the fewest bytes
+so far and tells the others; any other client asks the key's home server (hash of the key), which answers
+or redirects to the owner once it knows it.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import zlib
+from typing import Any, Callable
+
+import numpy as np
+
+from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
+from geomx.errors import DeadlineError, GeomxError, KVError, PeerLostError
+from geomx.transport.message import Message
+
+log = logging.getLogger("geomx.client")
+
+
+class Handle:
+    """One asynchronous request. ``wait()`` returns its result or raises the error the server named."""
+
+    def __init__(self, po: Postoffice, what: str, server: NodeInfo | None) -> None:
+        self._po, self.what, self.server = po, what, server
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[["Handle"], None]] = []
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        timeout = self._po.cfg.op_timeout if timeout is None else timeout
+        try:
+            finished = self._po.wait_event(self._event, timeout)
+        except PeerLostError as exc:
+            raise PeerLostError(f"{self.what} failed: {exc}") from None
+        if not finished:
+            who = self.server.label if self.server else "the servers"
+            raise DeadlineError(f"{self.what}: no answer from {who} within {timeout:g} s (GEOMX_TIMEOUT sets the "
+                                f"limit)")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def then(self, fn: Callable[[Any], Any], what: str | None = None) -> "Handle":
+        """A handle that finishes with ``fn(result)`` once this one has finished (errors pass through)."""
+        nxt = Handle(self._po, what or self.what, self.server)
+
+        def go(h: "Handle") -> None:
+            if h.error is not None:
+                nxt._finish(error=h.error)
+                return
+            try:
+                nxt._finish(fn(h.result))
+            except Exception as exc:
+                nxt._finish(error=exc)
+
+        self.add_done_callback(go)
+        return nxt
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def result(self) -> Any:
+        return self._result
+
+    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._result, self._error = result, error
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:
+                log.exception("callback of %s failed", self.what)
+
+
+def home_server(key: int | str, num_servers: int) -> int:
+    """Where a client first asks about ``key``: a stable hash, identical in every process."""
+    if isinstance(key, int):
+        return key % num_servers
+    return zlib.crc32(str(key).encode()) % num_servers
+
+
+class KVClient:
+    """Requests to the servers of ``tier``; see the module docstring."""
+
+    def __init__(self, po: Postoffice, tier: Tier, *, master: bool = False) -> None:
+        self.po, self.tier, self.master = po, tier, master
+        self.servers = tier.servers()
+        if not self.servers:
+            raise GeomxError(f"the {tier.name} tier has no servers for {po.cfg.label} to talk to")
+        self._req = itertools.count(1)
+        self._pending: dict[int, tuple[Handle, Callable[[Message], Any] | None]] = {}
+        self._lock = threading.Lock()
+        self._owner: dict[Any, int] = {}
+        self._pushes: dict[Any, int] = {}
+        self._placed_bytes = [0] * len(self.servers)
+        self.info: dict = {}
+        po.add_abort_listener(self._fail_all)
+
+    # requests ---------------------------------------------------------------------------------------------
+    def init(self, key, value: np.ndarray, priority: int = 0) -> Handle:
+        """Register ``key``. Result: (the value every worker starts from, the servers' info dict)."""
+        check_key(key)
+        if self.master:
+            rank = min(range(len(self.servers)), key=lambda r: (self._placed_bytes[r], r))
+            self._placed_bytes[rank] += value.nbytes
+            self._owner[key] = rank
+            for other in self.servers:
+                if other.rank != rank:
+                    self._send(other, Message("key_owner", fields={"key": key, "owner": rank}))
+            return self._request("init", key, rank, {"master": True}, [value], priority, _init_result)
+        handle = Handle(self.po, f"init of key {key!r}", None)
+
+        def ask(rank: int) -> None:
+            inner = self._request("init", key, rank, {}, [value], priority, lambda m: m)
+            inner.add_done_callback(lambda h: on_answer(h, rank))
+
+        def on_answer(h: Handle, rank: int) -> None:
+            if h.error is not None:
+                handle._finish(error=h.error)
+            elif h.result.get("redirect") is not None:
+                ask(int(h.result["redirect"]))
+            else:
+                self._owner[key] = rank
+                handle._finish(_init_result(h.result))
+
+        ask(self._owner.get(key, home_server(key, len(self.servers))))
+        return handle
+
+    def push(self, key, value: np.ndarray, priority: int = 0) -> Handle:
+        rank = self._owner_of(key)
+        self._pushes[key] = self._pushes.get(key, 0) + 1
+        return self._request("push", key, rank, {}, [value], priority, None)
+
+    def pull(self, key, priority: int = 0) -> Handle:
+        rank = self._owner_of(key)
+        return self._request("pull", key, rank, {"after": self._pushes.get(key, 0)}, [], priority, _first_tensor)
+
+    def pushpull(self, key, value: np.ndarray, priority: int = 0) -> Handle:
+        rank = self._owner_of(key)
+        self._pushes[key] = self._pushes.get(key, 0) + 1
+        return self._request("pushpull", key, rank, {}, [value], priority, _first_tensor)
+
+    def command(self, name: str, **args) -> list[Handle]:
+        """Send a configuration command to every server of the tier."""
+        return [self._request("cmd", None, s.rank, {"name": name, "args": args}, [], 1000, None)
+                for s in self.servers]
+
+    # replies ------------------------------------------------------------------------------------------------
+    def handle_reply(self, msg: Message) -> None:
+        with self._lock:
+            entry = self._pending.pop(msg.get("req"), None)
+        if entry is None:
+            log.warning("%s: reply to unknown request %r from %s dropped", self.po.node_id, msg.get("req"), msg.src)
+            return
+        handle, convert = entry
+        if msg.get("error"):
+            handle._finish(error=KVError(f"{handle.what} refused by {handle.server.label}: {msg['error']}"))
+            return
+        if msg.get("info"):
+            self.info.update(msg["info"])
+        try:
+            handle._finish(convert(msg) if convert else None)
+        except Exception as exc:
+            handle._finish(error=exc)
+
+    # internals ----------------------------------------------------------------------------------------------
+    def _owner_of(self, key) -> int:
+        try:
+            return self._owner[key]
+        except KeyError:
+            raise KVError(f"key {key!r} was never initialized by {self.po.cfg.label}: call kv.init({key!r}, "
+                          f"value) first") from None
+
+    def _request(self, op: str, key, rank: int, fields: dict, tensors: list, priority: int,
+                 convert: Callable[[Message], Any] | None) -> Handle:
+        server = self.servers[rank]
+        what = f"{op} of key {key!r}" if key is not None else f"command {fields.get('name')!r}"
+        handle = Handle(self.po, what, server)
+        req = next(self._req)
+        with self._lock:
+            self._pending[req] = (handle, convert)
+        if self.po.aborted:
+            self._fail_all(self.po.aborted)
+        self._send(server, Message(op, fields={"req": req, "key": key, **fields}, tensors=tensors,
+                                   priority=priority))
+        return handle
+
+    def _send(self, server: NodeInfo, msg: Message) -> None:
+        self.po.van.send(server.addr, msg, dst_dc=server.dc)
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for handle, _ in pending.values():
+            handle._finish(error=PeerLostError(f"{handle.what} failed: {reason}"))
+
+
+def _first_tensor(msg: Message) -> np.ndarray:
+    return msg.tensors[0]
+
+
+def _init_result(msg: Message) -> tuple[np.ndarray, dict]:
+    return msg.tensors[0], dict(msg.get("info") or {})
+
+
+def check_key(key) -> None:
+    if isinstance(key, bool) or not isinstance(key, (int, str)):
+        raise KVError(f"key {key!r} has type {type(key).__name__}; keys are ints or strings")

@@ -1,0 +1,150 @@
+"""Global server: aggregates the DC aggregates (or, in the flat topology, every worker's gradient).
+
+It is a server in two tiers: the global tier, whose workers are the local servers (flat: the workers), and
+the central party's tier, whose worker is the master worker that initializes and configures every key.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+from geomx.cluster.global_update import (GradientRelay, MeanGradient, ServerOptimizer, UpdatePolicy,
+                                         resolve_optimizer)
+from geomx.cluster.kvserver import KeyState, KVServer, Refused, accumulator_dtype
+from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
+from geomx.config import MODES, NodeConfig
+from geomx.profiles import CENTRAL_DC
+from geomx.transport.message import Message
+
+log = logging.getLogger("geomx.global_server")
+
+
+class GlobalServer(KVServer):
+    def __init__(self, po: Postoffice, num_all_workers: int) -> None:
+        super().__init__(po)
+        self.num_all_workers = num_all_workers
+        self.rank = -1
+        self.global_tier: Tier | None = None
+        self.mode: str = "dist_sync"
+        self.optimizer: tuple | None = None      # (class, kwargs)
+        self.policy: UpdatePolicy | None = None
+        self.directory: dict = {}                  # key -> owning global server rank
+        self.held_inits: dict = {}                 # key -> init requests waiting for the master's init
+
+    def attach(self, tier: Tier) -> None:
+        for m in tier.members:
+            if m.id != self.po.node_id:
+                self.clients[m.id] = m
+        if tier.name == "global":
+            self.global_tier, self.rank = tier, tier.me.rank
+
+    def expected_contributors(self, st: KeyState) -> int:
+        return len(self.global_tier.workers())
+
+    # configuration from the master worker ------------------------------------------------------------------
+    def on_command(self, msg: Message, client: NodeInfo) -> None:
+        name, args = msg.get("name"), msg.get("args") or {}
+        if client.kind != "master":
+            raise Refused(f"only the master worker configures the global servers ({client.label} sent {name!r})")
+        if self.policy is not None:
+            raise Refused(f"{name} must come before the first kv.init (keys are already initialized)")
+        if name == "set_mode":
+            if args.get("mode") not in MODES:
+                raise Refused(f"unknown kvstore mode {args.get('mode')!r}; modes are {', '.join(MODES)}")
+            self.mode = args["mode"]
+        elif name == "set_optimizer":
+            kwargs = dict(args.get("kwargs") or {})
+            self.optimizer = (resolve_optimizer(str(args.get("optimizer")), kwargs), kwargs)
+        else:
+            raise Refused(f"unknown command {name!r}")
+        log.info("global server %d: %s %s", self.rank, name, args)
+        self.reply(msg)
+
+    def _choose_policy(self) -> UpdatePolicy:
+        sync = self.mode == "dist_sync"
+        if self.optimizer is not None:
+            return ServerOptimizer(self.num_all_workers, *self.optimizer, synchronous=sync)
+        if sync:
+            return MeanGradient(self.num_all_workers)
+        return GradientRelay(self.num_all_workers, [w.id for w in self.global_tier.workers()])
+
+    # keys -----------------------------------------------------------------------------------------------------
+    def on_init(self, msg: Message, client: NodeInfo) -> None:
+        key, value = msg.get("key"), self.single_tensor(msg)
+        if msg.get("master"):
+            if client.kind != "master":
+                raise Refused(f"{client.label} is not the master worker")
+            if key in self.keys:
+                raise Refused(f"key {key!r} is initialized twice by the master worker")
+            if self.policy is None:
+                self.policy = self._choose_policy()
+                self.info = {"mode": self.mode, "server_optimizer": self.optimizer is not None,
+                             "num_all_workers": self.num_all_workers}
+            st = KeyState(key, tuple(value.shape), value.dtype, value=np.array(value))
+            self.policy.init_key(st)
+            self.keys[key] = st
+            self.reply(msg, tensors=[st.value], info=self.info)
+            for held in self.held_inits.pop(key, []):
+                self._answer_init(held, st)
+            return
+        owner = self.directory.get(key, self.rank if key in self.keys else None)
+        if owner is None:
+            self.held_inits.setdefault(key, []).append(msg)
+        elif owner != self.rank:
+            self.reply(msg, redirect=owner)
+        else:
+            self._answer_init(msg, self.keys[key])
+
+    def _answer_init(self, msg: Message, st: KeyState) -> None:
+        try:
+            self.check_value(st, msg.tensors[0], "init")
+        except Refused as exc:
+            self.reply(msg, error=f"{exc} by the master worker")
+            return
+        self.reply(msg, tensors=[st.value], info=self.info)
+
+    def handle_other(self, msg: Message, client: NodeInfo) -> None:
+        if msg.op == "key_owner" and client.kind == "master":
+            key, owner = msg.get("key"), int(msg.get("owner"))
+            self.directory[key] = owner
+            for held in self.held_inits.pop(key, []):
+                self.reply(held, redirect=owner)
+        else:
+            super().handle_other(msg, client)
+
+    def accept_push(self, st, src, number, value, priority):
+        if self.policy.synchronous:
+            super().accept_push(st, src, number, value, priority)
+        else:
+            self.policy.apply(self, st, value.astype(accumulator_dtype(value.dtype)), [src])
+
+    def on_round(self, st, number, rnd):
+        self.policy.apply(self, st, rnd.total, rnd.contributors)
+
+    def read_value(self, st, src):
+        return self.policy.read(st, src)
+
+
+def run_global_server(cfg: NodeConfig) -> int:
+    done = threading.Event()
+    po = Postoffice(cfg)
+    server = GlobalServer(po, cfg.num_all_workers)
+    po.on_data = server.handle
+    po.add_abort_listener(lambda reason: done.set())
+    po.add_shutdown_listener(lambda tier: done.set() if tier.name == "global" else None)
+    po.start()
+    try:
+        tier = po.join("global", cfg.global_scheduler, CENTRAL_DC, "server",
+                       {"num_global_servers": cfg.num_global_servers, "num_global_workers": cfg.num_global_workers,
+                        "num_all_workers": cfg.num_all_workers}, rank=cfg.rank, on_table=server.attach)
+        # one rank for both tiers, so the master worker and the local servers agree on who owns a key
+        po.join(f"dc:{cfg.dc}", cfg.scheduler, cfg.dc, "server",
+                {"num_workers": cfg.num_workers, "num_servers": cfg.num_servers}, rank=tier.me.rank,
+                on_table=server.attach)
+        log.info("global server %d ready at %s", tier.me.rank, po.van.address)
+        done.wait()
+    finally:
+        po.close()
+    return 1 if po.aborted else 0

@@ -1,0 +1,119 @@
+"""How a global server turns the gradients it receives into the value its clients read.
+
+Chosen once per server from the kvstore mode and whether the master worker installed an optimizer:
+
+============  =====================  ==================================================================
+mode          server optimizer       value a client reads after pushing
+============  =====================  ==================================================================
+dist_sync     yes                    weights after one optimizer step on the mean gradient of the round
+dist_sync     no                     the mean gradient of the round over all workers of all DCs
+dist_async    yes                    weights right after this DC's gradient was applied (MixedSync)
+dist_async    no                     every gradient applied since this client's last read, / all workers
+============  =====================  ==================================================================
+
+"Mean" always divides by the number of training workers world-wide, so a round of FSA equals one step of
+single-process training on the union of all workers' batches (GeoMX passes the raw sum to the optimizer).
+In dist_async each DC's push is applied alone, scaled by the same divisor, so one push from every DC moves
+the model as far as one synchronous round.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from geomx.cluster.kvserver import KeyState, Refused
+
+OPTIMIZER_MODULES = ("torch.optim", "geomx.optim")
+
+
+class UpdatePolicy:
+    synchronous = True
+
+    def __init__(self, num_all_workers: int) -> None:
+        self.divisor = float(num_all_workers)
+
+    def init_key(self, st: KeyState) -> None:
+        pass
+
+    def apply(self, server, st: KeyState, total: np.ndarray, contributors: list[str]) -> None:
+        raise NotImplementedError
+
+    def read(self, st: KeyState, src: str) -> np.ndarray:
+        return st.value
+
+
+class MeanGradient(UpdatePolicy):
+    def apply(self, server, st, total, contributors):
+        server.set_value(st, (total / self.divisor).astype(st.dtype), contributors)
+
+
+class GradientRelay(UpdatePolicy):
+    """Asynchronous worker-side updates: nothing is lost, each DC receives every gradient exactly once."""
+    synchronous = False
+
+    def __init__(self, num_all_workers: int, clients: list[str]) -> None:
+        super().__init__(num_all_workers)
+        self.clients = clients
+
+    def apply(self, server, st, total, contributors):
+        pending = st.state.setdefault("pending", {c: np.zeros_like(total) for c in self.clients})
+        for acc in pending.values():
+            acc += total
+        server.set_value(st, st.value, contributors)
+
+    def read(self, st, src):
+        pending = st.state.get("pending")
+        if pending is None or st.pushes.get(src, 0) == 0:
+            return st.value
+        out = (pending[src] / self.divisor).astype(st.dtype)
+        pending[src][...] = 0
+        return out
+
+
+class ServerOptimizer(UpdatePolicy):
+    """A torch.optim optimizer per key, stepping on the mean gradient (sync) or each DC's share (async)."""
+
+    def __init__(self, num_all_workers: int, optimizer_class, kwargs: dict, synchronous: bool) -> None:
+        super().__init__(num_all_workers)
+        self.optimizer_class, self.kwargs, self.synchronous = optimizer_class, kwargs, synchronous
+
+    def init_key(self, st):
+        import torch
+
+        if not np.issubdtype(st.dtype, np.floating):
+            raise Refused(f"key {st.key!r} is {st.dtype.name}: a server optimizer needs floating-point values")
+        param = torch.nn.Parameter(torch.from_numpy(st.value.astype(np.float32 if st.dtype != np.float64
+                                                                     else np.float64)))
+        st.state["param"] = param
+        st.state["optimizer"] = self.optimizer_class([param], **self.kwargs)
+
+    def apply(self, server, st, total, contributors):
+        import torch
+
+        param, opt = st.state["param"], st.state["optimizer"]
+        param.grad = torch.from_numpy((total / self.divisor).astype(param.detach().numpy().dtype))
+        opt.step()
+        server.set_value(st, param.detach().numpy().astype(st.dtype, copy=True), contributors)
+
+
+def resolve_optimizer(name: str, kwargs: dict):
+    """'torch.optim.SGD' or 'SGD' -> the class, after checking it accepts ``kwargs``. Only optimizer modules
+    are searched: a configuration message must never import arbitrary code."""
+    import importlib
+
+    import torch
+
+    module_name, _, cls_name = name.rpartition(".")
+    modules = [module_name] if module_name else list(OPTIMIZER_MODULES)
+    for mod in modules:
+        if mod not in OPTIMIZER_MODULES:
+            raise Refused(f"optimizer {name!r} is not from {' or '.join(OPTIMIZER_MODULES)}")
+        cls = getattr(importlib.import_module(mod), cls_name, None)
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+            break
+    else:
+        raise Refused(f"unknown optimizer {name!r}: not a torch.optim.Optimizer in {', '.join(modules)}")
+    try:
+        cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+    except Exception as exc:
+        raise Refused(f"optimizer {name} rejected its arguments {kwargs}: {exc}") from None
+    return cls

@@ -1,0 +1,188 @@
+"""Request handling shared by local and global servers: keys, rounds, held pulls, replies.
+
+Everything runs on the van's receive thread, one message at a time, so per-key state needs no locks; a
+handler never blocks (requests that cannot be answered yet are held and answered later).
+
+Consistency rule, the same on both tiers: a pull from client c that follows c's n-th push of a key is
+answered once the server's value of that key reflects c's first n pushes. Pushes and pulls therefore keep
+their order even when priorities reorder them on the way.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from geomx.cluster.postoffice import NodeInfo, Postoffice
+from geomx.transport.message import Message
+
+log = logging.getLogger("geomx.kvserver")
+
+
+class Refused(Exception):
+    """A request the server answers with an error (the message goes back to the client)."""
+
+
+@dataclass
+class Round:
+    """The pushes of one synchronous round of one key, summed as they arrive."""
+    total: np.ndarray | None = None
+    contributors: list[str] = field(default_factory=list)
+    priority: int = 0
+
+    def add(self, src: str, value: np.ndarray, priority: int) -> None:
+        acc = value.astype(accumulator_dtype(value.dtype))
+        if self.total is None:
+            self.total, self.priority = acc, priority
+        else:
+            self.total += acc
+            self.priority = max(self.priority, priority)
+        self.contributors.append(src)
+
+
+@dataclass
+class KeyState:
+    key: Any
+    shape: tuple
+    dtype: np.dtype
+    value: np.ndarray | None = None                      # None until initialized
+    pushes: dict[str, int] = field(default_factory=dict)   # pushes received, per client
+    applied: dict[str, int] = field(default_factory=dict)  # pushes reflected in `value`, per client
+    rounds: dict[int, Round] = field(default_factory=dict)
+    waiting: list[tuple[Message, int]] = field(default_factory=list)  # (pull or pushpull, pushes it follows)
+    held_inits: list[Message] = field(default_factory=list)
+    state: dict = field(default_factory=dict)            # owned by the update policy
+
+    def describe(self) -> str:
+        return f"shape {tuple(self.shape)} {self.dtype.name}"
+
+
+def accumulator_dtype(dtype: np.dtype) -> np.dtype:
+    """Sums of low-precision tensors are kept in fp32 (GeoMX sums fp16 in fp16, which overflows)."""
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+class KVServer:
+    """Base of LocalServer and GlobalServer; subclasses decide what a complete round or an init does."""
+
+    def __init__(self, po: Postoffice) -> None:
+        self.po = po
+        self.keys: dict[Any, KeyState] = {}
+        self.clients: dict[str, NodeInfo] = {}   # node id -> member of a tier we serve
+        self.info: dict = {}                      # sent with init replies: mode, server optimizer, ...
+
+    # to be provided by subclasses ---------------------------------------------------------------------------
+    def expected_contributors(self, st: KeyState) -> int:
+        raise NotImplementedError
+
+    def on_init(self, msg: Message, client: NodeInfo) -> None:
+        raise NotImplementedError
+
+    def on_round(self, st: KeyState, number: int, rnd: Round) -> None:
+        """All expected clients pushed round ``number``; eventually call :meth:`set_value`."""
+        raise NotImplementedError
+
+    def on_command(self, msg: Message, client: NodeInfo) -> None:
+        raise Refused(f"unknown command {msg.get('name')!r}")
+
+    def accept_push(self, st: KeyState, src: str, number: int, value: np.ndarray, priority: int) -> None:
+        """Default (synchronous) aggregation: sum the round, complete it when everyone pushed."""
+        rnd = st.rounds.setdefault(number, Round())
+        rnd.add(src, value, priority)
+        if len(rnd.contributors) == self.expected_contributors(st):
+            del st.rounds[number]
+            self.on_round(st, number, rnd)
+
+    def read_value(self, st: KeyState, src: str) -> np.ndarray:
+        return st.value
+
+    # dispatch -----------------------------------------------------------------------------------------------
+    def handle(self, msg: Message) -> None:
+        client = self.clients.get(msg.src)
+        if client is None:
+            log.warning("%s: %r from unknown sender %r dropped (not a member of any tier this server serves)",
+                        self.po.cfg.label, msg.op, msg.src)
+            return
+        handler = {"init": self.on_init, "push": self._on_push, "pushpull": self._on_push, "pull": self._on_pull,
+                   "cmd": self.on_command}.get(msg.op)
+        if handler is None:
+            self.handle_other(msg, client)
+            return
+        try:
+            handler(msg, client)
+        except Refused as exc:
+            self.reply(msg, error=str(exc))
+
+    def handle_other(self, msg: Message, client: NodeInfo) -> None:
+        log.warning("%s: unexpected %r from %s dropped", self.po.cfg.label, msg.op, client.label)
+
+    def reply(self, request: Message, *, error: str | None = None, tensors=(), **fields) -> None:
+        client = self.clients[request.src]
+        out = {"req": request.get("req"), **fields}
+        if error:
+            out["error"] = error
+        self.po.van.send(client.addr, Message("reply", fields=out, tensors=list(tensors),
+                                              priority=request.priority), dst_dc=client.dc)
+
+    # shared handlers ----------------------------------------------------------------------------------------
+    def key_state(self, msg: Message) -> KeyState:
+        key = msg.get("key")
+        st = self.keys.get(key)
+        if st is None:
+            raise Refused(f"key {key!r} was never initialized (call kv.init({key!r}, value) before push or pull)")
+        return st
+
+    def check_value(self, st: KeyState, value: np.ndarray, what: str) -> None:
+        if tuple(value.shape) != tuple(st.shape) or value.dtype != st.dtype:
+            raise Refused(f"{what} of key {st.key!r} has shape {tuple(value.shape)} {value.dtype.name}, but the key "
+                          f"was initialized with {st.describe()}")
+
+    def single_tensor(self, msg: Message) -> np.ndarray:
+        if len(msg.tensors) != 1:
+            raise Refused(f"{msg.op} of key {msg.get('key')!r} must carry exactly one tensor, got {len(msg.tensors)}")
+        return msg.tensors[0]
+
+    def _on_push(self, msg: Message, client: NodeInfo) -> None:
+        st = self.key_state(msg)
+        value = self.single_tensor(msg)
+        self.check_value(st, value, msg.op)
+        if client.tier_role != "worker" or client.kind == "master":
+            raise Refused(f"{client.label} does not train; only workers push gradients")
+        number = st.pushes[msg.src] = st.pushes.get(msg.src, 0) + 1
+        if msg.op == "push":
+            self.reply(msg)
+        else:
+            st.waiting.append((msg, number))
+        self.accept_push(st, msg.src, number, value, msg.priority)
+        self.serve_waiting(st)
+
+    def _on_pull(self, msg: Message, client: NodeInfo) -> None:
+        st = self.key_state(msg)
+        st.waiting.append((msg, int(msg.get("after") or 0)))
+        self.serve_waiting(st)
+
+    def set_value(self, st: KeyState, value: np.ndarray, contributors=()) -> None:
+        """``value`` now reflects one more push of each contributor. Never mutate it afterwards: replies are
+        sent without copying."""
+        st.value = value
+        for src in contributors:
+            st.applied[src] = st.applied.get(src, 0) + 1
+        self.serve_waiting(st)
+
+    def serve_waiting(self, st: KeyState) -> None:
+        if st.value is None or not st.waiting:
+            return
+        still = []
+        for msg, after in st.waiting:
+            if st.applied.get(msg.src, 0) >= after and st.pushes.get(msg.src, 0) >= after:
+                self.reply(msg, tensors=[self.read_value(st, msg.src)])
+            else:
+                still.append((msg, after))
+        st.waiting = still
+
+    def fail_waiting(self, st: KeyState, error: str) -> None:
+        waiting, st.waiting = st.waiting, []
+        for msg, _ in waiting:
+            self.reply(msg, error=error)

@@ -1,0 +1,135 @@
+"""Local server: one per DC. Sums its workers' pushes, then acts as a worker of the global tier.
+
+Per round of a key: when every worker of the DC has pushed, the DC sum crosses the WAN in one fused
+push-and-pull to the key's global server (one WAN round trip, where GeoMX spends two: push, ack, pull,
+reply); the reply becomes the DC's value and answers the workers' pulls. Rounds may overlap (workers can
+push round n+1 before round n returns); results are applied in round order.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+from geomx.cluster.client import Handle, KVClient, check_key
+from geomx.cluster.kvserver import KeyState, KVServer, Refused, Round
+from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
+from geomx.config import NodeConfig
+from geomx.errors import KVError
+from geomx.profiles import CENTRAL_DC
+from geomx.transport.message import Message
+
+log = logging.getLogger("geomx.local_server")
+
+
+class LocalServer(KVServer):
+    def __init__(self, po: Postoffice) -> None:
+        super().__init__(po)
+        self.dc_tier: Tier | None = None
+        self.global_tier: Tier | None = None
+        self.upstream: KVClient | None = None
+
+    def attach_global(self, tier: Tier) -> None:
+        self.global_tier = tier
+        self.upstream = KVClient(self.po, tier)
+
+    def attach_dc(self, tier: Tier) -> None:
+        self.dc_tier = tier
+        for m in tier.members:
+            if m.id != self.po.node_id:
+                self.clients[m.id] = m
+
+    def dispatch(self, msg: Message) -> None:
+        if msg.op == "reply" and self.upstream is not None and msg.src not in self.clients:
+            self.upstream.handle_reply(msg)
+        else:
+            self.handle(msg)
+
+    def expected_contributors(self, st: KeyState) -> int:
+        return len(self.dc_tier.workers())
+
+    # init: the master worker's value, fetched once per key from the global tier ----------------------------
+    def on_init(self, msg: Message, client: NodeInfo) -> None:
+        key, value = msg.get("key"), self.single_tensor(msg)
+        try:
+            check_key(key)
+        except KVError as exc:
+            raise Refused(str(exc)) from None
+        st = self.keys.get(key)
+        if st is None:
+            st = self.keys[key] = KeyState(key, tuple(value.shape), value.dtype)
+            st.held_inits.append(msg)
+            self.upstream.init(key, value).add_done_callback(lambda h: self._initialized(st, h))
+            return
+        self.check_value(st, value, "init")
+        if st.value is None:
+            st.held_inits.append(msg)
+        else:
+            self.reply(msg, tensors=[st.value], info=self.info)
+
+    def _initialized(self, st: KeyState, h: Handle) -> None:
+        held, st.held_inits = st.held_inits, []
+        if h.error is None:
+            value, info = h.result
+            if tuple(value.shape) != tuple(st.shape) or value.dtype != st.dtype:
+                h._error = KVError(f"key {st.key!r}: DC {self.po.cfg.dc} initializes it with {st.describe()} but "
+                                   f"the master worker with shape {tuple(value.shape)} {value.dtype.name}")
+            else:
+                self.info.update(info)
+                st.value = value
+                for msg in held:
+                    self.reply(msg, tensors=[value], info=self.info)
+                return
+        del self.keys[st.key]   # a later init may try again
+        for msg in held:
+            self.reply(msg, error=str(h.error))
+
+    # rounds -------------------------------------------------------------------------------------------------
+    def on_round(self, st: KeyState, number: int, rnd: Round) -> None:
+        total = rnd.total.astype(st.dtype, copy=False)
+        h = self.upstream.pushpull(st.key, total, priority=rnd.priority)
+        h.add_done_callback(lambda h: self._round_done(st, number, rnd.contributors, h))
+
+    def _round_done(self, st: KeyState, number: int, contributors: list[str], h: Handle) -> None:
+        if h.error is not None:
+            self.fail_waiting(st, f"the global round {number} of key {st.key!r} failed: {h.error}")
+            return
+        done = st.state.setdefault("done", {})
+        done[number] = (h.result, contributors)
+        applied = st.state.get("applied_rounds", 0)
+        while applied + 1 in done:
+            value, who = done.pop(applied + 1)
+            applied += 1
+            st.state["applied_rounds"] = applied
+            self.set_value(st, value, who)
+
+    # commands ---------------------------------------------------------------------------------------------
+    def on_command(self, msg: Message, client: NodeInfo) -> None:
+        if msg.get("name") == "global_barrier":
+            # the DC's workers already met in their own barrier; the local servers meet for their DCs
+            self.global_tier.barrier_async("worker", lambda: self.reply(msg))
+        else:
+            super().on_command(msg, client)
+
+
+def run_local_server(cfg: NodeConfig) -> int:
+    done = threading.Event()
+    po = Postoffice(cfg)
+    server = LocalServer(po)
+    po.on_data = server.dispatch
+    po.add_abort_listener(lambda reason: done.set())
+    po.add_shutdown_listener(lambda tier: done.set() if tier.name.startswith("dc:") else None)
+    po.start()
+    try:
+        po.join("global", cfg.global_scheduler, CENTRAL_DC, "worker",
+                {"num_global_servers": cfg.num_global_servers, "num_global_workers": cfg.num_global_workers,
+                 "dc_workers": cfg.num_workers}, on_table=server.attach_global)
+        po.join(f"dc:{cfg.dc}", cfg.scheduler, cfg.dc, "server",
+                {"num_workers": cfg.num_workers, "num_servers": cfg.num_servers}, rank=0,
+                on_table=server.attach_dc)
+        log.info("local server of DC %s ready at %s", cfg.dc, po.van.address)
+        done.wait()
+    finally:
+        po.close()
+    return 1 if po.aborted else 0

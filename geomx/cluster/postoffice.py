@@ -1,0 +1,250 @@
+"""A node's runtime: its van, its membership in one or two tiers, heartbeats, barriers and abort.
+
+A *tier* is one scheduler's cluster: a DC's local tier (its local server and workers), the central party's
+tier (the global servers and the master worker) or the global tier (global servers and local servers, or
+in the flat topology the workers themselves). Inside a tier every member is a "server" or a "worker".
+
+Control messages carry the tier's name; everything else is data and goes to the role's handler. An abort
+(a peer died, the topology is inconsistent) fails every pending wait with a message naming the cause.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+from geomx.config import NodeConfig
+from geomx.errors import ConfigError, DeadlineError, PeerLostError
+from geomx.transport.message import Message
+from geomx.transport.van import Van, tcp_address
+
+log = logging.getLogger("geomx.postoffice")
+
+CONTROL_OPS = {"register", "table", "reject", "barrier", "barrier_done", "hb", "hb_ack", "bye", "shutdown",
+               "abort"}
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    id: str
+    kind: str        # process role: worker, master, server, global_server, ...
+    tier_role: str   # "server" or "worker" inside the tier
+    dc: str
+    rank: int
+    addr: str
+    pid: int = 0
+
+    @property
+    def label(self) -> str:
+        kind = {"server": "local server", "global_server": "global server", "master": "master worker"}.get(
+            self.kind, self.kind)
+        where = f" of DC {self.dc}" if self.kind in ("worker", "server") else ""
+        return f"{kind} {self.rank}{where} ({self.addr}, pid {self.pid})"
+
+    def to_wire(self) -> dict:
+        return {"id": self.id, "kind": self.kind, "tier_role": self.tier_role, "dc": self.dc, "rank": self.rank,
+                "addr": self.addr, "pid": self.pid}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "NodeInfo":
+        return cls(**{k: d[k] for k in ("id", "kind", "tier_role", "dc", "rank", "addr", "pid")})
+
+
+class Tier:
+    """This node's membership in one scheduler's cluster."""
+
+    def __init__(self, po: "Postoffice", name: str, scheduler: tuple[str, int], scheduler_dc: str,
+                 tier_role: str, declared: dict, on_table: Callable[["Tier"], None] | None = None) -> None:
+        self.on_table = on_table
+        self.po, self.name, self.scheduler_dc, self.tier_role = po, name, scheduler_dc, tier_role
+        self.scheduler_addr = tcp_address(*scheduler)
+        self.declared = declared
+        self.members: list[NodeInfo] = []
+        self.me: NodeInfo | None = None
+        self.closed = False             # the scheduler said shutdown: stop heartbeating
+        self.last_ack = time.monotonic()
+        self._table_ready = threading.Event()
+        self._reject: str | None = None
+        self._barrier_seq = 0
+        self._barriers: dict[int, Callable[[], None]] = {}
+
+    # members ----------------------------------------------------------------------------------------------
+    def servers(self) -> list[NodeInfo]:
+        return sorted((m for m in self.members if m.tier_role == "server"), key=lambda m: m.rank)
+
+    def workers(self) -> list[NodeInfo]:
+        return sorted((m for m in self.members if m.tier_role == "worker"), key=lambda m: m.rank)
+
+    def send_to_scheduler(self, op: str, priority: int = 100, **fields) -> None:
+        self.po.van.send(self.scheduler_addr, Message(op, fields={"tier": self.name, **fields}, priority=priority),
+                         dst_dc=self.scheduler_dc)
+
+    def register(self, requested_rank: int | None) -> None:
+        self.send_to_scheduler("register", tier_role=self.tier_role, kind=self.po.cfg.role, dc=self.po.cfg.dc,
+                               addr=self.po.van.address, rank=requested_rank, declared=self.declared,
+                               pid=os.getpid(), hostname=socket.gethostname())
+        deadline = self.po.cfg.connect_timeout
+        if not self.po.wait_event(self._table_ready, deadline):
+            raise DeadlineError(f"{self.po.cfg.label}: no answer from the {self.name} scheduler at "
+                                f"{self.scheduler_addr} within {deadline:g} s (is it running? GEOMX_CONNECT_TIMEOUT "
+                                f"sets the limit)")
+        if self._reject:
+            raise ConfigError(f"the {self.name} scheduler at {self.scheduler_addr} refused {self.po.cfg.label}: "
+                              f"{self._reject}")
+
+    def barrier(self, group: str = "worker", timeout: float | None = None) -> None:
+        """Block until every member of ``group`` ("worker", "server" or "all") of this tier has arrived."""
+        ev = threading.Event()
+        seq = self.barrier_async(group, ev.set)
+        timeout = self.po.cfg.op_timeout if timeout is None else timeout
+        if not self.po.wait_event(ev, timeout):
+            raise DeadlineError(f"{self.po.cfg.label}: barrier {seq} of the {self.name} tier ({group}s) not "
+                                f"released within {timeout:g} s")
+
+    def barrier_async(self, group: str, on_done: Callable[[], None]) -> int:
+        """Enter a barrier without blocking (servers must never block their receive thread)."""
+        self._barrier_seq += 1
+        seq = self._barrier_seq
+        self._barriers[seq] = on_done
+        self.send_to_scheduler("barrier", group=group, seq=seq)
+        return seq
+
+    # control messages from the scheduler ------------------------------------------------------------------
+    def handle(self, msg: Message) -> None:
+        self.last_ack = time.monotonic()
+        if msg.op == "table":
+            self.members = [NodeInfo.from_wire(d) for d in msg["members"]]
+            self.me = next(m for m in self.members if m.id == self.po.node_id)
+            if self.on_table is not None:
+                # runs on the receive thread, before any message from the new members can be handled
+                self.on_table(self)
+            self._table_ready.set()
+        elif msg.op == "reject":
+            self._reject = msg["reason"]
+            self._table_ready.set()
+        elif msg.op == "barrier_done":
+            on_done = self._barriers.pop(msg["seq"], None)
+            if on_done is not None:
+                on_done()
+        elif msg.op == "shutdown":
+            self.closed = True
+            self.po.on_shutdown(self)
+
+
+class Postoffice:
+    """One process's runtime. Roles build on it; see the module docstring."""
+
+    def __init__(self, cfg: NodeConfig, *, on_data: Callable[[Message], None] | None = None,
+                 node_id: str | None = None) -> None:
+        self.cfg = cfg
+        self.node_id = node_id or f"{cfg.role}-{cfg.dc}-{uuid.uuid4().hex[:10]}"
+        self.tiers: dict[str, Tier] = {}
+        self.on_data = on_data
+        self.aborted: str | None = None
+        self._abort_listeners: list[Callable[[str], None]] = []
+        self._shutdown_listeners: list[Callable[[Tier], None]] = []
+        self._abort_event = threading.Event()
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self.van = Van(node_id=self.node_id, dc=cfg.dc, on_message=self._dispatch, host=cfg.host, port=cfg.port,
+                       emulator=cfg.emulator)
+
+    def start(self) -> None:
+        self.van.start()
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        self._hb_thread.start()
+
+    def join(self, name: str, scheduler: tuple[str, int], scheduler_dc: str, tier_role: str, declared: dict,
+             rank: int | None = None, on_table: Callable[[Tier], None] | None = None) -> Tier:
+        """Register with a tier's scheduler and wait for its member table."""
+        tier = self.tiers[name] = Tier(self, name, scheduler, scheduler_dc, tier_role, declared, on_table)
+        tier.register(rank)
+        return tier
+
+    def wait_event(self, event: threading.Event, timeout: float) -> bool:
+        """Wait for ``event``; raise PeerLostError as soon as the cluster is aborted."""
+        end = time.monotonic() + timeout
+        while True:
+            if event.is_set():
+                return True
+            if self.aborted:
+                raise PeerLostError(self.aborted)
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            event.wait(min(left, 0.1))
+
+    # abort and shutdown -------------------------------------------------------------------------------------
+    def add_abort_listener(self, fn: Callable[[str], None]) -> None:
+        self._abort_listeners.append(fn)
+
+    def add_shutdown_listener(self, fn: Callable[[Tier], None]) -> None:
+        self._shutdown_listeners.append(fn)
+
+    def abort(self, reason: str, *, tell_schedulers: bool = True) -> None:
+        """Fail every wait with ``reason``; tell our schedulers so the whole deployment learns of it."""
+        if self.aborted:
+            return
+        self.aborted = reason
+        log.error("%s: aborting: %s", self.cfg.label, reason)
+        if tell_schedulers:
+            for tier in self.tiers.values():
+                if not tier.closed:
+                    tier.send_to_scheduler("abort", reason=reason)
+        for fn in self._abort_listeners:
+            try:
+                fn(reason)
+            except Exception:
+                log.exception("abort listener failed")
+        self._abort_event.set()
+
+    def on_shutdown(self, tier: Tier) -> None:
+        for fn in self._shutdown_listeners:
+            fn(tier)
+
+    def close(self) -> None:
+        """Leave every tier cleanly (so nobody mistakes us for dead), then stop the van."""
+        self._hb_stop.set()
+        if not self.aborted:
+            for tier in self.tiers.values():
+                if not tier.closed:
+                    tier.send_to_scheduler("bye")
+        self.van.stop()
+
+    # internals ----------------------------------------------------------------------------------------------
+    def _dispatch(self, msg: Message) -> None:
+        if msg.op in CONTROL_OPS:
+            if msg.op == "abort":
+                self.abort(str(msg.get("reason", "aborted by a peer")), tell_schedulers=True)
+                return
+            tier = self.tiers.get(msg.get("tier"))
+            if tier is None:
+                log.warning("%s: control message %r for unknown tier %r from %s dropped", self.node_id, msg.op,
+                            msg.get("tier"), msg.src)
+                return
+            tier.handle(msg)
+        elif self.on_data is not None:
+            self.on_data(msg)
+        else:
+            log.warning("%s: data message %r from %s dropped: this role serves no data", self.node_id, msg.op,
+                        msg.src)
+
+    def _heartbeat_loop(self) -> None:
+        interval, timeout = self.cfg.heartbeat_interval, self.cfg.heartbeat_timeout
+        while not self._hb_stop.wait(interval):
+            if self.aborted:
+                return
+            now = time.monotonic()
+            for tier in list(self.tiers.values()):
+                if tier.closed or tier.me is None:
+                    continue
+                tier.send_to_scheduler("hb", priority=1000)
+                if now - tier.last_ack > timeout:
+                    self.abort(f"the {tier.name} scheduler at {tier.scheduler_addr} stopped answering heartbeats "
+                               f"for {now - tier.last_ack:.1f} s ({self.cfg.label} gives up)")
+                    return

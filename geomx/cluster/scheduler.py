@@ -1,0 +1,219 @@
+"""Scheduler: rendezvous, rank assignment, barriers, liveness and shutdown for one tier.
+
+One scheduler per tier (each DC, the central party, the global tier). It waits until every expected member
+has registered, checks that they all count the topology the same way, assigns ranks (a requested rank is
+honoured; the rest are numbered in (host, port) order) and sends everyone the member table. Afterwards it
+releases barriers, watches heartbeats (a silent member aborts the tier with a message naming it) and, once
+every worker has said goodbye, tells the servers to shut down.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+
+from geomx.transport.message import Message
+from geomx.transport.van import Van
+
+log = logging.getLogger("geomx.scheduler")
+
+
+class Scheduler:
+    def __init__(self, *, tier: str, dc: str, expected: dict[str, int], host: str = "127.0.0.1", port: int,
+                 emulator: str | None = None, heartbeat_timeout: float = 10.0, connect_timeout: float = 120.0,
+                 bind_host: str | None = None) -> None:
+        self.tier, self.dc, self.expected = tier, dc, dict(expected)
+        self.heartbeat_timeout, self.connect_timeout = heartbeat_timeout, connect_timeout
+        self.van = Van(node_id=f"scheduler-{tier}", dc=dc, on_message=self._on_message, host=host, port=port,
+                       emulator=emulator, bind_host=bind_host)
+        self._lock = threading.Lock()
+        self._pending: dict[str, dict] = {}           # node id -> registration
+        self._members: dict[str, dict] = {}           # node id -> table entry (after rendezvous)
+        self._last_seen: dict[str, float] = {}
+        self._left: set[str] = set()
+        self._barriers: dict[tuple[str, int], set[str]] = defaultdict(set)
+        self._done = threading.Event()
+        self.failure: str | None = None
+        self._started = time.monotonic()
+
+    @property
+    def address(self) -> str:
+        return self.van.address
+
+    def start(self) -> None:
+        self.van.start()
+        log.info("scheduler of the %s tier listening on %s, expecting %s", self.tier, self.van.address,
+                 self.expected)
+
+    def serve(self) -> int:
+        """Run until every worker left (0) or the tier aborted (1)."""
+        self.start()
+        try:
+            while not self._done.wait(0.5):
+                self._check_liveness()
+        finally:
+            self.van.stop()
+        return 1 if self.failure else 0
+
+    def stop(self) -> None:
+        self._done.set()
+
+    # -------------------------------------------------------------------------------------------------------
+    def _send(self, entry: dict, op: str, **fields) -> None:
+        self.van.send(entry["addr"], Message(op, fields={"tier": self.tier, **fields}, priority=1000),
+                      dst_dc=entry["dc"])
+
+    def _label(self, entry: dict) -> str:
+        kind = {"server": "local server", "global_server": "global server", "master": "master worker"}.get(
+            entry["kind"], entry["kind"])
+        rank = f" {entry['rank']}" if entry.get("rank") is not None else ""
+        where = f" of DC {entry['dc']}" if entry["kind"] in ("worker", "server") else ""
+        return f"{kind}{rank}{where} ({entry['addr']}, pid {entry.get('pid', '?')})"
+
+    def _on_message(self, msg: Message) -> None:
+        with self._lock:
+            handler = {"register": self._register, "hb": self._heartbeat, "barrier": self._barrier,
+                       "bye": self._bye, "abort": self._remote_abort}.get(msg.op)
+            if handler is None:
+                log.warning("%s scheduler: unexpected %r from %s dropped", self.tier, msg.op, msg.src)
+                return
+            try:
+                handler(msg)
+            except Exception as exc:
+                log.warning("%s scheduler: bad %r from %s dropped: %s", self.tier, msg.op, msg.src, exc)
+
+    def _register(self, msg: Message) -> None:
+        entry = {"id": msg.src, "kind": msg["kind"], "tier_role": msg["tier_role"], "dc": msg["dc"],
+                 "addr": msg["addr"], "rank": msg.get("rank"), "pid": msg.get("pid", 0),
+                 "declared": msg.get("declared") or {}}
+        role = entry["tier_role"]
+        if self._members:
+            self._send(entry, "reject", reason=f"the {self.tier} tier is already complete")
+            return
+        if role not in self.expected or self.expected[role] == 0:
+            self._send(entry, "reject", reason=f"the {self.tier} tier has no place for a {role}")
+            return
+        for name, want in self.expected.items():
+            got = entry["declared"].get(f"num_{name}s")
+            if got is not None and got != want:
+                self._fail(f"{self._label(entry)} counts {got} {name}s in the {self.tier} tier but its scheduler "
+                           f"expects {want}: inconsistent topology (check DMLC_NUM_* on every role)", entry)
+                return
+        same = [e for e in self._pending.values() if e["tier_role"] == role]
+        if len(same) >= self.expected[role]:
+            self._send(entry, "reject", reason=f"the {self.tier} tier expects only {self.expected[role]} {role}s")
+            return
+        rank = entry["rank"]
+        if rank is not None and (not 0 <= rank < self.expected[role] or any(e["rank"] == rank for e in same)):
+            self._fail(f"{self._label(entry)} asks for {role} rank {rank}, which is out of range or taken in the "
+                       f"{self.tier} tier", entry)
+            return
+        self._pending[entry["id"]] = entry
+        if all(sum(e["tier_role"] == r for e in self._pending.values()) == n for r, n in self.expected.items()):
+            self._complete()
+
+    def _complete(self) -> None:
+        for role in self.expected:
+            group = [e for e in self._pending.values() if e["tier_role"] == role]
+            taken = {e["rank"] for e in group if e["rank"] is not None}
+            free = iter(r for r in range(len(group)) if r not in taken)
+            for e in sorted((e for e in group if e["rank"] is None), key=lambda e: _host_port(e["addr"])):
+                e["rank"] = next(free)
+        problem = self._count_all_workers()
+        if problem:
+            self._fail(problem, None, members=list(self._pending.values()))
+            return
+        now = time.monotonic()
+        self._members = dict(self._pending)
+        table = [{k: e[k] for k in ("id", "kind", "tier_role", "dc", "rank", "addr", "pid")}
+                 for e in self._members.values()]
+        for e in self._members.values():
+            self._last_seen[e["id"]] = now
+            self._send(e, "table", members=table)
+        log.info("%s tier complete: %s", self.tier, ", ".join(self._label(e) for e in self._members.values()))
+
+    def _count_all_workers(self) -> str | None:
+        """Every role that states the world-wide worker count must agree with what actually registered."""
+        entries = list(self._pending.values())
+        dc_sizes = [e["declared"]["dc_workers"] for e in entries if "dc_workers" in e["declared"]]
+        flat_workers = [e for e in entries if e["kind"] == "worker" and e["tier_role"] == "worker"]
+        total = sum(dc_sizes) if dc_sizes else (len(flat_workers) if flat_workers else None)
+        if total is None:
+            return None
+        for e in entries:
+            said = e["declared"].get("num_all_workers")
+            if said is not None and said != total:
+                return (f"{self._label(e)} says DMLC_NUM_ALL_WORKER={said} but the DCs that registered with the "
+                        f"{self.tier} scheduler have {total} workers in all: inconsistent topology")
+        return None
+
+    def _heartbeat(self, msg: Message) -> None:
+        entry = self._members.get(msg.src)
+        if entry is None:
+            return
+        self._last_seen[msg.src] = time.monotonic()
+        self._send(entry, "hb_ack")
+
+    def _barrier(self, msg: Message) -> None:
+        group, seq = msg["group"], int(msg["seq"])
+        arrived = self._barriers[(group, seq)]
+        arrived.add(msg.src)
+        members = [e for e in self._members.values() if group == "all" or e["tier_role"] == group]
+        if len(arrived) >= len(members):
+            for e in members:
+                self._send(e, "barrier_done", seq=seq)
+            del self._barriers[(group, seq)]
+
+    def _bye(self, msg: Message) -> None:
+        if msg.src not in self._members:
+            return
+        self._left.add(msg.src)
+        workers = [i for i, e in self._members.items() if e["tier_role"] == "worker"]
+        if all(i in self._left for i in workers):
+            for i, e in self._members.items():
+                if i not in self._left:
+                    self._send(e, "shutdown")
+            log.info("%s tier: every worker left; shutting down", self.tier)
+            self._done.set()
+
+    def _remote_abort(self, msg: Message) -> None:
+        self._fail(str(msg.get("reason", "aborted")), None, skip=msg.src)
+
+    def _fail(self, reason: str, culprit: dict | None, *, skip: str | None = None,
+              members: list[dict] | None = None) -> None:
+        if self.failure:
+            return
+        self.failure = reason
+        log.error("%s scheduler: %s", self.tier, reason)
+        targets = members if members is not None else list(self._members.values() or self._pending.values())
+        if culprit is not None and culprit["id"] not in {t["id"] for t in targets}:
+            targets.append(culprit)
+        for e in targets:
+            if e["id"] != skip and e["id"] not in self._left:
+                self._send(e, "abort", reason=reason)
+        self._done.set()
+
+    def _check_liveness(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if not self._members:
+                if now - self._started > self.connect_timeout:
+                    missing = {r: n - sum(e["tier_role"] == r for e in self._pending.values())
+                               for r, n in self.expected.items()}
+                    self._fail(f"the {self.tier} tier is incomplete after {self.connect_timeout:g} s: still waiting "
+                               f"for " + ", ".join(f"{n} {r}(s)" for r, n in missing.items() if n > 0), None)
+                return
+            for node_id, seen in self._last_seen.items():
+                if node_id in self._left:
+                    continue
+                if now - seen > self.heartbeat_timeout:
+                    entry = self._members[node_id]
+                    self._fail(f"{self._label(entry)} stopped sending heartbeats {now - seen:.1f} s ago "
+                               f"(it died or its host is unreachable)", None, skip=node_id)
+                    return
+
+
+def _host_port(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host, int(port) if port.isdigit() else 0

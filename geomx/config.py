@@ -1,0 +1,172 @@
+"""A node's configuration, read from the environment.
+
+geomx reads the variables GeoMX uses (``DMLC_*``), so a GeoMX launch script ports by changing only the
+process bodies, plus a few ``GEOMX_*`` ones of its own (docs/environment.md has the full table).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from geomx.errors import ConfigError
+from geomx.profiles import CENTRAL_DC
+
+ROLES = ("global_scheduler", "global_server", "scheduler", "server", "worker", "master")
+MODES = ("dist_sync", "dist_async")
+TOPOLOGIES = ("hips", "flat")
+
+
+@dataclass
+class NodeConfig:
+    role: str
+    dc: str
+    host: str = "127.0.0.1"
+    port: int = 0                          # 0 = any free port (schedulers use their root port)
+    scheduler: tuple[str, int] | None = None         # this DC's (or the central party's) scheduler
+    global_scheduler: tuple[str, int] | None = None
+    num_workers: int = 0                   # workers of this DC (central party: 1, the master)
+    num_servers: int = 0                   # servers of this DC (central party: the global servers)
+    num_global_servers: int = 0
+    num_global_workers: int = 0            # DCs (hips) or all training workers (flat)
+    num_all_workers: int = 0               # training workers world-wide
+    rank: int | None = None                # requested rank; None = assigned by the scheduler
+    topology: str = "hips"
+    mode: str | None = None                # kvstore type the launcher asked for (checked against create())
+    emulator: str | None = None            # tcp:// address of the WAN emulator, if any
+    run_dir: str | None = None
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
+    connect_timeout: float = 120.0
+    op_timeout: float = 300.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """Human name used in logs and errors, e.g. 'worker 1 of DC a'."""
+        who = self.role.replace("_", " ")
+        rank = "" if self.rank is None else f" {self.rank}"
+        return f"{who}{rank} of DC {self.dc}" if self.role in ("scheduler", "server", "worker") else who + rank
+
+
+def _need(env: Mapping[str, str], name: str, role: str) -> str:
+    value = env.get(name)
+    if value is None or value == "":
+        raise ConfigError(f"role {role!r} needs the environment variable {name} (see docs/environment.md)")
+    return value
+
+
+def _int(env: Mapping[str, str], name: str, role: str, default: int | None = None) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            _need(env, name, role)
+        return default  # type: ignore[return-value]
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer (role {role!r})") from None
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+
+
+def _addr(env: Mapping[str, str], uri: str, port: str, role: str) -> tuple[str, int]:
+    return _need(env, uri, role), _int(env, port, role)
+
+
+def role_from_env(env: Mapping[str, str]) -> str:
+    """The role, decided as GeoMX does from DMLC_ROLE, DMLC_ROLE_GLOBAL and DMLC_ROLE_MASTER_WORKER."""
+    if env.get("GEOMX_ROLE"):
+        role = env["GEOMX_ROLE"]
+        if role not in ROLES:
+            raise ConfigError(f"GEOMX_ROLE={role!r} is not a role; roles are {', '.join(ROLES)}")
+        return role
+    glob, local = env.get("DMLC_ROLE_GLOBAL", ""), env.get("DMLC_ROLE", "")
+    if glob == "global_scheduler":
+        return "global_scheduler"
+    if glob == "global_server":
+        if local != "server":
+            raise ConfigError("DMLC_ROLE_GLOBAL=global_server needs DMLC_ROLE=server as well")
+        return "global_server"
+    if glob:
+        raise ConfigError(f"DMLC_ROLE_GLOBAL={glob!r} is not global_scheduler or global_server")
+    if local in ("scheduler", "server"):
+        return local
+    if local == "worker":
+        return "master" if env.get("DMLC_ROLE_MASTER_WORKER", "0") not in ("", "0") else "worker"
+    if not local:
+        raise ConfigError("no geomx role in the environment: set DMLC_ROLE (scheduler, server, worker) or "
+                          "DMLC_ROLE_GLOBAL, or start the script with `geomx launch`")
+    raise ConfigError(f"DMLC_ROLE={local!r} is not scheduler, server or worker")
+
+
+def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
+    env = os.environ if env is None else env
+    role = role_from_env(env)
+    topology = env.get("GEOMX_TOPOLOGY", "hips")
+    if topology not in TOPOLOGIES:
+        raise ConfigError(f"GEOMX_TOPOLOGY={topology!r} is not one of {', '.join(TOPOLOGIES)}")
+    mode = env.get("GEOMX_MODE") or None
+    if mode is not None and mode not in MODES:
+        raise ConfigError(f"GEOMX_MODE={mode!r} is not one of {', '.join(MODES)}")
+    cfg = NodeConfig(role=role, dc="", topology=topology, mode=mode)
+    cfg.host = env.get("DMLC_NODE_HOST") or env.get("GEOMX_HOST") or "127.0.0.1"
+    cfg.port = _int(env, "PORT", role, 0)
+    cfg.emulator = env.get("GEOMX_WAN_EMULATOR") or None
+    cfg.run_dir = env.get("GEOMX_RUN_DIR") or None
+    cfg.heartbeat_interval = _float(env, "GEOMX_HEARTBEAT_INTERVAL", cfg.heartbeat_interval)
+    cfg.heartbeat_timeout = _float(env, "GEOMX_HEARTBEAT_TIMEOUT", cfg.heartbeat_timeout)
+    cfg.connect_timeout = _float(env, "GEOMX_CONNECT_TIMEOUT", cfg.connect_timeout)
+    cfg.op_timeout = _float(env, "GEOMX_TIMEOUT", cfg.op_timeout)
+    requested = env.get("GEOMX_RANK") or env.get("DMLC_WORKER_ID")
+    cfg.rank = _int(env, "GEOMX_RANK" if env.get("GEOMX_RANK") else "DMLC_WORKER_ID", role) if requested else None
+
+    in_global_tier = role in ("global_scheduler", "global_server", "server") or (
+        role == "worker" and topology == "flat")
+    if role != "global_scheduler":
+        cfg.scheduler = _addr(env, "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", role)
+        cfg.num_workers = _int(env, "DMLC_NUM_WORKER", role)
+        cfg.num_servers = _int(env, "DMLC_NUM_SERVER", role)
+    if in_global_tier:
+        cfg.global_scheduler = _addr(env, "DMLC_PS_GLOBAL_ROOT_URI", "DMLC_PS_GLOBAL_ROOT_PORT", role)
+        cfg.num_global_servers = _int(env, "DMLC_NUM_GLOBAL_SERVER", role)
+        cfg.num_global_workers = _int(env, "DMLC_NUM_GLOBAL_WORKER", role)
+    if role in ("worker", "master", "global_server"):
+        cfg.num_all_workers = _int(env, "DMLC_NUM_ALL_WORKER", role)
+    if role == "master":
+        cfg.num_global_servers = cfg.num_servers   # the central party's servers are the global servers
+
+    if role in ("global_scheduler", "global_server", "master"):
+        cfg.dc = env.get("GEOMX_DC") or CENTRAL_DC
+    else:
+        # GeoMX has no DC names: without GEOMX_DC a DC is named after its scheduler's address
+        cfg.dc = env.get("GEOMX_DC") or "{}:{}".format(*cfg.scheduler)  # type: ignore[str-format]
+    _check_counts(cfg)
+    return cfg
+
+
+def _check_counts(cfg: NodeConfig) -> None:
+    def positive(name: str, value: int) -> None:
+        if value < 1:
+            raise ConfigError(f"{name} must be >= 1 for role {cfg.role!r} (got {value})")
+
+    if cfg.role in ("scheduler", "server", "worker", "master", "global_server"):
+        positive("DMLC_NUM_WORKER", cfg.num_workers)
+    if cfg.role == "server" and cfg.num_servers != 1:
+        raise ConfigError(f"a local server needs DMLC_NUM_SERVER=1 (one local server per DC), got "
+                          f"{cfg.num_servers}")
+    if cfg.role in ("global_scheduler", "global_server", "server") or cfg.global_scheduler:
+        positive("DMLC_NUM_GLOBAL_SERVER", cfg.num_global_servers)
+        positive("DMLC_NUM_GLOBAL_WORKER", cfg.num_global_workers)
+    if cfg.role in ("worker", "master", "global_server"):
+        positive("DMLC_NUM_ALL_WORKER", cfg.num_all_workers)
+    if cfg.role == "master":
+        positive("DMLC_NUM_SERVER", cfg.num_servers)

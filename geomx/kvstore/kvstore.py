@@ -1,0 +1,289 @@
+"""The user-facing key-value store (MXNet/GeoMX KVStore semantics).
+
+    kv = geomx.kvstore.create("dist_sync")      # or "dist_async" (MixedSync)
+    kv.init("fc.weight", w)                      # the master worker's value wins
+    kv.pull("fc.weight", out=w)                  # every worker starts from it
+    kv.pushpull("fc.weight", grad, out=grad).wait()
+
+push, pull and pushpull return a handle; ``handle.wait()`` returns once the reply arrived (and was copied
+into ``out``); ``kv.waitall()`` waits for everything outstanding. Values are torch tensors or numpy arrays.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+from typing import Any, Sequence
+
+import numpy as np
+
+from geomx.cluster.client import Handle, KVClient, check_key
+from geomx.cluster.postoffice import Postoffice, Tier
+from geomx.config import MODES, NodeConfig, config_from_env
+from geomx.errors import ConfigError, GeomxError
+from geomx.profiles import CENTRAL_DC
+
+log = logging.getLogger("geomx.kvstore")
+
+# GeoMX's compression types: accepted names that a later version implements
+_KNOWN_COMPRESSION = ("bsc", "2bit", "fp16", "bf16", "mpq", "dgc", "powersgd", "qsgd", "terngrad", "onebit",
+                      "randomk")
+
+
+def create(name: str | None = None, *, env: dict | None = None) -> "KVStore":
+    """Join the deployment described by the environment (set by ``geomx launch`` or by hand, see
+    docs/environment.md) as a worker or as the master worker."""
+    cfg = config_from_env(env)
+    if name is None:
+        name = cfg.mode or "dist_sync"
+    if name not in MODES:
+        raise ConfigError(f"unknown kvstore type {name!r}; geomx offers {', '.join(MODES)}")
+    if cfg.mode is not None and name != cfg.mode:
+        raise ConfigError(f"this script creates a {name!r} kvstore but the deployment runs in {cfg.mode!r} "
+                          f"(geomx launch --mode / GEOMX_MODE)")
+    if cfg.role not in ("worker", "master"):
+        raise ConfigError(f"geomx.kvstore.create() runs on workers and the master worker, not on role "
+                          f"{cfg.role!r}")
+    return KVStore(cfg, name)
+
+
+class KVStore:
+    def __init__(self, cfg: NodeConfig, mode: str) -> None:
+        self.cfg, self.type = cfg, mode
+        self.po = Postoffice(cfg)
+        self._client: KVClient | None = None
+        self.po.on_data = self._on_data
+        self._outstanding: list[Handle] = []
+        self._initialized_keys: set = set()
+        self._closed = False
+        self.po.start()
+        try:
+            self._join()
+        except BaseException:
+            self.po.close()
+            raise
+        atexit.register(self.close)
+
+    def _join(self) -> None:
+        cfg = self.cfg
+        dc_tier = self.po.join(f"dc:{cfg.dc}", cfg.scheduler, cfg.dc, "worker",
+                               {"num_workers": cfg.num_workers, "num_servers": cfg.num_servers}, rank=cfg.rank)
+        self._dc_tier = dc_tier
+        serving: Tier = dc_tier
+        if cfg.role == "worker" and cfg.topology == "flat":
+            serving = self.po.join("global", cfg.global_scheduler, CENTRAL_DC, "worker",
+                                   {"num_global_servers": cfg.num_global_servers,
+                                    "num_global_workers": cfg.num_global_workers,
+                                    "num_all_workers": cfg.num_all_workers})
+        self._client = KVClient(self.po, serving, master=self.is_master_worker)
+        if self.is_master_worker:
+            for h in self._client.command("set_mode", mode=self.type):
+                h.wait()
+
+    def _on_data(self, msg) -> None:
+        if msg.op == "reply" and self._client is not None:
+            self._client.handle_reply(msg)
+
+    # properties -----------------------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """Rank of this worker inside its DC."""
+        return self._dc_tier.me.rank
+
+    @property
+    def num_workers(self) -> int:
+        """Workers in this DC (the master worker's DC is the central party)."""
+        return self.cfg.num_workers
+
+    @property
+    def num_all_workers(self) -> int:
+        """Training workers world-wide (the master worker does not train)."""
+        return self.cfg.num_all_workers
+
+    @property
+    def is_master_worker(self) -> bool:
+        return self.cfg.role == "master"
+
+    @property
+    def dc(self) -> str:
+        return self.cfg.dc
+
+    @property
+    def server_updates(self) -> bool:
+        """True when the global servers run the optimizer (pull returns weights, not gradients). Known after
+        the first init."""
+        return bool(self._client.info.get("server_optimizer"))
+
+    # configuration (master worker) ----------------------------------------------------------------------------
+    def set_optimizer(self, optimizer: Any, **kwargs) -> None:
+        """Run ``optimizer`` (a torch.optim class, its name, or an instance) on the global servers. Only the
+        master worker's call counts (others return at once, as in GeoMX); it must come before kv.init."""
+        if isinstance(optimizer, str):
+            name = optimizer
+        elif isinstance(optimizer, type):
+            name = f"{optimizer.__module__.split('.')[0]}.optim.{optimizer.__name__}" \
+                if optimizer.__module__.startswith(("torch.optim", "geomx.optim")) else optimizer.__name__
+        else:
+            import torch
+
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise ConfigError(f"set_optimizer takes a torch.optim optimizer class, name or instance, not "
+                                  f"{type(optimizer).__name__}")
+            kwargs = {**{k: v for k, v in optimizer.defaults.items() if _plain(v)}, **kwargs}
+            return self.set_optimizer(type(optimizer), **kwargs)
+        kwargs = {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
+        bad = [k for k, v in kwargs.items() if not _plain(v)]
+        if bad:
+            raise ConfigError(f"optimizer arguments {bad} are not plain numbers, strings, booleans or lists")
+        if not self.is_master_worker:
+            log.debug("set_optimizer on a non-master worker is ignored (GeoMX semantics)")
+            return
+        if self._initialized_keys:
+            raise ConfigError("set_optimizer must be called before the first kv.init")
+        for h in self._client.command("set_optimizer", optimizer=name, kwargs=kwargs):
+            h.wait()
+
+    def set_gradient_compression(self, compression: dict) -> None:
+        """GeoMX's form, e.g. ``{"type": "bsc", "threshold": 0.01}``. This version transmits dense tensors
+        and accepts only ``{"type": "none"}``."""
+        if not isinstance(compression, dict) or "type" not in compression:
+            raise ConfigError(f"gradient compression must be a dict with a 'type' key, got {compression!r}")
+        kind = str(compression["type"]).lower()
+        if kind == "none":
+            return
+        if kind in _KNOWN_COMPRESSION:
+            raise ConfigError(f"gradient compression {kind!r} is not available in this version of geomx; only "
+                              f"{{'type': 'none'}} is")
+        raise ConfigError(f"unknown gradient compression type {compression['type']!r}")
+
+    # key-value operations -----------------------------------------------------------------------------------
+    def init(self, key, value) -> None:
+        """Initialize one key (or a list of keys with a list of values). Blocks until the key exists
+        everywhere; the master worker's value is the one every worker will pull."""
+        keys, values = _pairs(key, value)
+        handles = []
+        for k, v in zip(keys, values):
+            check_key(k)
+            handles.append(self._client.init(k, _to_numpy(v)))
+        for k, h in zip(keys, handles):
+            _, info = h.wait()
+            self._check_info(info)
+            self._initialized_keys.add(k)
+
+    def push(self, key, value, priority: int = 0) -> Handle | list[Handle]:
+        keys, values = _pairs(key, value)
+        hs = [self._track(self._client.push(k, _to_numpy(v), priority)) for k, v in zip(keys, values)]
+        return hs if isinstance(key, (list, tuple)) else hs[0]
+
+    def pull(self, key, out=None, priority: int = 0) -> Handle | list[Handle]:
+        """Fetch the current value (after this worker's earlier pushes of the key). With ``out`` the value is
+        copied into it; ``handle.wait()`` also returns it as a numpy array."""
+        keys, outs = _pairs(key, out) if out is not None else (_keys(key), [None] * len(_keys(key)))
+        hs = [self._track(self._client.pull(k, priority).then(_copier(o))) for k, o in zip(keys, outs)]
+        return hs if isinstance(key, (list, tuple)) else hs[0]
+
+    def pushpull(self, key, value, out=None, priority: int = 0) -> Handle | list[Handle]:
+        """Push then pull in one message (one round trip)."""
+        keys, values = _pairs(key, value)
+        outs = _pairs(key, out)[1] if out is not None else [None] * len(keys)
+        hs = [self._track(self._client.pushpull(k, _to_numpy(v), priority).then(_copier(o)))
+              for k, v, o in zip(keys, values, outs)]
+        return hs if isinstance(key, (list, tuple)) else hs[0]
+
+    def waitall(self, timeout: float | None = None) -> None:
+        outstanding, self._outstanding = self._outstanding, []
+        for h in outstanding:
+            h.wait(timeout)
+
+    def barrier(self, global_: bool = False) -> None:
+        """Wait for every worker of this DC (``global_=True``: of every DC)."""
+        if self.is_master_worker:
+            return
+        if self.cfg.topology == "flat" and global_:
+            self.po.tiers["global"].barrier("worker")
+            return
+        self._dc_tier.barrier("worker")
+        if global_:
+            if self.rank == 0:
+                self._client.command("global_barrier")[0].wait()
+            self._dc_tier.barrier("worker")
+
+    def close(self) -> None:
+        """Leave the deployment (also run at interpreter exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if not self.po.aborted:
+                self.waitall()
+        finally:
+            self.po.close()
+
+    # internals ----------------------------------------------------------------------------------------------
+    def _track(self, h: Handle) -> Handle:
+        if len(self._outstanding) > 256:
+            self._outstanding = [x for x in self._outstanding if not x.done()]
+        self._outstanding.append(h)
+        return h
+
+    def _check_info(self, info: dict) -> None:
+        mode = info.get("mode")
+        if mode is not None and mode != self.type:
+            raise ConfigError(f"this worker created a {self.type!r} kvstore but the master worker created "
+                              f"{mode!r}")
+        n = info.get("num_all_workers")
+        if n is not None and n != self.cfg.num_all_workers:
+            raise ConfigError(f"this worker counts DMLC_NUM_ALL_WORKER={self.cfg.num_all_workers} but the global "
+                              f"servers count {n}")
+
+
+def _plain(v) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str)) or (
+        isinstance(v, (list, tuple)) and all(_plain(x) for x in v))
+
+
+def _keys(key) -> list:
+    return list(key) if isinstance(key, (list, tuple)) else [key]
+
+
+def _pairs(key, value) -> tuple[list, list]:
+    keys = _keys(key)
+    values = list(value) if isinstance(key, (list, tuple)) else [value]
+    if len(keys) != len(values):
+        raise GeomxError(f"{len(keys)} keys but {len(values)} values")
+    return keys, values
+
+
+def _to_numpy(value) -> np.ndarray:
+    """A private copy (the caller may overwrite its tensor while the message is in flight)."""
+    if isinstance(value, np.ndarray):
+        return np.array(value, copy=True, order="C")
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        torch = None
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.detach().cpu().contiguous().numpy().copy()
+    raise GeomxError(f"values are torch tensors or numpy arrays, not {type(value).__name__}")
+
+
+def _copier(out):
+    if out is None:
+        return lambda arr: arr
+
+    def copy(arr: np.ndarray) -> np.ndarray:
+        if tuple(out.shape) != tuple(arr.shape):
+            raise GeomxError(f"pull into an output of shape {tuple(out.shape)}, but the value has shape "
+                             f"{tuple(arr.shape)}")
+        if isinstance(out, np.ndarray):
+            np.copyto(out, arr)
+        else:
+            import torch
+
+            with torch.no_grad():
+                if out.device.type == "cpu":
+                    np.copyto(out.detach().numpy(), arr, casting="same_kind")
+                else:
+                    out.copy_(torch.from_numpy(np.array(arr)))
+        return arr
+
+    return copy

@@ -1,0 +1,315 @@
+"""The WAN emulator: one process that every cross-DC message passes through when emulation is on.
+
+A van that sends to a node of another DC connects a DEALER to the emulator's ROUTER and sends
+``[route, *frames]``, ``route`` being a msgpack map ``{"dst": "tcp://host:port", "src_dc", "dst_dc",
+"prio"}`` and ``frames`` the original message. The emulator queues the message on the
+:class:`~geomx.netem.link.EmulatedLink` of ``(src_dc, dst_dc)`` (created on first use with the profile's rate,
+one-way delay and jitter) and, once it has crossed the link, forwards exactly ``frames`` (the same zmq frames,
+not copied) to ``dst`` through a DEALER of its own. Because all flows between two DCs cross one link object,
+they really share its rate.
+
+Threads, each owning its sockets (ZeroMQ sockets are not thread-safe): the receive loop (the ROUTER), one
+scheduler per link, and one delivery thread (the forwarding DEALERs). Links count the bytes they forward
+(header + tensor frames, not the route frame): the ground truth for every WAN-traffic figure. With a
+``run_dir`` the counters are written to ``run_dir/wan_links.json`` every 0.5 s and at stop.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from typing import Mapping
+
+import msgpack
+import zmq
+
+from geomx.errors import ConfigError
+from geomx.netem.link import DeliveryScheduler, EmulatedLink
+from geomx.profiles import WanProfile, custom_profile, get_profile, parse_duration, parse_rate
+from geomx.transport.message import payload_nbytes
+
+log = logging.getLogger("geomx.netem")
+
+IDENTITY = b"geomx-wan-emulator"
+STATS_FILE = "wan_links.json"
+_POLL_MS = 100
+_STATS_PERIOD_S = 0.5
+
+
+class WanEmulator:
+    """Forwards routed messages across emulated links; see the module docstring.
+
+    ``address`` is final once :meth:`start` has bound the socket (``port=0`` picks a free port).
+    """
+
+    def __init__(self, *, profile: WanProfile, host: str = "127.0.0.1", port: int = 0, run_dir: str | None = None,
+                 chunk_bytes: int = 65536, seed: int = 0, context: zmq.Context | None = None) -> None:
+        if not profile.emulated:
+            raise ConfigError(f"WAN profile {profile.name!r} is not emulated: no emulator is needed")
+        self.profile = profile
+        self.host = host
+        self._port = port
+        self.run_dir = run_dir
+        self.chunk_bytes = chunk_bytes
+        self.seed = seed
+        # an own context by default: its I/O thread must not queue behind the bulk traffic of vans that share
+        # the process (benchmarks, tests), as it would not in the standalone emulator process
+        self._own_context = context is None
+        self._ctx = context or zmq.Context()
+        self._links: dict[tuple[str, str], EmulatedLink] = {}
+        self._links_lock = threading.Lock()
+        self._router: zmq.Socket | None = None
+        self._delivery: DeliveryScheduler | None = None
+        self._forward_sockets: dict[str, zmq.Socket] = {}   # owned by the delivery thread
+        self._threads: list[threading.Thread] = []
+        self._running = False
+        self._stop_stats = threading.Event()
+        self._epoch = time.monotonic()
+        self._t0_unix = time.time()
+        self.dropped_messages = 0
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.host}:{self._port}"
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def start(self) -> None:
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.RCVHWM, 0)    # the link queues are the buffer; never push back on senders
+        try:
+            if self._port:
+                router.bind(self.address)
+            else:
+                self._port = router.bind_to_random_port(f"tcp://{self.host}")
+        except zmq.ZMQError as exc:
+            router.close()
+            if self._own_context:
+                self._ctx.term()
+            raise ConfigError(f"WAN emulator cannot listen on {self.address}: {exc.strerror}"
+                              + (" (port already in use)" if exc.errno == zmq.EADDRINUSE else "")) from None
+        self._router = router
+        self._epoch = time.monotonic()
+        self._t0_unix = time.time()
+        self._delivery = DeliveryScheduler(name="wan-delivery", on_exit=self._close_forward_sockets)
+        self._running = True
+        targets = [(self._receive_loop, "wan-recv")]
+        if self.run_dir:
+            os.makedirs(self.run_dir, exist_ok=True)
+            targets.append((self._stats_loop, "wan-stats"))
+        for target, name in targets:
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop receiving, drop what is still in flight, close the sockets and write the final stats."""
+        if not self._running:
+            return
+        self._running = False
+        self._stop_stats.set()
+        for t in self._threads:
+            t.join(timeout)
+        with self._links_lock:
+            links = list(self._links.values())
+        for link in links:
+            link.close(timeout)
+        self._delivery.close(timeout)
+        if self.run_dir:
+            self._write_stats()
+        if self._own_context:
+            if any(t.is_alive() for t in self._threads) or self._delivery.alive:
+                log.warning("WAN emulator threads did not stop within %.1f s; leaving its zmq context open", timeout)
+            else:
+                self._ctx.term()    # all sockets are closed: returns once lingering frames have left
+
+    def stats(self) -> dict:
+        with self._links_lock:
+            items = list(self._links.items())
+        links = {}
+        for (src, dst), link in sorted(items):
+            snap = link.snapshot()
+            del snap["name"]
+            links[f"{src}->{dst}"] = {"src_dc": src, "dst_dc": dst, **snap}
+        return {"profile": self.profile.name, "address": self.address, "t0_unix": self._t0_unix,
+                "elapsed_s": time.monotonic() - self._epoch, "dropped_messages": self.dropped_messages,
+                "links": links}
+
+    def link(self, src_dc: str, dst_dc: str) -> EmulatedLink:
+        """The link src_dc -> dst_dc, created on first use."""
+        with self._links_lock:
+            link = self._links.get((src_dc, dst_dc))
+            if link is None:
+                link = self._links[(src_dc, dst_dc)] = EmulatedLink(
+                    name=f"{src_dc}->{dst_dc}", rate_bps=self.profile.rate_for(src_dc, dst_dc),
+                    one_way_delay_s=self.profile.one_way_delay_s, jitter_s=self.profile.jitter_s,
+                    chunk_bytes=self.chunk_bytes, seed=self.seed, scheduler=self._delivery, epoch=self._epoch)
+            return link
+
+    # -- threads -----------------------------------------------------------------------------------------
+
+    def _receive_loop(self) -> None:
+        router = self._router
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        try:
+            while self._running:
+                if not poller.poll(_POLL_MS):
+                    continue
+                frames = router.recv_multipart(copy=False)
+                try:
+                    self._route(frames)
+                except Exception as exc:    # malformed input is dropped, never fatal
+                    self.dropped_messages += 1
+                    log.warning("WAN emulator dropped a message from %r: %s", bytes(frames[0].bytes[:32]), exc)
+        finally:
+            router.close(linger=0)
+
+    def _route(self, frames: list) -> None:
+        if len(frames) < 3:
+            raise ValueError(f"expected [route, header, tensors...], got {len(frames) - 1} frame(s)")
+        try:
+            route = msgpack.unpackb(frames[1].buffer, raw=False)
+        except Exception as exc:
+            raise ValueError(f"route frame is not msgpack ({exc.__class__.__name__})") from None
+        if not isinstance(route, dict):
+            raise ValueError("route frame is not a map")
+        dst, src_dc, dst_dc, prio = route.get("dst"), route.get("src_dc"), route.get("dst_dc"), route.get("prio", 0)
+        if not (isinstance(dst, str) and dst.startswith("tcp://")):
+            raise ValueError(f"route has no tcp:// destination: {dst!r}")
+        if not (isinstance(src_dc, str) and isinstance(dst_dc, str) and src_dc and dst_dc):
+            raise ValueError(f"route lacks src_dc/dst_dc: {src_dc!r} -> {dst_dc!r}")
+        if not isinstance(prio, int) or isinstance(prio, bool):
+            raise ValueError(f"route priority is not an int: {prio!r}")
+        payload = frames[2:]
+        self.link(src_dc, dst_dc).enqueue(payload_nbytes(payload), prio, lambda: self._forward(dst, payload))
+
+    def _forward(self, dst: str, frames: list) -> None:
+        """Delivery thread only: send the original frames to the destination's ROUTER."""
+        sock = self._forward_sockets.get(dst)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, IDENTITY)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            try:
+                sock.connect(dst)
+            except zmq.ZMQError:
+                sock.close()
+                raise
+            self._forward_sockets[dst] = sock
+        sock.send_multipart(frames, copy=False)
+
+    def _close_forward_sockets(self) -> None:
+        for sock in self._forward_sockets.values():
+            sock.close(linger=200)  # give frames already handed to zmq a moment to leave
+        self._forward_sockets.clear()
+
+    def _stats_loop(self) -> None:
+        while True:
+            try:
+                self._write_stats()
+            except OSError as exc:
+                log.warning("WAN emulator cannot write %s: %s", os.path.join(self.run_dir, STATS_FILE), exc)
+            if self._stop_stats.wait(_STATS_PERIOD_S):
+                return
+
+    def _write_stats(self) -> None:
+        # write a temp file then rename: a reader never sees a half-written file
+        fd, tmp = tempfile.mkstemp(prefix=".wan_links.", suffix=".tmp", dir=self.run_dir)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.stats(), f)
+            os.replace(tmp, os.path.join(self.run_dir, STATS_FILE))
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+
+# -- standalone process ------------------------------------------------------------------------------------
+
+def profile_from_env(env: Mapping[str, str]) -> WanProfile:
+    """GEOMX_WAN_PROFILE, or GEOMX_WAN_RATE (bit/s) + GEOMX_WAN_RTT (s) + optional GEOMX_WAN_JITTER (s)."""
+    name = env.get("GEOMX_WAN_PROFILE")
+    if name:
+        try:
+            profile = get_profile(name)
+        except ConfigError as exc:
+            raise ConfigError(f"GEOMX_WAN_PROFILE: {exc}") from None
+        if not profile.emulated:
+            raise ConfigError(f"GEOMX_WAN_PROFILE={name} is not emulated: no emulator is needed")
+        return profile
+    if not env.get("GEOMX_WAN_RATE") or not env.get("GEOMX_WAN_RTT"):
+        raise ConfigError("the WAN emulator needs GEOMX_WAN_PROFILE, or GEOMX_WAN_RATE (bit/s) and GEOMX_WAN_RTT (s)")
+    rate = _env_number(env, "GEOMX_WAN_RATE", parse_rate)
+    rtt = _env_number(env, "GEOMX_WAN_RTT", parse_duration)
+    jitter = _env_number(env, "GEOMX_WAN_JITTER", parse_duration) if env.get("GEOMX_WAN_JITTER") else 0.0
+    try:
+        return custom_profile(rate, rtt, jitter)
+    except ConfigError as exc:
+        raise ConfigError(f"GEOMX_WAN_RATE/GEOMX_WAN_RTT/GEOMX_WAN_JITTER: {exc}") from None
+
+
+def _env_number(env: Mapping[str, str], var: str, parse_with_unit) -> float:
+    """A plain number (bit/s or seconds), or a value with a unit such as '100mbit' or '80ms'."""
+    text = env[var].strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    if text[-1:].isalpha():
+        try:
+            return parse_with_unit(text)
+        except ConfigError:
+            pass
+    raise ConfigError(f"{var}={text!r} is not a number")
+
+
+def run_from_env(env: Mapping[str, str] | None = None) -> int:
+    """Run an emulator configured by environment variables until SIGTERM/SIGINT; returns the exit status 0.
+
+    GEOMX_WAN_PROFILE or GEOMX_WAN_RATE + GEOMX_WAN_RTT [+ GEOMX_WAN_JITTER]; GEOMX_EMULATOR_HOST (default
+    127.0.0.1), GEOMX_EMULATOR_PORT (required), GEOMX_RUN_DIR (optional: where wan_links.json goes).
+    """
+    env = os.environ if env is None else env
+    profile = profile_from_env(env)
+    # a 5 ms GIL switch interval would let the receive loop delay a due delivery by up to 5 ms under load
+    sys.setswitchinterval(0.0005)
+    host = env.get("GEOMX_EMULATOR_HOST") or "127.0.0.1"
+    port_text = env.get("GEOMX_EMULATOR_PORT")
+    if not port_text:
+        raise ConfigError("GEOMX_EMULATOR_PORT is not set: the WAN emulator needs a port to listen on")
+    try:
+        port = int(port_text)
+        if not 0 <= port <= 65535:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"GEOMX_EMULATOR_PORT={port_text!r} is not a port number") from None
+    emulator = WanEmulator(profile=profile, host=host, port=port, run_dir=env.get("GEOMX_RUN_DIR") or None)
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        emulator.start()
+        log.info("WAN emulator listening on %s (profile %s: %s, up %.6g bit/s, down %.6g bit/s, one-way delay "
+                 "%.6g s, jitter %.6g s)", emulator.address, profile.name, profile.description,
+                 profile.uplink_bps, profile.downlink_bps, profile.one_way_delay_s, profile.jitter_s)
+        while not stop.wait(0.5):
+            pass
+        log.info("WAN emulator stopping")
+    finally:
+        emulator.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0

@@ -1,0 +1,71 @@
+"""Run one geomx role in this process, configured by the environment (``python -m geomx.node``).
+
+Schedulers, local servers and global servers run here; workers and the master worker run the user's
+training script, which creates a kvstore. ``GEOMX_ROLE=emulator`` runs the WAN emulator. See
+docs/environment.md for the variables (the GeoMX ``DMLC_*`` names are honoured).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from geomx.config import NodeConfig, config_from_env
+from geomx.errors import GeomxError
+from geomx.profiles import CENTRAL_DC
+
+
+def setup_logging() -> None:
+    level = os.environ.get("GEOMX_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(level=getattr(logging, level, logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+
+
+def run_scheduler(cfg: NodeConfig) -> int:
+    from geomx.cluster.scheduler import Scheduler
+
+    if cfg.role == "global_scheduler":
+        tier, expected, (host, port) = "global", {"server": cfg.num_global_servers,
+                                                  "worker": cfg.num_global_workers}, cfg.global_scheduler
+    else:
+        tier, expected, (host, port) = f"dc:{cfg.dc}", {"server": cfg.num_servers,
+                                                        "worker": cfg.num_workers}, cfg.scheduler
+    scheduler = Scheduler(tier=tier, dc=cfg.dc, expected=expected, host=host, port=port, emulator=cfg.emulator,
+                          heartbeat_timeout=cfg.heartbeat_timeout, connect_timeout=cfg.connect_timeout,
+                          bind_host=os.environ.get("GEOMX_BIND_HOST") or None)
+    return scheduler.serve()
+
+
+def run_role(cfg: NodeConfig) -> int:
+    if cfg.role in ("global_scheduler", "scheduler"):
+        return run_scheduler(cfg)
+    if cfg.role == "server":
+        from geomx.cluster.local_server import run_local_server
+        return run_local_server(cfg)
+    if cfg.role == "global_server":
+        from geomx.cluster.global_server import run_global_server
+        return run_global_server(cfg)
+    raise GeomxError(f"role {cfg.role!r} runs the training script (which calls geomx.kvstore.create()), "
+                     f"not python -m geomx.node")
+
+
+def main() -> int:
+    setup_logging()
+    try:
+        if os.environ.get("GEOMX_ROLE") == "emulator":
+            from geomx.netem.emulator import run_from_env
+            return run_from_env() or 0
+        cfg = config_from_env()
+        if cfg.role == "global_scheduler" and not os.environ.get("GEOMX_DC"):
+            cfg.dc = CENTRAL_DC
+        return run_role(cfg)
+    except GeomxError as exc:
+        logging.getLogger("geomx.node").error("%s", exc)
+        print(f"geomx: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

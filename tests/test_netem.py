@@ -1,0 +1,390 @@
+"""The user-space WAN emulator: rate, delay, priorities, sharing, byte counting, robustness, process entry.
+
+End-to-end tests use real vans and a real emulator over zmq on 127.0.0.1; timing bounds are the model's
+numbers plus slack for a busy 2-core machine, checked on medians or totals, never on single samples.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from geomx.errors import ConfigError
+from geomx.netem import EmulatedLink, WanEmulator, run_from_env
+from geomx.profiles import CENTRAL_DC, custom_profile
+from geomx.transport.message import Message, encode, payload_nbytes
+from geomx.transport.van import Van
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIB = 1 << 20
+
+
+class Inbox:
+    """Arrival times and messages of one van, with a deadline-bounded wait."""
+
+    def __init__(self) -> None:
+        self.arrivals: list[tuple[float, Message]] = []
+        self._cv = threading.Condition()
+
+    def __call__(self, msg: Message) -> None:
+        with self._cv:
+            self.arrivals.append((time.monotonic(), msg))
+            self._cv.notify_all()
+
+    def wait_for(self, count: int, timeout: float = 5.0) -> list[tuple[float, Message]]:
+        with self._cv:
+            assert self._cv.wait_for(lambda: len(self.arrivals) >= count, timeout), \
+                f"only {len(self.arrivals)} of {count} messages arrived within {timeout} s"
+            return list(self.arrivals)
+
+
+class Net:
+    """Emulators and vans made by a test, all stopped at teardown."""
+
+    def __init__(self) -> None:
+        self.vans: list[Van] = []
+        self.emulators: list[WanEmulator] = []
+
+    def emulator(self, rate_bps: float = 100e6, rtt_s: float = 0.010, jitter_s: float = 0.0, **kw) -> WanEmulator:
+        em = WanEmulator(profile=custom_profile(rate_bps, rtt_s, jitter_s), **kw)
+        em.start()
+        self.emulators.append(em)
+        return em
+
+    def van(self, node_id: str, dc: str, emulator: WanEmulator | None = None) -> Van:
+        inbox = Inbox()
+        van = Van(node_id=node_id, dc=dc, on_message=inbox, emulator=emulator.address if emulator else None)
+        van.inbox = inbox
+        van.start()
+        self.vans.append(van)
+        return van
+
+    def close(self) -> None:
+        for van in self.vans:
+            van.stop(flush_timeout=0.5)
+        for em in self.emulators:
+            em.stop()
+
+
+@pytest.fixture
+def net():
+    n = Net()
+    yield n
+    n.close()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads():
+    yield
+    deadline = time.monotonic() + 3.0
+    while True:
+        left = [t.name for t in threading.enumerate() if t.name.startswith(("wan-", "van-"))]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert not left, f"threads left running: {left}"
+
+
+def bulk(i: int, nbytes: int, src: str = "") -> Message:
+    return Message("bulk", src=src, fields={"i": i}, tensors=[np.zeros(nbytes, dtype=np.uint8)])
+
+
+def send_all(src: Van, dst: Van, msgs: list[Message], dst_dc: str, priority: int = 0) -> float:
+    """Send msgs; returns the time of the first send."""
+    t0 = time.monotonic()
+    for m in msgs:
+        m.priority = priority
+        src.send(dst.address, m, dst_dc=dst_dc)
+    return t0
+
+
+def wire_bytes(msgs: list[Message], src: str) -> int:
+    for m in msgs:
+        m.src = src
+    return sum(payload_nbytes(encode(m)) for m in msgs)
+
+
+# -- the link alone ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rate_bps, msg_bytes", [(10e6, 64 * 1024), (1e9, MIB)])
+def test_link_goodput_of_one_second_transfer_is_within_5_percent_of_rate(rate_bps, msg_bytes):
+    link = EmulatedLink(name="a->central", rate_bps=rate_bps, one_way_delay_s=0.0)
+    count = int(np.ceil(rate_bps / 8 / msg_bytes))      # >= 1 s of data
+    done, arrivals = threading.Event(), []
+
+    def deliver():
+        arrivals.append(time.monotonic())
+        if len(arrivals) == count:
+            done.set()
+    try:
+        t0 = time.monotonic()
+        for _ in range(count):
+            link.enqueue(msg_bytes, 0, deliver)
+        assert done.wait(5.0)
+    finally:
+        link.close()
+    elapsed = arrivals[-1] - t0
+    assert elapsed >= 1.0
+    assert 0.95 <= count * msg_bytes * 8 / elapsed / rate_bps <= 1.02
+    snap = link.snapshot()
+    assert snap["bytes"] == count * msg_bytes and snap["messages"] == count
+    assert sum(snap["series"]) == snap["bytes"] and len(snap["series"]) >= 2
+
+
+def test_link_delivers_equal_priorities_in_fifo_order_and_higher_priority_first():
+    link = EmulatedLink(name="x", rate_bps=1e8, one_way_delay_s=0.001, chunk_bytes=1000)
+    order, done = [], threading.Event()
+    try:
+        # the first message occupies the line; all others queue behind it and are ordered by the scheduler
+        for name, nbytes, prio in [("bulk0", 200_000, 0), ("b1", 5000, 0), ("b2", 100, 0), ("u1", 3000, 7),
+                                   ("b3", 2000, 0), ("u2", 10, 7)]:
+            link.enqueue(nbytes, prio, lambda n=name: (order.append(n), len(order) == 6 and done.set()))
+        assert done.wait(3.0)
+    finally:
+        link.close()
+    assert order == ["u1", "u2", "bulk0", "b1", "b2", "b3"]
+
+
+def test_link_jitter_varies_delay_within_two_std_and_never_reorders():
+    delay, jitter = 0.010, 0.002
+    link = EmulatedLink(name="x", rate_bps=1e9, one_way_delay_s=delay, jitter_s=jitter, seed=3)
+    sent, got, done = {}, [], threading.Event()
+    try:
+        for i in range(40):
+            sent[i] = time.monotonic()
+            link.enqueue(100, 0, lambda i=i: (got.append((i, time.monotonic() - sent[i])),
+                                               len(got) == 40 and done.set()))
+            time.sleep(0.003)     # spaced out, so most deliveries are not held back by the previous one
+        assert done.wait(3.0)
+    finally:
+        link.close()
+    assert [i for i, _ in got] == list(range(40))
+    delays = [d for _, d in got]
+    assert min(delays) >= delay - 2 * jitter
+    assert max(delays) <= delay + 2 * jitter + 0.005      # + scheduling slack of a busy machine
+    assert statistics.pstdev(delays) > jitter / 4
+
+
+# -- through the emulator ---------------------------------------------------------------------------------
+
+def test_goodput_through_emulator_of_one_second_transfer_is_within_5_percent_of_rate(net):
+    rate = 100e6
+    em = net.emulator(rate_bps=rate, rtt_s=0.010)
+    a, c = net.van("a0", "a", em), net.van("c0", CENTRAL_DC, em)
+    msgs = [bulk(i, MIB) for i in range(12)]          # 12.6 MB: 1.007 s at 100 Mbit/s
+    t0 = send_all(a, c, msgs, CENTRAL_DC)
+    arrivals = c.inbox.wait_for(len(msgs), timeout=6.0)
+    elapsed = arrivals[-1][0] - t0
+    assert elapsed >= 1.0
+    assert 0.95 <= wire_bytes(msgs, "a0") * 8 / elapsed / rate <= 1.02
+
+
+def test_added_delay_of_small_messages_is_within_2ms_of_one_way_delay(net):
+    one_way = 0.020
+    em = net.emulator(rate_bps=100e6, rtt_s=2 * one_way)
+    a, c = net.van("a0", "a", em), net.van("c0", CENTRAL_DC, em)
+    direct, emulated = [], []
+    for i in range(15):
+        for via, out in ((None, direct), (CENTRAL_DC, emulated)):   # interleaved: same machine load
+            t0 = time.monotonic()
+            a.send(c.address, Message("ping", fields={"i": i}, tensors=[np.zeros(16, np.uint8)]), dst_dc=via)
+            out.append(c.inbox.wait_for(len(direct) + len(emulated) + 1)[-1][0] - t0)
+    assert min(emulated) >= one_way                       # never delivered early
+    added = statistics.median(emulated) - statistics.median(direct)
+    assert abs(added - one_way) <= 0.002, f"added delay {added * 1000:.2f} ms, configured {one_way * 1000} ms"
+
+
+def test_high_priority_message_overtakes_bulk_message_at_next_chunk_boundary(net):
+    rate, one_way = 100e6, 0.005
+    em = net.emulator(rate_bps=rate, rtt_s=2 * one_way)
+    a, c = net.van("a0", "a", em), net.van("c0", CENTRAL_DC, em)
+    t_bulk = send_all(a, c, [bulk(0, 4 * MIB)], CENTRAL_DC, priority=0)    # 335 ms on the line
+    time.sleep(0.03)
+    t_urgent = send_all(a, c, [Message("urgent", tensors=[np.ones(100, np.float32)])], CENTRAL_DC, priority=5)
+    arrivals = c.inbox.wait_for(2, timeout=3.0)
+    assert [m.op for _, m in arrivals] == ["urgent", "bulk"]
+    urgent_delay = arrivals[0][0] - t_urgent
+    # one-way delay + at most one 64 KiB chunk (5.2 ms) + look-ahead, plus scheduling slack
+    assert urgent_delay < one_way + 0.0053 + 0.002 + 0.010, f"urgent message took {urgent_delay * 1000:.1f} ms"
+    assert arrivals[1][0] - arrivals[0][0] > 0.2         # long before the bulk message finished
+    assert arrivals[1][0] - t_bulk >= 4 * MIB * 8 / rate + one_way
+
+
+def test_two_flows_on_one_link_share_its_rate(net):
+    rate = 50e6
+    em = net.emulator(rate_bps=rate, rtt_s=0.010)
+    a1, a2, c = net.van("a1", "a", em), net.van("a2", "a", em), net.van("c0", CENTRAL_DC, em)
+    for van in (a1, a2):       # connect both first, so that neither flow reaches the link's FIFO queue alone
+        van.send(c.address, Message("hello"), dst_dc=CENTRAL_DC)
+    c.inbox.wait_for(2)
+    c.inbox.arrivals.clear()
+    flows = {"a1": [bulk(i, 256 * 1024) for i in range(12)], "a2": [bulk(i, 256 * 1024) for i in range(12)]}
+    t0 = time.monotonic()      # 3.1 MB per flow: 0.5 s alone, 1 s together
+    for i in range(12):
+        for van in (a1, a2):
+            van.send(c.address, flows[van.node_id][i], dst_dc=CENTRAL_DC)
+    arrivals = c.inbox.wait_for(24, timeout=6.0)
+    total = sum(wire_bytes(msgs, src) for src, msgs in flows.items())
+    elapsed = arrivals[-1][0] - t0
+    assert 0.95 <= total * 8 / elapsed / rate <= 1.02    # together they get the rate, not twice the rate
+    for src in flows:                                     # and each flow is slowed by the other
+        last = max(t for t, m in arrivals if m.src == src)
+        assert last - t0 > 0.8 * elapsed
+    assert list(em.stats()["links"]) == ["a->central"]
+
+
+def test_links_in_opposite_directions_are_independent(net):
+    rate = 50e6
+    em = net.emulator(rate_bps=rate, rtt_s=0.010)
+    a, c = net.van("a0", "a", em), net.van("c0", CENTRAL_DC, em)
+    up, down = [bulk(i, 256 * 1024) for i in range(12)], [bulk(i, 256 * 1024) for i in range(12)]
+    t0 = time.monotonic()      # 0.5 s each way; a shared link would need 1 s
+    for m_up, m_down in zip(up, down):
+        a.send(c.address, m_up, dst_dc=CENTRAL_DC)
+        c.send(a.address, m_down, dst_dc="a")
+    for van, msgs, src in ((c, up, "a0"), (a, down, "c0")):
+        elapsed = van.inbox.wait_for(12, timeout=4.0)[-1][0] - t0
+        assert wire_bytes(msgs, src) * 8 / elapsed / rate >= 0.95
+    assert sorted(em.stats()["links"]) == ["a->central", "central->a"]
+
+
+def test_emulator_counts_exactly_the_bytes_of_the_forwarded_frames(net):
+    em = net.emulator(rate_bps=1e9, rtt_s=0.002)
+    a, c = net.van("a0", "a", em), net.van("c0", CENTRAL_DC, em)
+    msgs = [Message("push", fields={"key": 1}, tensors=[np.arange(1000, dtype=np.float32).reshape(10, 100)]),
+            Message("pull", fields={"key": "w"}),
+            Message("push", fields={"key": 2}, tensors=[np.zeros((0, 3), np.float32), np.ones(7, np.int64)]),
+            bulk(3, 300_000)]
+    send_all(a, c, msgs, CENTRAL_DC)
+    c.inbox.wait_for(len(msgs))
+    link = em.stats()["links"]["a->central"]
+    expected = wire_bytes(msgs, "a0")
+    assert link["messages"] == len(msgs)
+    assert link["bytes"] == expected == c.received_bytes == a.sent_bytes[CENTRAL_DC]
+    assert link["queued_bytes"] == 0 and link["queued_messages"] == 0
+
+
+def test_malformed_route_frames_are_dropped_and_emulator_keeps_forwarding(net):
+    em = net.emulator(rate_bps=1e9, rtt_s=0.002)
+    a, c = net.van("a0", "a", em), net.van("c0", CENTRAL_DC, em)
+    good_route = {"dst": c.address, "src_dc": "a", "dst_dc": CENTRAL_DC, "prio": 0}
+    bad = [[b"\xc1 not msgpack", b"h"],
+           [msgpack.packb([1, 2]), b"h"],
+           [msgpack.packb({**good_route, "dst": "udp://127.0.0.1:1"}), b"h"],
+           [msgpack.packb({**good_route, "prio": "high"}), b"h"],
+           [msgpack.packb({**good_route, "src_dc": None}), b"h"],
+           [msgpack.packb(good_route)]]                   # a route but no message
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(em.address)
+    try:
+        for frames in bad:
+            raw.send_multipart(frames)
+        deadline = time.monotonic() + 3.0
+        while em.dropped_messages < len(bad) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        raw.close()
+    assert em.dropped_messages == len(bad)
+    a.send(c.address, Message("after", tensors=[np.ones(4, np.float32)]), dst_dc=CENTRAL_DC)
+    assert c.inbox.wait_for(1)[0][1].op == "after"
+    assert em.stats()["links"]["a->central"]["messages"] == 1
+
+
+def test_wan_links_json_is_written_periodically_and_at_stop(net, tmp_path):
+    em = net.emulator(rate_bps=1e9, rtt_s=0.002, run_dir=str(tmp_path))
+    a, c = net.van("a0", "a", em), net.van("c0", CENTRAL_DC, em)
+    msgs = [bulk(i, 10_000) for i in range(3)]
+    send_all(a, c, msgs, CENTRAL_DC)
+    c.inbox.wait_for(3)
+    path = tmp_path / "wan_links.json"
+    expected = wire_bytes(msgs, "a0")
+    deadline, seen = time.monotonic() + 3.0, None
+    while time.monotonic() < deadline:      # the periodic writer catches up within 0.5 s
+        seen = json.loads(path.read_text()) if path.exists() else None
+        if seen and seen["links"].get("a->central", {}).get("bytes") == expected:
+            break
+        time.sleep(0.05)
+    assert seen["links"]["a->central"]["bytes"] == expected
+    em.stop()
+    final = json.loads(path.read_text())
+    link = final["links"]["a->central"]
+    assert final["profile"] == "custom"
+    assert (link["src_dc"], link["dst_dc"], link["messages"], link["bytes"]) == ("a", CENTRAL_DC, 3, expected)
+    assert link["rate_bps"] == 1e9 and link["one_way_delay_s"] == 0.001 and sum(link["series"]) == expected
+    assert os.listdir(tmp_path) == ["wan_links.json"]     # no temp files left behind
+
+
+def test_binding_a_used_port_raises_config_error_naming_the_address():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        em = WanEmulator(profile=custom_profile(1e8, 0.01), port=port)
+        with pytest.raises(ConfigError, match=re.escape(f"tcp://127.0.0.1:{port}")):
+            em.start()
+
+
+# -- the standalone process -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("env, variable", [
+    ({"GEOMX_EMULATOR_PORT": "5000"}, "GEOMX_WAN_PROFILE"),
+    ({"GEOMX_WAN_PROFILE": "moon", "GEOMX_EMULATOR_PORT": "5000"}, "GEOMX_WAN_PROFILE"),
+    ({"GEOMX_WAN_PROFILE": "lan", "GEOMX_EMULATOR_PORT": "5000"}, "GEOMX_WAN_PROFILE"),
+    ({"GEOMX_WAN_RATE": "fast", "GEOMX_WAN_RTT": "0.04", "GEOMX_EMULATOR_PORT": "5000"}, "GEOMX_WAN_RATE"),
+    ({"GEOMX_WAN_RATE": "1e8", "GEOMX_WAN_RTT": "soon", "GEOMX_EMULATOR_PORT": "5000"}, "GEOMX_WAN_RTT"),
+    ({"GEOMX_WAN_RATE": "1e8", "GEOMX_WAN_RTT": "0.04", "GEOMX_WAN_JITTER": "x", "GEOMX_EMULATOR_PORT": "1"},
+     "GEOMX_WAN_JITTER"),
+    ({"GEOMX_WAN_PROFILE": "regional"}, "GEOMX_EMULATOR_PORT"),
+    ({"GEOMX_WAN_PROFILE": "regional", "GEOMX_EMULATOR_PORT": "http"}, "GEOMX_EMULATOR_PORT"),
+])
+def test_run_from_env_names_the_missing_or_invalid_variable(env, variable):
+    with pytest.raises(ConfigError, match=variable):
+        run_from_env(env)
+
+
+def test_python_m_geomx_netem_forwards_until_sigterm_and_writes_final_stats(net, tmp_path):
+    env = {**os.environ, "PYTHONPATH": REPO, "GEOMX_WAN_RATE": "100mbit", "GEOMX_WAN_RTT": "0.01",
+           "GEOMX_EMULATOR_PORT": "0", "GEOMX_RUN_DIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "geomx.netem"], env=env, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True)
+    reader.start()
+    try:
+        address = None
+        deadline = time.monotonic() + 8.0
+        while address is None and time.monotonic() < deadline:
+            found = re.search(r"WAN emulator listening on (tcp://\S+)", lines.get(timeout=8.0))
+            address = found and found.group(1)
+        assert address, "the emulator did not report its address"
+        a = Van(node_id="a0", dc="a", on_message=Inbox(), emulator=address)
+        c_inbox = Inbox()
+        c = Van(node_id="c0", dc=CENTRAL_DC, on_message=c_inbox, emulator=address)
+        net.vans += [a, c]
+        a.start()
+        c.start()
+        msg = bulk(0, 50_000)
+        a.send(c.address, msg, dst_dc=CENTRAL_DC)
+        c_inbox.wait_for(1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=5.0) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=5.0)
+        reader.join(timeout=2.0)
+    stats = json.loads((tmp_path / "wan_links.json").read_text())
+    assert stats["links"]["a->central"]["bytes"] == wire_bytes([msg], "a0")
