@@ -1,0 +1,137 @@
+"""``DistributedOptimizer``: a single-process training loop becomes distributed by wrapping its optimizer.
+
+    kv = geomx.kvstore.create()
+    opt = geomx.torch.DistributedOptimizer(torch.optim.Adam(model.parameters(), 1e-3), model, kvstore=kv)
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()   # each gradient is pushed as soon as backward produces it
+        opt.step()                        # waits for the aggregated gradients (or new weights), then steps
+
+Construction initializes one key per parameter (its name) and pulls the master worker's values, so every
+worker starts from the same model. Two modes:
+
+* worker-side update (default): the servers return the mean gradient over all workers of all DCs; the
+  wrapped optimizer steps locally, exactly as single-process training on the union of the batches would;
+* server-side update (``update_on_server=True``, set on the master worker): the global servers run the
+  wrapped optimizer's class and hyper-parameters and workers receive weights; the local optimizer is unused.
+
+Tuning: gradients are pushed with priority ``-index`` (first layers first), so the tensors the next forward
+pass needs first travel first on a congested link. ``backward_passes_per_step`` > 1 accumulates several
+backward passes locally before pushing (fewer, larger WAN rounds).
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+import torch
+
+from geomx.errors import ConfigError
+
+
+class DistributedOptimizer:
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 named_parameters: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]] | None = None, *,
+                 kvstore=None, update_on_server: bool = False, backward_passes_per_step: int = 1) -> None:
+        if backward_passes_per_step < 1:
+            raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        if kvstore is None:
+            import geomx.kvstore
+            kvstore = geomx.kvstore.create()
+        self.optimizer, self.kv = optimizer, kvstore
+        self.backward_passes_per_step = backward_passes_per_step
+        self.params = _named(optimizer, named_parameters)
+        self._index = {id(p): i for i, (_, p) in enumerate(self.params)}
+        self._handles: dict[int, object] = {}
+        self._passes: dict[int, int] = {}
+        self.comm_wait_s = 0.0      # time step() spent waiting for the network (cumulative)
+        if update_on_server and kvstore.is_master_worker:
+            kvstore.set_optimizer(optimizer)
+        names = [n for n, _ in self.params]
+        kvstore.init(names, [p.detach() for _, p in self.params])
+        kvstore.pull(names, out=[p.data for _, p in self.params])
+        kvstore.waitall()
+        self.server_updates = kvstore.server_updates
+        if update_on_server and not self.server_updates and kvstore.is_master_worker:
+            raise ConfigError("update_on_server=True but the global servers run no optimizer")
+        for _, p in self.params:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    # the wrapped optimizer's API ---------------------------------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def step(self, closure=None):
+        """Wait for every parameter's result, then update (locally, or by copying the servers' weights)."""
+        if closure is not None:
+            raise ConfigError("DistributedOptimizer.step does not take a closure")
+        results = self.synchronize()
+        with torch.no_grad():
+            for (_, p), value in zip(self.params, results):
+                if value is None:
+                    continue
+                if self.server_updates:
+                    p.copy_(torch.from_numpy(value.copy()))
+                else:
+                    p.grad = torch.from_numpy(value.copy()).to(p.device)
+        if not self.server_updates:
+            self.optimizer.step()
+
+    def synchronize(self) -> list:
+        """Push what backward did not push (parameters without a gradient this step push zeros, so the
+        round completes everywhere) and wait for all results."""
+        for i, (_, p) in enumerate(self.params):
+            if p.requires_grad and i not in self._handles:
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                self._push(i, p, grad)
+        start = time.perf_counter()
+        results = []
+        for i, _ in enumerate(self.params):
+            h = self._handles.pop(i, None)
+            results.append(h.wait() if h is not None else None)
+        self.comm_wait_s += time.perf_counter() - start
+        self._passes.clear()
+        return results
+
+    # internals ----------------------------------------------------------------------------------------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        i = self._index[id(p)]
+        self._passes[i] = self._passes.get(i, 0) + 1
+        if self._passes[i] == self.backward_passes_per_step and i not in self._handles:
+            grad = p.grad if self.backward_passes_per_step == 1 else p.grad / self.backward_passes_per_step
+            self._push(i, p, grad)
+
+    def _push(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> None:
+        self._handles[i] = self.kv.pushpull(self.params[i][0], grad, priority=-i)
+
+
+def _named(optimizer: torch.optim.Optimizer, named) -> list[tuple[str, torch.nn.Parameter]]:
+    if named is None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        return [(f"param.{i}", p) for i, p in enumerate(params)]
+    if isinstance(named, torch.nn.Module):
+        named = named.named_parameters()
+    pairs = list(named)
+    names = [n for n, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ConfigError("parameter names must be unique (they are the kvstore keys)")
+    in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    missing = [n for n, p in pairs if id(p) not in in_optimizer and p.requires_grad]
+    if missing:
+        raise ConfigError(f"parameters {missing[:3]} are not in the wrapped optimizer")
+    return pairs
