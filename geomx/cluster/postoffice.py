@@ -29,6 +29,16 @@ CONTROL_OPS = {"register", "table", "reject", "barrier", "barrier_done", "hb", "
                "abort"}
 
 
+def describe_node(kind: str, rank, dc: str, addr: str, pid) -> str:
+    """'worker 1 of DC a (tcp://10.0.0.5:4000, pid 77)': how every log line and error names a node."""
+    name = {"server": "local server", "global_server": "global server", "master": "master worker"}.get(kind, kind)
+    if kind in ("worker", "global_server") and rank is not None:
+        name += f" {rank}"
+    if kind in ("worker", "server"):
+        name += f" of DC {dc}"
+    return f"{name} ({addr}, pid {pid})"
+
+
 @dataclass(frozen=True)
 class NodeInfo:
     id: str
@@ -41,10 +51,7 @@ class NodeInfo:
 
     @property
     def label(self) -> str:
-        kind = {"server": "local server", "global_server": "global server", "master": "master worker"}.get(
-            self.kind, self.kind)
-        where = f" of DC {self.dc}" if self.kind in ("worker", "server") else ""
-        return f"{kind} {self.rank}{where} ({self.addr}, pid {self.pid})"
+        return describe_node(self.kind, self.rank, self.dc, self.addr, self.pid)
 
     def to_wire(self) -> dict:
         return {"id": self.id, "kind": self.kind, "tier_role": self.tier_role, "dc": self.dc, "rank": self.rank,

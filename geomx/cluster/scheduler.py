@@ -13,6 +13,7 @@ import threading
 import time
 from collections import defaultdict
 
+from geomx.cluster.postoffice import describe_node
 from geomx.transport.message import Message
 from geomx.transport.van import Van
 
@@ -65,11 +66,9 @@ class Scheduler:
                       dst_dc=entry["dc"])
 
     def _label(self, entry: dict) -> str:
-        kind = {"server": "local server", "global_server": "global server", "master": "master worker"}.get(
-            entry["kind"], entry["kind"])
-        rank = f" {entry['rank']}" if entry.get("rank") is not None else ""
-        where = f" of DC {entry['dc']}" if entry["kind"] in ("worker", "server") else ""
-        return f"{kind}{rank}{where} ({entry['addr']}, pid {entry.get('pid', '?')})"
+        # a worker's rank in the global tier (flat topology) is not its rank in its DC: name the DC rank
+        rank = entry.get("rank") if self.tier.startswith("dc:") or entry["kind"] != "worker" else None
+        return describe_node(entry["kind"], rank, entry["dc"], entry["addr"], entry.get("pid", "?"))
 
     def _on_message(self, msg: Message) -> None:
         with self._lock:
