@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     p.add_argument("--data", choices=["digits", "mnist", "fashion-mnist"], default="digits")
     p.add_argument("--data-dir", help="directory with the IDX files for --data mnist/fashion-mnist")
     p.add_argument("--model", choices=["cnn", "wide"], default="cnn")
-    p.add_argument("--epochs", type=int, default=15)
+    p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: run every epoch)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
