@@ -5,12 +5,16 @@ process bodies, plus a few ``GEOMX_*`` ones of its own (docs/environment.md has 
 """
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping
 
 from geomx.errors import ConfigError
 from geomx.profiles import CENTRAL_DC
+from geomx.transport.security import Curve
+
+log = logging.getLogger("geomx.config")
 
 ROLES = ("global_scheduler", "global_server", "scheduler", "server", "worker", "master")
 MODES = ("dist_sync", "dist_async")
@@ -39,7 +43,7 @@ class NodeConfig:
     heartbeat_timeout: float = 10.0
     connect_timeout: float = 120.0
     op_timeout: float = 300.0
-    extra: dict = field(default_factory=dict)
+    curve: object = None                   # geomx.transport.security.Curve when GEOMX_SECRET is set
 
     @property
     def label(self) -> str:
@@ -121,6 +125,10 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
     cfg.host = env.get("DMLC_NODE_HOST") or env.get("GEOMX_HOST") or "127.0.0.1"
     cfg.port = _int(env, "PORT", role, 0)
     cfg.emulator = env.get("GEOMX_WAN_EMULATOR") or None
+    cfg.curve = Curve.from_env(env)
+    if cfg.curve is None and not cfg.host.startswith("127.") and cfg.host != "localhost":
+        log.warning("%s listens on %s without GEOMX_SECRET: its links are neither authenticated nor encrypted",
+                    role, cfg.host)
     cfg.run_dir = env.get("GEOMX_RUN_DIR") or None
     cfg.heartbeat_interval = _float(env, "GEOMX_HEARTBEAT_INTERVAL", cfg.heartbeat_interval)
     cfg.heartbeat_timeout = _float(env, "GEOMX_HEARTBEAT_TIMEOUT", cfg.heartbeat_timeout)

@@ -32,7 +32,7 @@ def run_scheduler(cfg: NodeConfig) -> int:
                                                         "worker": cfg.num_workers}, cfg.scheduler
     scheduler = Scheduler(tier=tier, dc=cfg.dc, expected=expected, host=host, port=port, emulator=cfg.emulator,
                           heartbeat_timeout=cfg.heartbeat_timeout, connect_timeout=cfg.connect_timeout,
-                          bind_host=os.environ.get("GEOMX_BIND_HOST") or None)
+                          bind_host=os.environ.get("GEOMX_BIND_HOST") or None, security=cfg.curve)
     return scheduler.serve()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -54,7 +55,8 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     return ports
 
 
-def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | None = None) -> list[RoleSpec]:
+def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | None = None,
+         secret: str | None = None) -> list[RoleSpec]:
     """The processes of ``topo``, in start order, with the environment each one reads."""
     h = topo.host
     node = [sys.executable, "-m", "geomx.node"]
@@ -63,7 +65,7 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
     ports = ports or free_ports(3 + n_dcs, h)
     p_global, p_central, p_emu, dc_ports = ports[0], ports[1], ports[2], ports[3:]
     global_workers = N if flat else n_dcs
-    base = {"PYTHONUNBUFFERED": "1", "GEOMX_RUN_DIR": str(run_dir), "GEOMX_TOPOLOGY": topo.topology,
+    base = {**({"GEOMX_SECRET": secret} if secret else {}), "PYTHONUNBUFFERED": "1", "GEOMX_RUN_DIR": str(run_dir), "GEOMX_TOPOLOGY": topo.topology,
             "GEOMX_MODE": topo.mode, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **topo.env}
     specs: list[RoleSpec] = []
     if topo.profile.emulated:
@@ -107,7 +109,9 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
 
 class Launcher:
     def __init__(self, topo: Topology, command: list[str], *, run_dir: Path, quiet: bool = False,
-                 out: TextIO | None = None) -> None:
+                 out: TextIO | None = None, secure: bool = False) -> None:
+        # --secure: a fresh shared secret per run; every link then runs CurveZMQ (geomx.transport.security)
+        self.secret = secrets.token_urlsafe(32) if secure else None
         self.topo, self.command, self.run_dir, self.quiet = topo, command, Path(run_dir), quiet
         self.out = out or sys.stdout
         self.running: list[Running] = []
@@ -120,7 +124,7 @@ class Launcher:
     def run(self, timeout: float | None = None) -> int:
         """Start everything, wait, tear down. Returns the exit code for the launcher."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        specs = plan(self.topo, self.command, self.run_dir)
+        specs = plan(self.topo, self.command, self.run_dir, secret=self.secret)
         self._write_manifest(specs)
         interrupted = {"sig": None}
 

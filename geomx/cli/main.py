@@ -41,7 +41,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
                          "geomx launch -- python examples/train_cnn.py")
     topo = topology_from_args(args)
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
-    return Launcher(topo, command, run_dir=run_dir, quiet=args.quiet).run(timeout=args.timeout)
+    return Launcher(topo, command, run_dir=run_dir, quiet=args.quiet,
+                    secure=args.secure).run(timeout=args.timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", help="directory for logs and metrics (default runs/<timestamp>)")
     p.add_argument("--quiet", action="store_true", help="do not echo the workers' output")
     p.add_argument("--timeout", type=float, help="stop everything after this many seconds")
+    p.add_argument("--secure", action="store_true",
+                   help="authenticate and encrypt every link (CurveZMQ, a fresh secret for this run)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
     p.set_defaults(fn=cmd_launch)
 

@@ -159,7 +159,7 @@ class Postoffice:
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self.van = Van(node_id=self.node_id, dc=cfg.dc, on_message=self._dispatch, host=cfg.host, port=cfg.port,
-                       emulator=cfg.emulator)
+                       emulator=cfg.emulator, security=cfg.curve)
 
     def start(self) -> None:
         self.van.start()

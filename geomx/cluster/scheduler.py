@@ -23,11 +23,11 @@ log = logging.getLogger("geomx.scheduler")
 class Scheduler:
     def __init__(self, *, tier: str, dc: str, expected: dict[str, int], host: str = "127.0.0.1", port: int,
                  emulator: str | None = None, heartbeat_timeout: float = 10.0, connect_timeout: float = 120.0,
-                 bind_host: str | None = None) -> None:
+                 bind_host: str | None = None, security=None) -> None:
         self.tier, self.dc, self.expected = tier, dc, dict(expected)
         self.heartbeat_timeout, self.connect_timeout = heartbeat_timeout, connect_timeout
         self.van = Van(node_id=f"scheduler-{tier}", dc=dc, on_message=self._on_message, host=host, port=port,
-                       emulator=emulator, bind_host=bind_host)
+                       emulator=emulator, bind_host=bind_host, security=security)
         self._lock = threading.Lock()
         self._pending: dict[str, dict] = {}           # node id -> registration
         self._members: dict[str, dict] = {}           # node id -> table entry (after rendezvous)

@@ -25,6 +25,7 @@ import zmq
 
 from geomx.errors import ConfigError, ProtocolError
 from geomx.transport.message import Message, decode, encode, payload_nbytes
+from geomx.transport.security import Curve
 
 log = logging.getLogger("geomx.van")
 
@@ -40,7 +41,7 @@ class Van:
 
     def __init__(self, *, node_id: str, dc: str, on_message: Callable[[Message], None], host: str = "127.0.0.1",
                  port: int = 0, bind_host: str | None = None, emulator: str | None = None,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, security: Curve | None = None) -> None:
         self.node_id = node_id
         self.dc = dc
         self.host = host
@@ -49,6 +50,7 @@ class Van:
         self._on_message = on_message
         self._emulator = emulator
         self._ctx = context or zmq.Context.instance()
+        self._security = security
         self._queue: list = []
         self._seq = itertools.count()
         self._cv = threading.Condition()
@@ -71,6 +73,8 @@ class Van:
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.RCVHWM, 0)
+        if self._security is not None:
+            self._security.server(router)
         try:
             if self._port:
                 router.bind(tcp_address(self._bind_host, self._port))
@@ -165,5 +169,7 @@ class Van:
         sock.setsockopt(zmq.IDENTITY, self.node_id.encode())
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._security is not None:
+            self._security.client(sock)
         sock.connect(addr)
         return sock

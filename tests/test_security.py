@@ -1,0 +1,90 @@
+"""With GEOMX_SECRET set, only holders of the secret can talk to a node (CurveZMQ on every link)."""
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from geomx.errors import ConfigError
+from geomx.transport.message import Message, encode
+from geomx.transport.security import Curve
+from geomx.transport.van import Van
+
+SECRET = "correct horse battery staple 42"
+
+
+class Inbox:
+    def __init__(self):
+        self.messages, self.event = [], threading.Event()
+
+    def __call__(self, msg):
+        self.messages.append(msg)
+        self.event.set()
+
+    def wait_for(self, n, timeout=5.0):
+        end = time.monotonic() + timeout
+        while len(self.messages) < n and time.monotonic() < end:
+            time.sleep(0.01)
+        return len(self.messages) >= n
+
+
+@pytest.fixture
+def secured_server():
+    inbox = Inbox()
+    van = Van(node_id="server", dc="a", on_message=inbox, security=Curve(SECRET))
+    van.start()
+    yield van, inbox
+    van.stop()
+
+
+def test_peers_sharing_the_secret_exchange_tensors(secured_server):
+    server, inbox = secured_server
+    client = Van(node_id="client", dc="a", on_message=lambda m: None, security=Curve(SECRET))
+    client.start()
+    try:
+        client.send(server.address, Message("push", fields={"key": 1}, tensors=[np.arange(5.0)]))
+        assert inbox.wait_for(1)
+        np.testing.assert_array_equal(inbox.messages[0].tensors[0], np.arange(5.0))
+    finally:
+        client.stop()
+
+
+@pytest.mark.parametrize("stranger_secret", [None, "another secret of enough length"])
+def test_a_stranger_without_the_secret_is_never_heard_and_the_node_keeps_serving(secured_server, stranger_secret):
+    server, inbox = secured_server
+    ctx = zmq.Context()
+    stranger = ctx.socket(zmq.DEALER)
+    stranger.linger = 0
+    if stranger_secret:
+        Curve(stranger_secret).client(stranger)
+    stranger.connect(server.address)
+    for _ in range(5):
+        stranger.send_multipart(encode(Message("push", src="intruder", fields={"key": 1})), copy=True)
+    time.sleep(1.0)
+    assert inbox.messages == []
+    friend = Van(node_id="friend", dc="a", on_message=lambda m: None, security=Curve(SECRET))
+    friend.start()
+    try:
+        friend.send(server.address, Message("hello"))
+        assert inbox.wait_for(1)
+        assert [m.src for m in inbox.messages] == ["friend"]
+    finally:
+        friend.stop()
+        stranger.close()
+        ctx.term()
+
+
+def test_a_short_secret_is_refused_with_a_clear_error():
+    with pytest.raises(ConfigError, match="GEOMX_SECRET must have at least 16 characters"):
+        Curve("short")
+
+
+def test_secret_can_come_from_a_file(tmp_path):
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    curve = Curve.from_env({"GEOMX_SECRET_FILE": str(path)})
+    assert curve.server_public == Curve(SECRET).server_public
+    with pytest.raises(ConfigError, match="cannot read GEOMX_SECRET_FILE"):
+        Curve.from_env({"GEOMX_SECRET_FILE": str(tmp_path / "missing")})
+    assert Curve.from_env({}) is None
