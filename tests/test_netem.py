@@ -1,7 +1,10 @@
 """The user-space WAN emulator: rate, delay, priorities, sharing, byte counting, robustness, process entry.
 
-End-to-end tests use real vans and a real emulator over zmq on 127.0.0.1; timing bounds are the model's
-numbers plus slack for a busy 2-core machine, checked on medians or totals, never on single samples.
+End-to-end tests use real vans and a real emulator over zmq on 127.0.0.1. Timing bounds are the model's
+numbers plus slack, checked on medians or totals, never on single samples. On a busy machine any thread may
+be descheduled for milliseconds at random, so a timing measurement that misses its bounds is repeated (at
+most 3 attempts, see :func:`timing_attempts`): an emulator fault is systematic and fails every attempt.
+Properties that noise cannot fake (order, never early, byte counts) are checked on every attempt.
 """
 from __future__ import annotations
 
@@ -86,6 +89,34 @@ def net():
     n.close()
 
 
+def timing_attempts(measure, attempts: int = 3):
+    """Run ``measure(net)`` with fresh emulators and vans until its timing assertions hold; see module doc.
+
+    Only AssertionError is retried: checks that must hold every time call ``pytest.fail``.
+    """
+    failures = []
+    for _ in range(attempts):
+        n = Net()
+        try:
+            return measure(n)
+        except AssertionError as exc:
+            failures.append(str(exc).splitlines()[0])
+        finally:
+            n.close()
+    pytest.fail(f"timing bounds missed in all {attempts} attempts: " + " | ".join(failures))
+
+
+class RecordingScheduler:
+    """Stands in for a DeliveryScheduler: records each delivery's virtual time and delivers at once."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def schedule(self, at: float, fn) -> None:
+        self.times.append(at)
+        fn()
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_threads():
     yield
@@ -121,34 +152,42 @@ def wire_bytes(msgs: list[Message], src: str) -> int:
 
 @pytest.mark.parametrize("rate_bps, msg_bytes", [(10e6, 64 * 1024), (1e9, MIB)])
 def test_link_goodput_of_one_second_transfer_is_within_5_percent_of_rate(rate_bps, msg_bytes):
-    link = EmulatedLink(name="a->central", rate_bps=rate_bps, one_way_delay_s=0.0)
     count = int(np.ceil(rate_bps / 8 / msg_bytes))      # >= 1 s of data
-    done, arrivals = threading.Event(), []
 
-    def deliver():
-        arrivals.append(time.monotonic())
-        if len(arrivals) == count:
-            done.set()
-    try:
-        t0 = time.monotonic()
-        for _ in range(count):
-            link.enqueue(msg_bytes, 0, deliver)
-        assert done.wait(5.0)
-    finally:
-        link.close()
-    elapsed = arrivals[-1] - t0
-    assert elapsed >= 1.0
-    assert 0.95 <= count * msg_bytes * 8 / elapsed / rate_bps <= 1.02
-    snap = link.snapshot()
-    assert snap["bytes"] == count * msg_bytes and snap["messages"] == count
-    assert sum(snap["series"]) == snap["bytes"] and len(snap["series"]) >= 2
+    def measure(_):
+        link = EmulatedLink(name="a->central", rate_bps=rate_bps, one_way_delay_s=0.0)
+        done, arrivals = threading.Event(), []
+
+        def deliver():
+            arrivals.append(time.monotonic())
+            if len(arrivals) == count:
+                done.set()
+        try:
+            t0 = time.monotonic()
+            for _ in range(count):
+                link.enqueue(msg_bytes, 0, deliver)
+            if not done.wait(5.0):
+                pytest.fail(f"{len(arrivals)} of {count} messages delivered")
+        finally:
+            link.close()
+        snap = link.snapshot()
+        if not (snap["bytes"] == count * msg_bytes == sum(snap["series"]) and snap["messages"] == count):
+            pytest.fail(f"counters {snap} do not match {count} messages of {msg_bytes} bytes")
+        elapsed = arrivals[-1] - t0
+        if elapsed < 1.0:
+            pytest.fail(f"{count * msg_bytes} bytes crossed a {rate_bps:g} bit/s link in {elapsed:.3f} s")
+        fraction = count * msg_bytes * 8 / elapsed / rate_bps
+        assert 0.95 <= fraction <= 1.02, f"goodput {fraction:.3f} of the rate"
+        assert len(snap["series"]) >= 2
+
+    timing_attempts(measure)
 
 
 def test_link_delivers_equal_priorities_in_fifo_order_and_higher_priority_first():
-    link = EmulatedLink(name="x", rate_bps=1e8, one_way_delay_s=0.001, chunk_bytes=1000)
+    link = EmulatedLink(name="x", rate_bps=1e7, one_way_delay_s=0.001, chunk_bytes=1000)
     order, done = [], threading.Event()
     try:
-        # the first message occupies the line; all others queue behind it and are ordered by the scheduler
+        # the first message occupies the line for 160 ms; the others queue behind it, ordered by the scheduler
         for name, nbytes, prio in [("bulk0", 200_000, 0), ("b1", 5000, 0), ("b2", 100, 0), ("u1", 3000, 7),
                                    ("b3", 2000, 0), ("u2", 10, 7)]:
             link.enqueue(nbytes, prio, lambda n=name: (order.append(n), len(order) == 6 and done.set()))
@@ -160,105 +199,133 @@ def test_link_delivers_equal_priorities_in_fifo_order_and_higher_priority_first(
 
 def test_link_jitter_varies_delay_within_two_std_and_never_reorders():
     delay, jitter = 0.010, 0.002
-    link = EmulatedLink(name="x", rate_bps=1e9, one_way_delay_s=delay, jitter_s=jitter, seed=3)
-    sent, got, done = {}, [], threading.Event()
+    sched = RecordingScheduler()      # checks the model's delivery times, free of the machine's noise
+    link = EmulatedLink(name="x", rate_bps=1e9, one_way_delay_s=delay, jitter_s=jitter, seed=3, scheduler=sched)
+    sent, got = [], []
     try:
         for i in range(40):
-            sent[i] = time.monotonic()
-            link.enqueue(100, 0, lambda i=i: (got.append((i, time.monotonic() - sent[i])),
-                                               len(got) == 40 and done.set()))
-            time.sleep(0.003)     # spaced out, so most deliveries are not held back by the previous one
-        assert done.wait(3.0)
+            sent.append(time.monotonic())
+            link.enqueue(100, 0, lambda i=i: got.append(i))
+            time.sleep(0.003)     # spaced out: deliveries are not all held back by their predecessor
+        deadline = time.monotonic() + 3.0
+        while len(got) < 40 and time.monotonic() < deadline:
+            time.sleep(0.01)
     finally:
         link.close()
-    assert [i for i, _ in got] == list(range(40))
-    delays = [d for _, d in got]
+    assert got == list(range(40))
+    assert sched.times == sorted(sched.times)                 # never reordered
+    delays = [at - t for at, t in zip(sched.times, sent)]
     assert min(delays) >= delay - 2 * jitter
-    assert max(delays) <= delay + 2 * jitter + 0.005      # + scheduling slack of a busy machine
+    assert max(delays) <= delay + 2 * jitter + 0.003          # + serialization, the enqueue call, noise
     assert statistics.pstdev(delays) > jitter / 4
 
 
 # -- through the emulator ---------------------------------------------------------------------------------
 
-def test_goodput_through_emulator_of_one_second_transfer_is_within_5_percent_of_rate(net):
+def test_goodput_through_emulator_of_one_second_transfer_is_within_5_percent_of_rate():
     rate = 100e6
-    em = net.emulator(rate_bps=rate, rtt_s=0.010)
-    a, c = net.van("a0", "a", em), net.van("c0", CENTRAL_DC, em)
-    msgs = [bulk(i, MIB) for i in range(12)]          # 12.6 MB: 1.007 s at 100 Mbit/s
-    t0 = send_all(a, c, msgs, CENTRAL_DC)
-    arrivals = c.inbox.wait_for(len(msgs), timeout=6.0)
-    elapsed = arrivals[-1][0] - t0
-    assert elapsed >= 1.0
-    assert 0.95 <= wire_bytes(msgs, "a0") * 8 / elapsed / rate <= 1.02
+
+    def measure(net):
+        em = net.emulator(rate_bps=rate, rtt_s=0.010)
+        a, c = net.van("a0", "a", em), net.van("c0", CENTRAL_DC, em)
+        msgs = [bulk(i, MIB) for i in range(12)]          # 12.6 MB: 1.007 s at 100 Mbit/s
+        t0 = send_all(a, c, msgs, CENTRAL_DC)
+        arrivals = c.inbox.wait_for(len(msgs), timeout=6.0)
+        elapsed = arrivals[-1][0] - t0
+        if elapsed < 1.0:
+            pytest.fail(f"12.6 MB crossed a 100 Mbit/s link in {elapsed:.3f} s")
+        fraction = wire_bytes(msgs, "a0") * 8 / elapsed / rate
+        assert 0.95 <= fraction <= 1.02, f"goodput {fraction:.3f} of the rate"
+
+    timing_attempts(measure)
 
 
-def test_added_delay_of_small_messages_is_within_2ms_of_one_way_delay(net):
+def test_added_delay_of_small_messages_is_within_2ms_of_one_way_delay():
     one_way = 0.020
-    em = net.emulator(rate_bps=100e6, rtt_s=2 * one_way)
-    a, c = net.van("a0", "a", em), net.van("c0", CENTRAL_DC, em)
-    direct, emulated = [], []
-    for i in range(15):
-        for via, out in ((None, direct), (CENTRAL_DC, emulated)):   # interleaved: same machine load
-            t0 = time.monotonic()
-            a.send(c.address, Message("ping", fields={"i": i}, tensors=[np.zeros(16, np.uint8)]), dst_dc=via)
-            out.append(c.inbox.wait_for(len(direct) + len(emulated) + 1)[-1][0] - t0)
-    assert min(emulated) >= one_way                       # never delivered early
-    added = statistics.median(emulated) - statistics.median(direct)
-    assert abs(added - one_way) <= 0.002, f"added delay {added * 1000:.2f} ms, configured {one_way * 1000} ms"
+
+    def measure(net):
+        em = net.emulator(rate_bps=100e6, rtt_s=2 * one_way)
+        a, c = net.van("a0", "a", em), net.van("c0", CENTRAL_DC, em)
+        direct, emulated = [], []
+        for i in range(15):
+            for via, out in ((None, direct), (CENTRAL_DC, emulated)):   # interleaved: same machine load
+                t0 = time.monotonic()
+                a.send(c.address, Message("ping", fields={"i": i}, tensors=[np.zeros(16, np.uint8)]), dst_dc=via)
+                out.append(c.inbox.wait_for(len(direct) + len(emulated) + 1)[-1][0] - t0)
+        if min(emulated) < one_way:
+            pytest.fail(f"a message arrived {min(emulated) * 1000:.2f} ms after it was sent: earlier than the delay")
+        added = statistics.median(emulated) - statistics.median(direct)
+        assert abs(added - one_way) <= 0.002, f"added delay {added * 1000:.2f} ms, configured {one_way * 1000} ms"
+
+    timing_attempts(measure)
 
 
-def test_high_priority_message_overtakes_bulk_message_at_next_chunk_boundary(net):
+def test_high_priority_message_overtakes_bulk_message_at_next_chunk_boundary():
     rate, one_way = 100e6, 0.005
-    em = net.emulator(rate_bps=rate, rtt_s=2 * one_way)
-    a, c = net.van("a0", "a", em), net.van("c0", CENTRAL_DC, em)
-    t_bulk = send_all(a, c, [bulk(0, 4 * MIB)], CENTRAL_DC, priority=0)    # 335 ms on the line
-    time.sleep(0.03)
-    t_urgent = send_all(a, c, [Message("urgent", tensors=[np.ones(100, np.float32)])], CENTRAL_DC, priority=5)
-    arrivals = c.inbox.wait_for(2, timeout=3.0)
-    assert [m.op for _, m in arrivals] == ["urgent", "bulk"]
-    urgent_delay = arrivals[0][0] - t_urgent
-    # one-way delay + at most one 64 KiB chunk (5.2 ms) + look-ahead, plus scheduling slack
-    assert urgent_delay < one_way + 0.0053 + 0.002 + 0.010, f"urgent message took {urgent_delay * 1000:.1f} ms"
-    assert arrivals[1][0] - arrivals[0][0] > 0.2         # long before the bulk message finished
-    assert arrivals[1][0] - t_bulk >= 4 * MIB * 8 / rate + one_way
+
+    def measure(net):
+        em = net.emulator(rate_bps=rate, rtt_s=2 * one_way)
+        a, c = net.van("a0", "a", em), net.van("c0", CENTRAL_DC, em)
+        t_bulk = send_all(a, c, [bulk(0, 4 * MIB)], CENTRAL_DC, priority=0)    # 335 ms on the line
+        time.sleep(0.03)
+        t_urgent = send_all(a, c, [Message("urgent", tensors=[np.ones(100, np.float32)])], CENTRAL_DC, priority=5)
+        arrivals = c.inbox.wait_for(2, timeout=3.0)
+        if [m.op for _, m in arrivals] != ["urgent", "bulk"]:
+            pytest.fail(f"arrival order {[m.op for _, m in arrivals]}")
+        if arrivals[1][0] - t_bulk < 4 * MIB * 8 / rate + one_way:
+            pytest.fail("the bulk message crossed the link faster than its rate")
+        urgent_delay = arrivals[0][0] - t_urgent
+        # one-way delay + at most one 64 KiB chunk (5.2 ms) + look-ahead (2 ms), plus scheduling slack
+        assert urgent_delay < one_way + 0.0053 + 0.002 + 0.010, f"urgent message took {urgent_delay * 1000:.1f} ms"
+        assert arrivals[1][0] - arrivals[0][0] > 0.2         # long before the bulk message finished
+
+    timing_attempts(measure)
 
 
-def test_two_flows_on_one_link_share_its_rate(net):
+def test_two_flows_on_one_link_share_its_rate():
     rate = 50e6
-    em = net.emulator(rate_bps=rate, rtt_s=0.010)
-    a1, a2, c = net.van("a1", "a", em), net.van("a2", "a", em), net.van("c0", CENTRAL_DC, em)
-    for van in (a1, a2):       # connect both first, so that neither flow reaches the link's FIFO queue alone
-        van.send(c.address, Message("hello"), dst_dc=CENTRAL_DC)
-    c.inbox.wait_for(2)
-    c.inbox.arrivals.clear()
-    flows = {"a1": [bulk(i, 256 * 1024) for i in range(12)], "a2": [bulk(i, 256 * 1024) for i in range(12)]}
-    t0 = time.monotonic()      # 3.1 MB per flow: 0.5 s alone, 1 s together
-    for i in range(12):
-        for van in (a1, a2):
-            van.send(c.address, flows[van.node_id][i], dst_dc=CENTRAL_DC)
-    arrivals = c.inbox.wait_for(24, timeout=6.0)
-    total = sum(wire_bytes(msgs, src) for src, msgs in flows.items())
-    elapsed = arrivals[-1][0] - t0
-    assert 0.95 <= total * 8 / elapsed / rate <= 1.02    # together they get the rate, not twice the rate
-    for src in flows:                                     # and each flow is slowed by the other
-        last = max(t for t, m in arrivals if m.src == src)
-        assert last - t0 > 0.8 * elapsed
-    assert list(em.stats()["links"]) == ["a->central"]
+
+    def measure(net):
+        em = net.emulator(rate_bps=rate, rtt_s=0.010)
+        a1, a2, c = net.van("a1", "a", em), net.van("a2", "a", em), net.van("c0", CENTRAL_DC, em)
+        flows = {"a1": [bulk(i, 256 * 1024) for i in range(12)], "a2": [bulk(i, 256 * 1024) for i in range(12)]}
+        t0 = time.monotonic()      # 3.1 MB per flow: 0.5 s alone, 1 s together
+        for i in range(12):
+            for van in (a1, a2):
+                van.send(c.address, flows[van.node_id][i], dst_dc=CENTRAL_DC)
+        arrivals = c.inbox.wait_for(24, timeout=6.0)
+        if list(em.stats()["links"]) != ["a->central"]:
+            pytest.fail(f"links {list(em.stats()['links'])}")
+        total = sum(wire_bytes(msgs, src) for src, msgs in flows.items())
+        elapsed = arrivals[-1][0] - t0
+        # a link per flow would carry both in 0.5 s: twice the rate. Which flow finishes first is not checked:
+        # equal priorities are FIFO by arrival at the emulator, and the senders' threads decide that order
+        if total * 8 / elapsed / rate > 1.02:
+            pytest.fail(f"two flows got {total * 8 / elapsed / rate:.2f} times the link's rate")
+        assert total * 8 / elapsed / rate >= 0.95, f"together they got {total * 8 / elapsed / rate:.3f} of the rate"
+
+    timing_attempts(measure)
 
 
-def test_links_in_opposite_directions_are_independent(net):
+def test_links_in_opposite_directions_are_independent():
     rate = 50e6
-    em = net.emulator(rate_bps=rate, rtt_s=0.010)
-    a, c = net.van("a0", "a", em), net.van("c0", CENTRAL_DC, em)
-    up, down = [bulk(i, 256 * 1024) for i in range(12)], [bulk(i, 256 * 1024) for i in range(12)]
-    t0 = time.monotonic()      # 0.5 s each way; a shared link would need 1 s
-    for m_up, m_down in zip(up, down):
-        a.send(c.address, m_up, dst_dc=CENTRAL_DC)
-        c.send(a.address, m_down, dst_dc="a")
-    for van, msgs, src in ((c, up, "a0"), (a, down, "c0")):
-        elapsed = van.inbox.wait_for(12, timeout=4.0)[-1][0] - t0
-        assert wire_bytes(msgs, src) * 8 / elapsed / rate >= 0.95
-    assert sorted(em.stats()["links"]) == ["a->central", "central->a"]
+
+    def measure(net):
+        em = net.emulator(rate_bps=rate, rtt_s=0.010)
+        a, c = net.van("a0", "a", em), net.van("c0", CENTRAL_DC, em)
+        up, down = [bulk(i, 256 * 1024) for i in range(12)], [bulk(i, 256 * 1024) for i in range(12)]
+        t0 = time.monotonic()      # 0.5 s each way; a shared link would need 1 s
+        for m_up, m_down in zip(up, down):
+            a.send(c.address, m_up, dst_dc=CENTRAL_DC)
+            c.send(a.address, m_down, dst_dc="a")
+        done = [van.inbox.wait_for(12, timeout=4.0)[-1][0] for van in (c, a)]
+        if sorted(em.stats()["links"]) != ["a->central", "central->a"]:
+            pytest.fail(f"links {sorted(em.stats()['links'])}")
+        for last, msgs, src in zip(done, (up, down), ("a0", "c0")):
+            fraction = wire_bytes(msgs, src) * 8 / (last - t0) / rate
+            assert fraction >= 0.95, f"{src}'s direction got {fraction:.3f} of its rate"
+
+    timing_attempts(measure)
 
 
 def test_emulator_counts_exactly_the_bytes_of_the_forwarded_frames(net):

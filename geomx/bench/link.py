@@ -78,6 +78,9 @@ def bench_link(*, rate_bps: float = 100e6, rtt_s: float = 0.040, jitter_s: float
     try:
         van_a.start()
         van_c.start()
+        # connect every socket on the path first, so that connection set-up is not counted as link time
+        van_a.send(van_c.address, Message("warm-up"), dst_dc=CENTRAL_DC)
+        inbox_c.wait_for(1, timeout_s)
         transfers = [_transfer(van_a, van_c, inbox_c, emulator, rate_bps, size, seconds, timeout_s)
                      for size in sizes]
         rtt_direct, rtt_emulated = _pings(van_a, van_c, inbox_a, pings, ping_bytes, rtt_s, timeout_s)

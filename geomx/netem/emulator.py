@@ -30,6 +30,7 @@ import zmq
 
 from geomx.errors import ConfigError
 from geomx.netem.link import DeliveryScheduler, EmulatedLink
+from geomx.transport.security import Curve
 from geomx.profiles import WanProfile, custom_profile, get_profile, parse_duration, parse_rate
 from geomx.transport.message import payload_nbytes
 
@@ -48,10 +49,12 @@ class WanEmulator:
     """
 
     def __init__(self, *, profile: WanProfile, host: str = "127.0.0.1", port: int = 0, run_dir: str | None = None,
-                 chunk_bytes: int = 65536, seed: int = 0, context: zmq.Context | None = None) -> None:
+                 chunk_bytes: int = 65536, seed: int = 0, context: zmq.Context | None = None,
+                 security: Curve | None = None) -> None:
         if not profile.emulated:
             raise ConfigError(f"WAN profile {profile.name!r} is not emulated: no emulator is needed")
         self.profile = profile
+        self._security = security   # with GEOMX_SECRET the emulator is a CurveZMQ peer like any node
         self.host = host
         self._port = port
         self.run_dir = run_dir
@@ -82,9 +85,13 @@ class WanEmulator:
         return self._port
 
     def start(self) -> None:
+        if self.run_dir:
+            os.makedirs(self.run_dir, exist_ok=True)
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.RCVHWM, 0)    # the link queues are the buffer; never push back on senders
+        if self._security is not None:
+            self._security.server(router)
         try:
             if self._port:
                 router.bind(self.address)
@@ -103,7 +110,6 @@ class WanEmulator:
         self._running = True
         targets = [(self._receive_loop, "wan-recv")]
         if self.run_dir:
-            os.makedirs(self.run_dir, exist_ok=True)
             targets.append((self._stats_loop, "wan-stats"))
         for target, name in targets:
             t = threading.Thread(target=target, name=name, daemon=True)
@@ -200,6 +206,8 @@ class WanEmulator:
             sock.setsockopt(zmq.IDENTITY, IDENTITY)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, 0)
+            if self._security is not None:
+                self._security.client(sock)
             try:
                 sock.connect(dst)
             except zmq.ZMQError:
@@ -296,7 +304,8 @@ def run_from_env(env: Mapping[str, str] | None = None) -> int:
             raise ValueError
     except ValueError:
         raise ConfigError(f"GEOMX_EMULATOR_PORT={port_text!r} is not a port number") from None
-    emulator = WanEmulator(profile=profile, host=host, port=port, run_dir=env.get("GEOMX_RUN_DIR") or None)
+    emulator = WanEmulator(profile=profile, host=host, port=port, run_dir=env.get("GEOMX_RUN_DIR") or None,
+                           security=Curve.from_env(env))
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}

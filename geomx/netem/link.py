@@ -5,10 +5,12 @@ The model of a link is one serial line of ``rate_bps`` followed by a propagation
 * Messages wait in a queue ordered by (priority desc, arrival asc). A scheduler thread serializes the message
   at the head of the queue one chunk (``chunk_bytes``) at a time, so a higher-priority message that arrives
   while a bulk message is half sent overtakes it at the next chunk boundary; equal priorities stay FIFO.
-* Serialization runs on a virtual clock: a chunk occupies the line from ``max(now, busy_until)`` for
-  ``chunk * 8 / rate_bps`` seconds. The thread sleeps only while the virtual clock is more than
-  ``LOOKAHEAD_S`` ahead of real time, so Python's coarse sleeps never leave the line idle (goodput stays at
-  the rate) and the choice of the next chunk is made at most ``LOOKAHEAD_S`` before that chunk starts.
+* Serialization runs on a virtual clock: a chunk occupies the line from ``max(busy_until, arrival)`` for
+  ``chunk * 8 / rate_bps`` seconds (``arrival``: when its message was enqueued). The thread sleeps only
+  while the virtual clock is more than ``LOOKAHEAD_S`` ahead of real time, and a thread that wakes late
+  (coarse sleeps, a busy machine) back-dates the chunks it commits instead of leaving the line idle, so
+  goodput stays at the rate and deliveries keep their virtual times (a late one is made at once). The choice
+  of the next chunk is made at most ``LOOKAHEAD_S`` before that chunk starts.
 * A message whose last chunk ends at ``tx_end`` is delivered at ``tx_end + one_way_delay + jitter``, jitter
   drawn from a seeded normal distribution (std ``jitter_s``, clipped to +-2 std), but never before the
   previous delivery on the same link: a TCP connection does not reorder.
@@ -123,13 +125,13 @@ class EmulatedLink:
         self._own_scheduler = scheduler is None
         self._scheduler = scheduler or DeliveryScheduler(name=f"wan-delivery-{name}")
         self._epoch = time.monotonic() if epoch is None else epoch
-        self._queue: list = []              # heap of [-priority, seq, remaining bytes, nbytes, deliver]
+        self._queue: list = []              # heap of [-priority, seq, remaining bytes, nbytes, deliver, arrival]
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._closed = False
         self._busy_until = 0.0              # virtual clock: when the line finishes its last committed chunk
         self._last_delivery = 0.0
-        # counters, written by the delivery thread, read by snapshot()
+        # counters (queued = enqueued but not yet delivered; after close: dropped), guarded by _stats_lock
         self._stats_lock = threading.Lock()
         self._bytes = 0
         self._messages = 0
@@ -144,9 +146,10 @@ class EmulatedLink:
         with self._cv:
             if self._closed:
                 raise GeomxError(f"link {self.name} is closed")
-            heapq.heappush(self._queue, [-priority, next(self._seq), nbytes, nbytes, deliver])
-            self._queued_bytes += nbytes
-            self._queued_messages += 1
+            with self._stats_lock:
+                self._queued_bytes += nbytes
+                self._queued_messages += 1
+            heapq.heappush(self._queue, [-priority, next(self._seq), nbytes, nbytes, deliver, time.monotonic()])
             self._cv.notify()
 
     def snapshot(self) -> dict:
@@ -193,7 +196,7 @@ class EmulatedLink:
                     continue
                 head = self._queue[0]   # highest priority, oldest first: chosen anew at every chunk boundary
                 chunk = min(self.chunk_bytes, head[2])
-                self._busy_until = max(now, self._busy_until) + chunk * 8.0 / self.rate_bps
+                self._busy_until = max(self._busy_until, head[5]) + chunk * 8.0 / self.rate_bps
                 head[2] -= chunk
                 if head[2] > 0:
                     continue

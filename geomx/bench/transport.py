@@ -1,0 +1,367 @@
+"""``geomx bench transport``: one worker's push+pull throughput to its server, against raw pyzmq.
+
+geomx side: a real deployment started with the launcher (flat topology, 1 DC, 1 worker, ``lan``: the worker
+talks straight to the global server over loopback, no emulator). The worker (this module, run as
+``python -m geomx.bench.transport kv-worker``) times, per tensor size, ``repeats`` rounds of
+
+* ``pushpull``: ``kv.pushpull(key, x, out=y).wait()`` (one request, one reply), and
+* ``push+pull``: ``kv.push(key, x); kv.pull(key, out=y).wait()`` (two requests issued back to back),
+
+with float32 torch tensors, after one untimed warm-up round of each, and writes the times into the run
+directory. The master worker only initializes the keys.
+
+raw side: a pyzmq DEALER (this process) sends the same number of bytes to a ROUTER in another process,
+which echoes them back; ``copy=False`` both ways. It runs before and after the geomx deployment and both
+passes are pooled, so both sides see the same machine load as far as possible.
+
+Throughput, the same definition for both: ``2 x payload bytes / round-trip time`` (payload bytes cross the
+loopback once in each direction), with the round-trip time the median over the repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from geomx.bench.common import (MIB, bench_env, emit_report, fmt_mib, launch, markdown_table, median,
+                                parse_sizes, ratio, read_json, run_directory)
+from geomx.errors import GeomxError
+
+TARGET = 0.80           # geomx / raw at sizes >= TARGET_FROM_MIB (the issue's target)
+TARGET_FROM_MIB = 16
+
+
+def _key(mib: float) -> str:
+    return f"bench-transport-{mib:g}MiB"
+
+
+def _elements(mib: float) -> int:
+    return max(1, int(mib * MIB) // 4)
+
+
+# -- the geomx worker (run inside the deployment) --------------------------------------------------------------
+
+def kv_worker_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m geomx.bench.transport kv-worker")
+    p.add_argument("--sizes", required=True)
+    p.add_argument("--repeats", type=int, required=True)
+    args = p.parse_args(argv)
+    sizes = parse_sizes(args.sizes)
+
+    import torch
+
+    import geomx.kvstore
+
+    torch.set_num_threads(1)
+    kv = geomx.kvstore.create()
+    values = [torch.rand(_elements(m), dtype=torch.float32) for m in sizes]
+    keys = [_key(m) for m in sizes]
+    kv.init(keys, values)
+    if kv.is_master_worker:
+        kv.close()
+        return 0
+    results = []
+    for mib, key, x in zip(sizes, keys, values):
+        y = torch.empty_like(x)
+        kv.pushpull(key, x, out=y).wait()           # warm-up (connections, allocator, page faults)
+        kv.push(key, x)
+        kv.pull(key, out=y).wait()
+        pushpull, push_pull = [], []
+        for _ in range(args.repeats):               # interleaved: both variants see the same load
+            t0 = time.perf_counter()
+            kv.pushpull(key, x, out=y).wait()
+            t1 = time.perf_counter()
+            kv.push(key, x)
+            kv.pull(key, out=y).wait()
+            t2 = time.perf_counter()
+            pushpull.append(t1 - t0)
+            push_pull.append(t2 - t1)
+        if not torch.allclose(y, x):                 # 1 worker: the mean gradient is the pushed tensor
+            raise GeomxError(f"transport bench: the value pulled for {key} differs from the value pushed")
+        results.append({"mib": mib, "bytes": x.numel() * 4, "pushpull_s": pushpull, "push_pull_s": push_pull})
+    run_dir = Path(os.environ["GEOMX_RUN_DIR"])
+    (run_dir / f"transport-{kv.dc}-{kv.rank}.json").write_text(json.dumps({"sizes": results}))
+    kv.close()
+    return 0
+
+
+# -- the raw pyzmq echo ------------------------------------------------------------------------------------------
+
+def echo_server_main(argv: list[str]) -> int:
+    """ROUTER that sends every message straight back (copy=False); a 3-frame message stops it."""
+    import zmq
+
+    p = argparse.ArgumentParser(prog="python -m geomx.bench.transport echo-server")
+    p.add_argument("--port-file", required=True)
+    args = p.parse_args(argv)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    Path(args.port_file + ".tmp").write_text(str(port))
+    os.replace(args.port_file + ".tmp", args.port_file)
+    while True:
+        if not sock.poll(60_000):
+            return 1                        # nobody talked to us for a minute: the bench is gone
+        frames = sock.recv_multipart(copy=False)
+        if len(frames) == 3:
+            sock.send_multipart([frames[0], b"bye"])
+            break
+        sock.send_multipart(frames, copy=False)
+    sock.close(linger=1000)
+    ctx.term()
+    return 0
+
+
+class RawEcho:
+    """Start the echo server process; ``roundtrips`` times DEALER -> ROUTER -> DEALER echoes."""
+
+    def __init__(self, run_dir: Path) -> None:
+        import zmq
+
+        port_file = run_dir / "echo-port"
+        self.log = open(run_dir / "echo-server.log", "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "geomx.bench.transport", "echo-server", "--port-file",
+                                      str(port_file)], env=bench_env(), stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise GeomxError(f"transport bench: the raw echo server did not start (see {run_dir}/echo-server.log)")
+            time.sleep(0.02)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://127.0.0.1:{int(port_file.read_text())}")
+
+    def roundtrips(self, nbytes: int, repeats: int) -> list[float]:
+        payload = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+        times = []
+        for i in range(repeats + 1):               # the first one is a warm-up
+            t0 = time.perf_counter()
+            self.sock.send(payload, copy=False)
+            if not self.sock.poll(120_000):
+                raise GeomxError(f"transport bench: the raw echo of {nbytes} bytes did not come back in 120 s")
+            reply = self.sock.recv(copy=False)
+            t1 = time.perf_counter()
+            if len(reply) != nbytes:
+                raise GeomxError(f"transport bench: the raw echo returned {len(reply)} bytes, not {nbytes}")
+            if i:
+                times.append(t1 - t0)
+            del reply
+        return times
+
+    def close(self) -> None:
+        sock = getattr(self, "sock", None)
+        if sock is not None:
+            try:
+                sock.send_multipart([b"", b"stop"])
+                sock.poll(2000)
+            finally:
+                sock.close()
+                self.ctx.term()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+# -- the benchmark -----------------------------------------------------------------------------------------------
+
+def bench_transport(sizes: list[float], repeats: int, *, run_dir: str | None = None, timeout: float = 600.0,
+                    profile: bool = False) -> dict:
+    from geomx.cli.topology import load_topology
+
+    if repeats < 1:
+        raise GeomxError(f"--repeats must be >= 1, got {repeats}")
+    sizes_arg = ",".join(f"{m:g}" for m in sizes)
+    with run_directory(run_dir, "transport") as rd:
+        env = profile_env(rd) if profile else {}
+        raw: dict[float, list[float]] = {m: [] for m in sizes}
+        echo = RawEcho(rd) if not profile else None
+        try:
+            if echo:
+                for m in sizes:
+                    raw[m] += echo.roundtrips(_elements(m) * 4, repeats)
+            topo = load_topology(None, dcs=1, workers_per_dc=1, wan="lan", topology="flat")
+            topo.env.update(env)
+            wall = launch(topo, [sys.executable, "-m", "geomx.bench.transport", "kv-worker", "--sizes", sizes_arg,
+                                 "--repeats", str(repeats)], rd, timeout, "transport bench")
+            if echo:
+                for m in sizes:
+                    raw[m] += echo.roundtrips(_elements(m) * 4, repeats)
+        finally:
+            if echo:
+                echo.close()
+        worker = read_json(rd / "transport-a-0.json", "transport bench")
+        rows = []
+        for entry in worker["sizes"]:
+            m, nbytes = entry["mib"], entry["bytes"]
+            rt = {"pushpull": median(entry["pushpull_s"]), "push+pull": median(entry["push_pull_s"]),
+                  "raw": median(raw[m])}
+            mbps = {k: 2 * nbytes / v / MIB for k, v in rt.items()}
+            rows.append({"mib": m, "bytes": nbytes, "rtt_s": rt, "mib_per_s": mbps,
+                         "ratio_pushpull": ratio(mbps["pushpull"], mbps["raw"]),
+                         "ratio_push_pull": ratio(mbps["push+pull"], mbps["raw"]),
+                         "samples": {"pushpull": entry["pushpull_s"], "push+pull": entry["push_pull_s"],
+                                     "raw": raw[m]}})
+        result = {"repeats": repeats, "rows": rows, "deployment_s": wall, "profiled": profile}
+        if profile:
+            result["profile"] = summarize_profiles(rd)
+        return result
+
+
+def format_transport_report(result: dict) -> str:
+    rows = []
+    for r in result["rows"]:
+        rt, mbps = r["rtt_s"], r["mib_per_s"]
+        rows.append([fmt_mib(r["mib"]),
+                     f"{rt['raw'] * 1000:.2f}", f"{rt['pushpull'] * 1000:.2f}", f"{rt['push+pull'] * 1000:.2f}",
+                     f"{mbps['raw']:.0f}", f"{mbps['pushpull']:.0f}", f"{mbps['push+pull']:.0f}",
+                     f"{r['ratio_pushpull']:.0%}", f"{r['ratio_push_pull']:.0%}"])
+    table = markdown_table(["tensor", "raw RTT (ms)", "pushpull RTT (ms)", "push+pull RTT (ms)", "raw MiB/s",
+                            "pushpull MiB/s", "push+pull MiB/s", "pushpull / raw", "push+pull / raw"], rows)
+    big = [r for r in result["rows"] if r["mib"] >= TARGET_FROM_MIB]
+    if big:
+        worst = min(r["ratio_pushpull"] for r in big)
+        verdict = (f"Target (pushpull >= {TARGET:.0%} of raw at >= {TARGET_FROM_MIB} MiB): "
+                   f"{'met' if worst >= TARGET else 'NOT met'} (lowest {worst:.0%}).")
+    else:
+        verdict = f"(no size >= {TARGET_FROM_MIB} MiB: the target was not checked)"
+    text = [table, "",
+            f"Median of {result['repeats']} round trips per size (raw: of {2 * result['repeats']}, before and after "
+            f"the geomx deployment). MiB/s = 2 x tensor bytes / round-trip time. geomx: 1 worker -> global server "
+            f"(flat topology, `lan`, float32 torch tensors, `out=` given); raw: pyzmq DEALER -> ROUTER echo in "
+            f"another process, copy=False both ways. {verdict}"]
+    if result.get("profiled"):
+        text += ["", "Profiled run (cProfile in every thread: timings above are inflated by the profiler):", "",
+                 format_profile(result["profile"])]
+    return "\n".join(text)
+
+
+def cmd_transport(args) -> int:
+    result = bench_transport(parse_sizes(args.sizes), args.repeats, run_dir=args.run_dir, timeout=args.timeout,
+                             profile=args.profile)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    emit_report(args, "geomx bench transport: push+pull vs raw pyzmq", format_transport_report(result))
+    return 0
+
+
+def add_parser(bsub) -> argparse.ArgumentParser:
+    p = bsub.add_parser("transport", help="1 worker <-> its server over loopback: geomx push+pull vs raw pyzmq")
+    p.add_argument("--sizes", default="1,4,16,64,256", help="tensor sizes in MiB, comma-separated "
+                                                             "(default 1,4,16,64,256)")
+    p.add_argument("--repeats", type=int, default=10, help="timed round trips per size and variant (default 10)")
+    p.add_argument("--profile", action="store_true",
+                   help="run every geomx process under cProfile (all threads) and print where the time goes; "
+                        "skips the raw side")
+    p.set_defaults(fn=cmd_transport)
+    return p
+
+
+# -- profiling (diagnosis only) -----------------------------------------------------------------------------------
+
+# Installed through PYTHONPATH as sitecustomize in every process of the deployment: each thread runs under
+# its own cProfile.Profile, and each process writes its stats to GEOMX_BENCH_PROFILE_DIR when it exits.
+_SITECUSTOMIZE = r'''
+import atexit, cProfile, os, sys, threading
+_dir = os.environ.get("GEOMX_BENCH_PROFILE_DIR")
+if _dir:
+    _profiles = []
+    _lock = threading.Lock()
+    _orig_run = threading.Thread.run
+    def _run(self, *a, **k):
+        prof = cProfile.Profile()
+        with _lock:
+            _profiles.append((self.name, prof))
+        prof.enable()
+        try:
+            return _orig_run(self, *a, **k)
+        finally:
+            prof.disable()
+    threading.Thread.run = _run
+    _main = cProfile.Profile()
+    _profiles.append(("main", _main))
+    def _dump():
+        _main.disable()
+        role = os.environ.get("DMLC_ROLE_GLOBAL") or os.environ.get("DMLC_ROLE") or "proc"
+        if os.environ.get("DMLC_ROLE_MASTER_WORKER") not in (None, "", "0"):
+            role = "master"
+        with _lock:
+            items = list(_profiles)
+        for i, (name, prof) in enumerate(items):
+            try:
+                prof.dump_stats(os.path.join(_dir, f"prof-{role}-{os.getpid()}-{i}-{name}.pstats"))
+            except Exception:
+                pass
+    atexit.register(_dump)
+    _main.enable()
+'''
+
+
+def profile_env(run_dir: Path) -> dict[str, str]:
+    hook = run_dir / "profhook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+    pp = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": str(hook) + (os.pathsep + pp if pp else ""), "GEOMX_BENCH_PROFILE_DIR": str(run_dir)}
+
+
+def summarize_profiles(run_dir: Path, top: int = 12) -> dict:
+    """Per role (worker, global_server): the functions with the most own time, over all its threads."""
+    import pstats
+
+    by_role: dict[str, list[str]] = {}
+    for f in sorted(run_dir.glob("prof-*.pstats")):
+        role = f.name.split("-")[1]
+        by_role.setdefault(role, []).append(str(f))
+    out = {}
+    for role, files in by_role.items():
+        if role not in ("worker", "global_server"):
+            continue
+        st = pstats.Stats(*files)
+        entries = []
+        for (fn_file, line, name), (cc, nc, tt, ct, _) in st.stats.items():
+            entries.append({"function": f"{_short(fn_file)}:{line}({name})", "calls": nc, "own_s": tt, "cum_s": ct})
+        entries.sort(key=lambda e: -e["own_s"])
+        out[role] = {"threads": len(files), "top": entries[:top]}
+    return out
+
+
+def _short(path: str) -> str:
+    for marker in ("site-packages/", "geomx/", "lib/python"):
+        i = path.find(marker)
+        if i >= 0:
+            return path[i + (len(marker) if marker != "geomx/" else 0):]
+    return path
+
+
+def format_profile(summary: dict) -> str:
+    parts = []
+    for role, info in summary.items():
+        rows = [[e["function"], str(e["calls"]), f"{e['own_s']:.3f}", f"{e['cum_s']:.3f}"] for e in info["top"]]
+        parts += [f"{role} ({info['threads']} profiled threads), by own time:", "",
+                  markdown_table(["function", "calls", "own s", "cumulative s"], rows, [False, True, True, True]), ""]
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("kv-worker", "echo-server"):
+        print("usage: python -m geomx.bench.transport {kv-worker,echo-server} ... (started by geomx bench transport)",
+              file=sys.stderr)
+        return 2
+    return {"kv-worker": kv_worker_main, "echo-server": echo_server_main}[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

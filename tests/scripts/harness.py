@@ -1,0 +1,254 @@
+"""Test harness for the end-to-end kvstore and fault tests: launch a real deployment, read its results.
+
+Every deployment is real processes over real sockets on 127.0.0.1, started through
+:class:`geomx.cli.launch.Launcher`, whose teardown stops every process it started (also when the run fails or
+exceeds its deadline). Training scripts are written into the test's tmp_path and import ``kvhelp`` (next to
+this file); they leave their results as JSON / npz files in the run directory.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+SCRIPTS = Path(__file__).resolve().parent
+TESTS = SCRIPTS.parent
+REPO = TESTS.parent
+
+
+# short liveness settings for tests that need death detection
+FAST_HEARTBEAT = {"GEOMX_HEARTBEAT_INTERVAL": "0.2", "GEOMX_HEARTBEAT_TIMEOUT": "3"}
+# every run gets deadlines far below the 300 s default so that a failure never stalls the suite
+DEFAULT_ENV = {"GEOMX_TIMEOUT": "15", "GEOMX_CONNECT_TIMEOUT": "30"}
+
+
+def write_script(directory: Path, text: str, name: str = "train.py") -> Path:
+    """Write a training script that can ``import kvhelp``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
+    path.write_text(f"import sys\nsys.path.insert(0, {str(SCRIPTS)!r})\n" + textwrap.dedent(text))
+    return path
+
+
+def make_topology(*, dcs: int = 2, workers_per_dc=2, global_servers: int = 1, mode: str = "dist_sync",
+                  topology: str = "hips", wan: str = "lan", env: dict | None = None):
+    from geomx.cli.topology import load_topology
+
+    topo = load_topology(None, dcs=dcs, workers_per_dc=workers_per_dc, global_servers=global_servers, mode=mode,
+                         topology=topology, wan=wan)
+    topo.env.update(DEFAULT_ENV)
+    topo.env.update(env or {})
+    return topo
+
+
+# A server drops data from senders it does not know yet, and its member table can arrive after a client's
+# first request (see test_faults.py::test_server_keeps_requests_that_arrive_before_its_member_table). Until
+# that geomx bug is fixed, a run that hits it is stopped at once and started again, so that the other tests
+# test what they are about. Set to 1 to see the race fail runs.
+RACE_ATTEMPTS = 10
+RACE_MARK = re.compile(r"'\w+' from unknown sender '(?:worker|master|server)-")
+
+
+def launch(tmp_path: Path, script: str | Path, *, dcs: int = 2, workers_per_dc=2, global_servers: int = 1,
+           mode: str = "dist_sync", topology: str = "hips", wan: str = "lan", env: dict | None = None,
+           timeout: float = 90, name: str = "run", edit_plan=None, watch=None) -> tuple[int, Path, str]:
+    """Run ``script`` (its text, or a path) on a whole deployment; returns (exit code, run dir, output).
+
+    ``edit_plan(specs)`` may change the planned processes (e.g. one role's environment) before they start.
+    ``watch(launcher, run_dir)`` is called about every 0.1 s while the deployment runs (e.g. to kill a role).
+    The output is the launcher's console (echoed worker output and its failure report).
+    """
+    path = Path(script) if isinstance(script, Path) else write_script(tmp_path / f"{name}-script", script)
+    topo = make_topology(dcs=dcs, workers_per_dc=workers_per_dc, global_servers=global_servers, mode=mode,
+                         topology=topology, wan=wan, env=env)
+    for attempt in range(RACE_ATTEMPTS):
+        run_dir = tmp_path / (name if attempt == 0 else f"{name}-retry{attempt}")
+        code, output, raced = _launch_once(topo, path, run_dir, timeout, edit_plan, watch)
+        if not raced:
+            break
+        warnings.warn(f"{run_dir}: a server dropped a request that arrived before its member table (known "
+                      f"geomx race); run stopped" + ("; starting it again" if attempt + 1 < RACE_ATTEMPTS else ""))
+    return code, run_dir, output
+
+
+def _launch_once(topo, path: Path, run_dir: Path, timeout: float, edit_plan, watch) -> tuple[int, str, bool]:
+    from geomx.cli import launch as launch_mod
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = io.StringIO()
+    launcher = launch_mod.Launcher(topo, [sys.executable, str(path)], run_dir=run_dir, quiet=False, out=out)
+    original_plan = launch_mod.plan
+    if edit_plan is not None:
+        def edited(*args, **kwargs):
+            specs = original_plan(*args, **kwargs)
+            edit_plan(specs)
+            return specs
+        launch_mod.plan = edited
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["code"] = launcher.run(timeout=timeout)
+        except BaseException as exc:  # reported below, in the test's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, name="test-launcher", daemon=True)
+    raced = False
+    try:
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            if watch is not None and thread.is_alive():
+                watch(launcher, run_dir)
+            if RACE_ATTEMPTS > 1 and not raced and any(RACE_MARK.search(_read(p)) for p in run_dir.glob("*.log")):
+                raced = True
+                for r in list(launcher.running):     # the launcher sees them fail and tears everything down
+                    if r.spec.kind in ("worker", "master"):
+                        _kill_group(r.proc)
+    finally:
+        thread.join(timeout + 30)
+        launch_mod.plan = original_plan
+        for r in list(launcher.running):          # only if the launcher itself broke down
+            if r.proc.poll() is None:
+                _kill_group(r.proc)
+                r.proc.wait(10)
+    if "error" in result:
+        raise result["error"]
+    return result["code"], out.getvalue(), raced
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def logs(run_dir: Path) -> str:
+    """Every role's log in the run directory, each headed by its file name."""
+    return "\n".join(f"===== {p.name}\n{p.read_text(errors='replace')}" for p in sorted(run_dir.glob("*.log")))
+
+
+def describe(code: int, run_dir: Path, output: str) -> str:
+    """What to print when a run did not go as expected."""
+    return f"exit code {code}\n--- launcher output ---\n{output[-6000:]}\n--- logs ---\n{logs(run_dir)[-12000:]}"
+
+
+def check_ok(result: tuple[int, Path, str]) -> Path:
+    code, run_dir, output = result
+    assert code == 0, describe(code, run_dir, output)
+    return run_dir
+
+
+def load_json(run_dir: Path, name: str):
+    return json.loads((run_dir / f"{name}.json").read_text())
+
+
+def load_npz(run_dir: Path, name: str) -> dict[str, np.ndarray]:
+    with np.load(run_dir / f"{name}.npz") as data:
+        return {k: data[k] for k in data.files}
+
+
+def node_env(**variables: str) -> dict[str, str]:
+    """A minimal environment for ``python -m geomx.node`` (no DMLC_* or GEOMX_* leaking from ours)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "GEOMX_"))}
+    base["PYTHONUNBUFFERED"] = "1"
+    base["OMP_NUM_THREADS"] = "1"
+    base.update({k: str(v) for k, v in variables.items()})
+    return base
+
+
+class Processes:
+    """Processes a test starts itself, each in its own session; ``close()`` kills every group."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, argv: list[str], env: dict, log_path: Path | None = None, **kwargs) -> subprocess.Popen:
+        if log_path is not None:
+            with open(log_path, "wb") as f:
+                proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                        cwd=str(REPO), **kwargs)
+        else:
+            proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    start_new_session=True, cwd=str(REPO), **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def start_plan(tmp_path: Path, script: Path, topo, ready, timeout: float = 60):
+    """Start every process of ``topo``'s plan ourselves (no launcher, so no kill-all on failure), each in its own
+    session with a log file, and wait until ``ready(run_dir)``. Returns (Processes, {role name: Popen}, run dir);
+    the caller must ``close()`` the Processes. A start that hits the member-table race is started again."""
+    from geomx.cli.launch import plan
+
+    for attempt in range(RACE_ATTEMPTS):
+        run_dir = tmp_path / ("run" if attempt == 0 else f"run-retry{attempt}")
+        run_dir.mkdir(parents=True)
+        specs = plan(topo, [sys.executable, str(script)], run_dir)
+        procs = Processes()
+        try:
+            running = {s.name: procs.start(s.argv, {**os.environ, **s.env}, run_dir / f"{s.name}.log")
+                       for s in specs}
+            end = time.monotonic() + timeout
+            while not ready(run_dir):
+                raced = RACE_ATTEMPTS > 1 and any(RACE_MARK.search(_read(p)) for p in run_dir.glob("*.log"))
+                if raced or time.monotonic() > end:
+                    break
+                time.sleep(0.1)
+            else:
+                return procs, running, run_dir
+        except BaseException:
+            procs.close()
+            raise
+        procs.close()
+        if not raced:
+            raise AssertionError(f"the deployment was not ready within {timeout:g} s\n{logs(run_dir)[-12000:]}")
+        warnings.warn(f"{run_dir}: a server dropped a request that arrived before its member table (known geomx "
+                      f"race); starting again")
+    raise AssertionError(f"every start hit the member-table race; last run: {run_dir}")
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
+    """Poll ``predicate`` until it returns something truthy; fail naming ``what`` after ``timeout`` s."""
+    end = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} did not happen within {timeout:g} s")
+        time.sleep(interval)
