@@ -116,9 +116,6 @@ def test_key_keeps_working_after_refused_requests(refusals):
     assert rec["after"] == [2.0] * 4      # one worker: the mean of its own gradient
 
 
-@pytest.mark.xfail(strict=True, reason="geomx bug: KVClient.push/pushpull count a push before the server accepts "
-                                       "it; after a refused push, pull(after=n) waits for a push the server "
-                                       "never counted and hangs until GEOMX_TIMEOUT")
 def test_pull_after_a_refused_push_returns_the_current_value(refusals):
     _, rec = refusals
     assert rec == {"value": [2.0] * 4}
@@ -368,9 +365,6 @@ h.dump(f"done-{me}", step)
 """
 
 
-@pytest.mark.xfail(strict=True, reason="geomx bug: the scheduler answers a registration at the address the "
-                                       "message names; Van._send_loop lets zmq's 'Invalid argument' from "
-                                       "connect() escape, the send thread dies and the tier aborts on heartbeats")
 def test_registration_with_a_malformed_address_does_not_break_the_scheduler(tmp_path):
     run_dir = check_ok(launch(tmp_path, BAD_REGISTER_SCRIPT, dcs=1, workers_per_dc=2, env=FAST_HEARTBEAT))
     assert all(load_json(run_dir, f"done-{me}") == 39 for me in range(2))
@@ -388,11 +382,6 @@ if not kv.is_master_worker:
 """
 
 
-@pytest.mark.xfail(strict=True, reason="geomx bug: KVServer.handle drops requests from senders that are not yet in "
-                                       "self.clients; the scheduler sends the member table to every member at "
-                                       "once, so a client's first request (master's set_mode, a worker's init) "
-                                       "can arrive before the server's own table and is lost (client hangs until "
-                                       "GEOMX_TIMEOUT). Seen in about half of plain `geomx launch --wan lan` runs")
 @pytest.mark.parametrize("delayed", ["central-scheduler", "a-scheduler"],
                          ids=["global-server-learns-late", "local-server-learns-late"])
 def test_server_keeps_requests_that_arrive_before_its_member_table(tmp_path, delayed):

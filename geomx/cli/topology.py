@@ -88,19 +88,38 @@ def load_topology(path: str | None = None, **flags) -> Topology:
         if unknown:
             raise ConfigError(f"topology file {path}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
     data.update({k: v for k, v in flags.items() if v is not None})
+    where = f" in {path}" if path else ""
     topo = Topology()
-    topo.dcs = int(data.get("dcs", topo.dcs))
+    topo.dcs = _whole(data.get("dcs", topo.dcs), "dcs", where)
     wpd = data.get("workers_per_dc", 2)
-    topo.workers_per_dc = [int(x) for x in wpd] if isinstance(wpd, list) else [int(wpd)] * topo.dcs
-    topo.global_servers = int(data.get("global_servers", topo.global_servers))
-    topo.mode = data.get("mode", topo.mode)
-    topo.topology = data.get("topology", topo.topology)
+    topo.workers_per_dc = ([_whole(x, "workers_per_dc", where) for x in wpd] if isinstance(wpd, list)
+                           else [_whole(wpd, "workers_per_dc", where)] * topo.dcs)
+    topo.global_servers = _whole(data.get("global_servers", topo.global_servers), "global_servers", where)
+    topo.mode = _text(data.get("mode", topo.mode), "mode", where)
+    topo.topology = _text(data.get("topology", topo.topology), "topology", where)
     if "wan_rate" in data or "wan_rtt" in data:
         if "wan_rate" not in data or "wan_rtt" not in data:
             raise ConfigError("--wan-rate and --wan-rtt go together")
         topo.profile = custom_profile(parse_rate(str(data["wan_rate"])), parse_duration(str(data["wan_rtt"])))
     elif "wan" in data:
         topo.profile = _wan_from(data["wan"])
-    topo.host = data.get("host", topo.host)
-    topo.env = {str(k): str(v) for k, v in (data.get("env") or {}).items()}
+    topo.host = _text(data.get("host", topo.host), "host", where)
+    env = data.get("env") or {}
+    if not isinstance(env, dict):
+        raise ConfigError(f"env{where} must be a table of variables, got {env!r}")
+    topo.env = {str(k): str(v) for k, v in env.items()}
     return topo.validate()
+
+
+def _whole(value, name: str, where: str) -> int:
+    """A count: an int (or a string of digits from a flag), never a float silently truncated."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or (
+            isinstance(value, str) and not value.strip().isdigit()):
+        raise ConfigError(f"{name}{where} must be a whole number, got {value!r}")
+    return int(value)
+
+
+def _text(value, name: str, where: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{name}{where} must be a string, got {value!r}")
+    return value

@@ -32,13 +32,12 @@ class GlobalServer(KVServer):
         self.policy: UpdatePolicy | None = None
         self.directory: dict = {}                  # key -> owning global server rank
         self.held_inits: dict = {}                 # key -> init requests waiting for the master's init
+        self.tables_pending = 2                    # the global tier and the central party's tier
 
     def attach(self, tier: Tier) -> None:
-        for m in tier.members:
-            if m.id != self.po.node_id:
-                self.clients[m.id] = m
         if tier.name == "global":
             self.global_tier, self.rank = tier, tier.me.rank
+        self.add_clients(tier.members)
 
     def expected_contributors(self, st: KeyState) -> int:
         return len(self.global_tier.workers())

@@ -21,6 +21,9 @@ from geomx.transport.message import Message
 log = logging.getLogger("geomx.kvserver")
 
 
+_MAX_EARLY = 10_000
+
+
 class Refused(Exception):
     """A request the server answers with an error (the message goes back to the client)."""
 
@@ -49,6 +52,7 @@ class KeyState:
     dtype: np.dtype
     value: np.ndarray | None = None                      # None until initialized
     pushes: dict[str, int] = field(default_factory=dict)   # pushes received, per client
+    refused: dict[str, int] = field(default_factory=dict)  # pushes refused (bad shape...), per client
     applied: dict[str, int] = field(default_factory=dict)  # pushes reflected in `value`, per client
     rounds: dict[int, Round] = field(default_factory=dict)
     waiting: list[tuple[Message, int]] = field(default_factory=list)  # (pull or pushpull, pushes it follows)
@@ -72,6 +76,8 @@ class KVServer:
         self.keys: dict[Any, KeyState] = {}
         self.clients: dict[str, NodeInfo] = {}   # node id -> member of a tier we serve
         self.info: dict = {}                      # sent with init replies: mode, server optimizer, ...
+        self.tables_pending = 1                   # member tables still to come; subclasses set it
+        self._early: list[Message] = []           # requests that overtook our own member table
 
     # to be provided by subclasses ---------------------------------------------------------------------------
     def expected_contributors(self, st: KeyState) -> int:
@@ -99,8 +105,20 @@ class KVServer:
         return st.value
 
     # dispatch -----------------------------------------------------------------------------------------------
+    def add_clients(self, members: list[NodeInfo]) -> None:
+        """Install one tier's member table (on the receive thread) and answer what arrived before it: the
+        scheduler sends every member its table at once, so a client may hear first and ask first."""
+        self.clients.update({m.id: m for m in members if m.id != self.po.node_id})
+        self.tables_pending -= 1
+        early, self._early = self._early, []
+        for msg in early:
+            self.handle(msg)
+
     def handle(self, msg: Message) -> None:
         client = self.clients.get(msg.src)
+        if client is None and self.tables_pending > 0 and len(self._early) < _MAX_EARLY:
+            self._early.append(msg)
+            return
         if client is None:
             log.warning("%s: %r from unknown sender %r dropped (not a member of any tier this server serves)",
                         self.po.cfg.label, msg.op, msg.src)
@@ -146,15 +164,22 @@ class KVServer:
 
     def _on_push(self, msg: Message, client: NodeInfo) -> None:
         st = self.key_state(msg)
-        value = self.single_tensor(msg)
-        self.check_value(st, value, msg.op)
-        if client.tier_role != "worker" or client.kind == "master":
-            raise Refused(f"{client.label} does not train; only workers push gradients")
+        try:
+            value = self.single_tensor(msg)
+            self.check_value(st, value, msg.op)
+            if client.tier_role != "worker" or client.kind == "master":
+                raise Refused(f"{client.label} does not train; only workers push gradients")
+        except Refused:
+            # the client counted this push: later pulls must not wait for it
+            st.refused[msg.src] = st.refused.get(msg.src, 0) + 1
+            self.serve_waiting(st)
+            raise
         number = st.pushes[msg.src] = st.pushes.get(msg.src, 0) + 1
         if msg.op == "push":
             self.reply(msg)
         else:
-            st.waiting.append((msg, number))
+            # waiting entries count pushes as the client does, refused ones included
+            st.waiting.append((msg, number + st.refused.get(msg.src, 0)))
         self.accept_push(st, msg.src, number, value, msg.priority)
         self.serve_waiting(st)
 
@@ -176,7 +201,8 @@ class KVServer:
             return
         still = []
         for msg, after in st.waiting:
-            if st.applied.get(msg.src, 0) >= after and st.pushes.get(msg.src, 0) >= after:
+            refused = st.refused.get(msg.src, 0)
+            if st.applied.get(msg.src, 0) + refused >= after and st.pushes.get(msg.src, 0) + refused >= after:
                 self.reply(msg, tensors=[self.read_value(st, msg.src)])
             else:
                 still.append((msg, after))

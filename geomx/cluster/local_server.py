@@ -36,9 +36,7 @@ class LocalServer(KVServer):
 
     def attach_dc(self, tier: Tier) -> None:
         self.dc_tier = tier
-        for m in tier.members:
-            if m.id != self.po.node_id:
-                self.clients[m.id] = m
+        self.add_clients(tier.members)
 
     def dispatch(self, msg: Message) -> None:
         if msg.op == "reply" and self.upstream is not None and msg.src not in self.clients:

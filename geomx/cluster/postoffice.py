@@ -227,6 +227,9 @@ class Postoffice:
     def _dispatch(self, msg: Message) -> None:
         if msg.op in CONTROL_OPS:
             if msg.op == "abort":
+                if not self._knows(msg.src):
+                    log.warning("%s: abort from unknown sender %r ignored", self.node_id, msg.src)
+                    return
                 self.abort(str(msg.get("reason", "aborted by a peer")), tell_schedulers=True)
                 return
             tier = self.tiers.get(msg.get("tier"))
@@ -240,6 +243,11 @@ class Postoffice:
         else:
             log.warning("%s: data message %r from %s dropped: this role serves no data", self.node_id, msg.op,
                         msg.src)
+
+    def _knows(self, node_id: str) -> bool:
+        """A scheduler of one of our tiers, or a member of one."""
+        return any(node_id == f"scheduler-{name}" or any(m.id == node_id for m in tier.members)
+                   for name, tier in self.tiers.items())
 
     def _heartbeat_loop(self) -> None:
         interval, timeout = self.cfg.heartbeat_interval, self.cfg.heartbeat_timeout

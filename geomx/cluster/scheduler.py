@@ -15,7 +15,7 @@ from collections import defaultdict
 
 from geomx.cluster.postoffice import describe_node
 from geomx.transport.message import Message
-from geomx.transport.van import Van
+from geomx.transport.van import Van, is_tcp_address
 
 log = logging.getLogger("geomx.scheduler")
 
@@ -87,6 +87,10 @@ class Scheduler:
                  "addr": msg["addr"], "rank": msg.get("rank"), "pid": msg.get("pid", 0),
                  "declared": msg.get("declared") or {}}
         role = entry["tier_role"]
+        if not is_tcp_address(entry["addr"]):
+            log.warning("%s scheduler: registration from %r with malformed address %r dropped", self.tier, msg.src,
+                        entry["addr"])
+            return
         if self._members:
             self._send(entry, "reject", reason=f"the {self.tier} tier is already complete")
             return
@@ -156,6 +160,9 @@ class Scheduler:
 
     def _barrier(self, msg: Message) -> None:
         group, seq = msg["group"], int(msg["seq"])
+        if msg.src not in self._members:
+            log.warning("%s scheduler: barrier from non-member %r dropped", self.tier, msg.src)
+            return
         arrived = self._barriers[(group, seq)]
         arrived.add(msg.src)
         members = [e for e in self._members.values() if group == "all" or e["tier_role"] == group]
@@ -177,6 +184,9 @@ class Scheduler:
             self._done.set()
 
     def _remote_abort(self, msg: Message) -> None:
+        if msg.src not in self._members and msg.src not in self._pending:
+            log.warning("%s scheduler: abort from non-member %r ignored", self.tier, msg.src)
+            return
         self._fail(str(msg.get("reason", "aborted")), None, skip=msg.src)
 
     def _fail(self, reason: str, culprit: dict | None, *, skip: str | None = None,

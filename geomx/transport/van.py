@@ -36,6 +36,13 @@ def tcp_address(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
+def is_tcp_address(addr) -> bool:
+    if not isinstance(addr, str) or not addr.startswith("tcp://"):
+        return False
+    host, _, port = addr[6:].rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
 class Van:
     """Send and receive :class:`Message` objects; see the module docstring."""
 
@@ -155,16 +162,23 @@ class Van:
                                            "prio": -neg_prio}, use_bin_type=True)
                     frames = [route] + frames
                     addr = self._emulator
-                sock = sockets.get(addr)
-                if sock is None:
-                    sock = sockets[addr] = self._connect(addr)
+                try:
+                    sock = sockets.get(addr)
+                    if sock is None:
+                        sock = sockets[addr] = self._connect(addr)
+                    sock.send_multipart(frames, copy=False)
+                except zmq.ZMQError as exc:   # e.g. a peer announced a malformed address: drop, keep sending
+                    self.dropped_messages += 1
+                    log.warning("%s cannot send to %r: %s; message dropped", self.node_id, addr, exc)
+                    continue
                 self.sent_bytes[dst_dc or self.dc] += payload_nbytes(frames[1:] if via_emulator else frames)
-                sock.send_multipart(frames, copy=False)
         finally:
             for sock in sockets.values():
                 sock.close(linger=200)
 
     def _connect(self, addr: str) -> zmq.Socket:
+        if not is_tcp_address(addr):
+            raise zmq.ZMQError(zmq.EINVAL, f"{addr!r} is not a tcp://host:port address")
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.node_id.encode())
         sock.setsockopt(zmq.SNDHWM, 0)
