@@ -180,7 +180,8 @@ class KVClient:
             return
         handle, convert = entry
         if msg.get("error"):
-            handle._finish(error=KVError(f"{handle.what} refused by {handle.server.label}: {msg['error']}"))
+            kind = PeerLostError if msg.get("lost") else KVError
+            handle._finish(error=kind(f"{handle.what} refused by {handle.server.label}: {msg['error']}"))
             return
         if msg.get("info"):
             self.info.update(msg["info"])

@@ -208,7 +208,8 @@ class KVServer:
                 still.append((msg, after))
         st.waiting = still
 
-    def fail_waiting(self, st: KeyState, error: str) -> None:
+    def fail_waiting(self, st: KeyState, error: str, *, lost: bool = False) -> None:
+        """Answer every held request of ``st`` with ``error`` (``lost``: because a peer died)."""
         waiting, st.waiting = st.waiting, []
         for msg, _ in waiting:
-            self.reply(msg, error=error)
+            self.reply(msg, error=error, **({"lost": True} if lost else {}))

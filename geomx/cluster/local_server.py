@@ -16,7 +16,7 @@ from geomx.cluster.client import Handle, KVClient, check_key
 from geomx.cluster.kvserver import KeyState, KVServer, Refused, Round
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
 from geomx.config import NodeConfig
-from geomx.errors import KVError
+from geomx.errors import KVError, PeerLostError
 from geomx.profiles import CENTRAL_DC
 from geomx.transport.message import Message
 
@@ -91,7 +91,8 @@ class LocalServer(KVServer):
 
     def _round_done(self, st: KeyState, number: int, contributors: list[str], h: Handle) -> None:
         if h.error is not None:
-            self.fail_waiting(st, f"the global round {number} of key {st.key!r} failed: {h.error}")
+            self.fail_waiting(st, f"the global round {number} of key {st.key!r} failed: {h.error}",
+                              lost=isinstance(h.error, PeerLostError))
             return
         done = st.state.setdefault("done", {})
         done[number] = (h.result, contributors)

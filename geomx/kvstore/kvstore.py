@@ -61,7 +61,7 @@ class KVStore:
         except BaseException:
             self.po.close()
             raise
-        atexit.register(self.close)
+        atexit.register(self._close_at_exit)
 
     def _join(self) -> None:
         cfg = self.cfg
@@ -219,6 +219,12 @@ class KVStore:
             self.po.close()
 
     # internals ----------------------------------------------------------------------------------------------
+    def _close_at_exit(self) -> None:
+        try:
+            self.close()
+        except GeomxError as exc:   # the error was (or will be) reported where it happened
+            log.warning("closing the kvstore at exit: %s", exc)
+
     def _track(self, h: Handle) -> Handle:
         if len(self._outstanding) > 256:
             self._outstanding = [x for x in self._outstanding if not x.done()]
