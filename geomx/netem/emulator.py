@@ -33,12 +33,12 @@ from geomx.netem.link import DeliveryScheduler, EmulatedLink
 from geomx.transport.security import Curve
 from geomx.profiles import WanProfile, custom_profile, get_profile, parse_duration, parse_rate
 from geomx.transport.message import payload_nbytes
+from geomx.transport.van import receive_multipart
 
 log = logging.getLogger("geomx.netem")
 
 IDENTITY = b"geomx-wan-emulator"
 STATS_FILE = "wan_links.json"
-_POLL_MS = 100
 _STATS_PERIOD_S = 0.5
 
 
@@ -163,21 +163,12 @@ class WanEmulator:
     # -- threads -----------------------------------------------------------------------------------------
 
     def _receive_loop(self) -> None:
-        router = self._router
-        poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
-        try:
-            while self._running:
-                if not poller.poll(_POLL_MS):
-                    continue
-                frames = router.recv_multipart(copy=False)
-                try:
-                    self._route(frames)
-                except Exception as exc:    # malformed input is dropped, never fatal
-                    self.dropped_messages += 1
-                    log.warning("WAN emulator dropped a message from %r: %s", bytes(frames[0].bytes[:32]), exc)
-        finally:
-            router.close(linger=0)
+        for frames in receive_multipart(self._router, lambda: self._running):
+            try:
+                self._route(frames)
+            except Exception as exc:    # malformed input is dropped, never fatal
+                self.dropped_messages += 1
+                log.warning("WAN emulator dropped a message from %r: %s", bytes(frames[0].bytes[:32]), exc)
 
     def _route(self, frames: list) -> None:
         if len(frames) < 3:

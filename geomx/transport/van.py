@@ -18,7 +18,7 @@ import itertools
 import logging
 import threading
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, Iterator
 
 import msgpack
 import zmq
@@ -34,6 +34,19 @@ _POLL_MS = 100
 
 def tcp_address(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
+
+
+def receive_multipart(sock: zmq.Socket, keep_going: Callable[[], bool]) -> Iterator[list]:
+    """Yield the frame lists arriving on ``sock`` (not copied) while ``keep_going()``; then close it.
+    Polls with a short timeout so that a stop request is noticed."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    try:
+        while keep_going():
+            if poller.poll(_POLL_MS):
+                yield sock.recv_multipart(copy=False)
+    finally:
+        sock.close(linger=0)
 
 
 def is_tcp_address(addr) -> bool:
@@ -122,28 +135,19 @@ class Van:
     # -- threads -----------------------------------------------------------------------------------------
 
     def _receive_loop(self) -> None:
-        router = self._router
-        poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
-        try:
-            while self._running:
-                if not poller.poll(_POLL_MS):
-                    continue
-                frames = router.recv_multipart(copy=False)
-                self.received_bytes += payload_nbytes(frames[1:])
-                try:
-                    msg = decode(frames[1:])
-                except ProtocolError as exc:
-                    self.dropped_messages += 1
-                    log.warning("%s dropped a malformed message from peer %r: %s", self.node_id,
-                                bytes(frames[0].bytes[:32]), exc)
-                    continue
-                try:
-                    self._on_message(msg)
-                except Exception:  # a handler bug must not kill the node's receive loop
-                    log.exception("%s failed to handle %r from %s", self.node_id, msg.op, msg.src)
-        finally:
-            router.close(linger=0)
+        for frames in receive_multipart(self._router, lambda: self._running):
+            self.received_bytes += payload_nbytes(frames[1:])
+            try:
+                msg = decode(frames[1:])
+            except ProtocolError as exc:
+                self.dropped_messages += 1
+                log.warning("%s dropped a malformed message from peer %r: %s", self.node_id,
+                            bytes(frames[0].bytes[:32]), exc)
+                continue
+            try:
+                self._on_message(msg)
+            except Exception:  # a handler bug must not kill the node's receive loop
+                log.exception("%s failed to handle %r from %s", self.node_id, msg.op, msg.src)
 
     def _send_loop(self) -> None:
         sockets: dict[str, zmq.Socket] = {}
