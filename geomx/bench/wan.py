@@ -9,13 +9,16 @@ Measured per run:
 
 * WAN bytes: the emulator's per-link counters (``wan_links.json``: header + tensor frames of every message
   that crossed a link), summed over the links DC -> central (up) and central -> DC (down). Per step = the
-  run's total / N; the total includes the one-time setup (each HiPS local server / each flat worker sends
-  its initial values with ``kv.init`` and pulls the master's) and heartbeats, so it is a little above the
-  steady-state rate (by about one model copy per link over N steps for HiPS, three for flat).
+  run's total / N; the total includes the one-time setup and the heartbeats, so it is above the steady-state
+  rate. Setup: in HiPS each local server forwards one init (one model copy up) and receives the master's
+  values (one copy down); in the flat topology every worker sends its init values (one copy up), receives the
+  master's in the init reply and pulls them once more (two copies down).
 * wall time per step: from each worker's ``result-<dc>-<rank>.json`` history (one entry per step, recorded
   after the step and its test evaluation): (time of step N - time of step 1) / (N - 1), averaged over the
   workers. The evaluation is identical in both runs.
-* communication wait per step: the workers' ``comm_wait_s`` (time ``opt.step()`` waited for the network) / N.
+* communication wait per step: the workers' ``comm_wait_s`` (time ``opt.step()`` waited for the network) / N,
+  averaged over the workers; unlike the wall time it includes step 1 (which also waits for the slowest
+  worker to start).
 
 In HiPS one aggregate per DC crosses the WAN each way per step; in the flat topology every worker's
 gradient does, so with 2 workers per DC HiPS should move about half the bytes.
@@ -129,7 +132,7 @@ def format_wan_report(r: dict) -> str:
         rows.append(["model copies crossing the WAN per step", f"{h['bytes_per_step'] / h['model_bytes']:.2f}",
                      f"{f['bytes_per_step'] / f['model_bytes']:.2f}", f"{q['bytes_per_step']:.2f}"])
     rows += [["wall time per step (s)", f"{h['step_s']:.2f}", f"{f['step_s']:.2f}", f"{q['step_s']:.2f}"],
-             ["communication wait per step (s)", f"{h['comm_wait_per_step_s']:.2f}",
+             ["communication wait per step, step 1 included (s)", f"{h['comm_wait_per_step_s']:.2f}",
               f"{f['comm_wait_per_step_s']:.2f}", f"{q['comm_wait_per_step_s']:.2f}"],
              [f"loss / test accuracy after step {r['steps']}", f"{h['final_loss']:.4f} / {h['final_test_acc']:.4f}",
               f"{f['final_loss']:.4f} / {f['final_test_acc']:.4f}", ""],
@@ -145,7 +148,8 @@ def format_wan_report(r: dict) -> str:
         f"divided by {r['steps']} steps; they include the one-time setup (initial values sent and pulled) and "
         f"heartbeats. MB = 10^6 bytes. Wall time per step = (time of step {r['steps']} - time of step 1) / "
         f"{r['steps'] - 1} from every worker's result file, averaged over the workers (each step includes a test "
-        f"evaluation, identical in both runs). Communication wait = time `opt.step()` waited for the network."])
+        f"evaluation, identical in both runs). Communication wait = time `opt.step()` waited for the network, "
+        f"averaged over all {r['steps']} steps."])
 
 
 def cmd_wan(args) -> int:
