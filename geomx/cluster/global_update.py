@@ -43,7 +43,11 @@ class UpdatePolicy:
 
 class MeanGradient(UpdatePolicy):
     def apply(self, server, st, total, contributors):
-        server.set_value(st, (total / self.divisor).astype(st.dtype), contributors)
+        if total.flags.writeable:   # the round's own sum: divide in place, no extra pass
+            mean = np.divide(total, self.divisor, out=total)
+        else:
+            mean = total / self.divisor
+        server.set_value(st, mean.astype(st.dtype, copy=False), contributors)
 
 
 class GradientRelay(UpdatePolicy):

@@ -36,11 +36,14 @@ class Round:
     priority: int = 0
 
     def add(self, src: str, value: np.ndarray, priority: int) -> None:
-        acc = value.astype(accumulator_dtype(value.dtype))
+        acc = accumulator_dtype(value.dtype)
         if self.total is None:
-            self.total, self.priority = acc, priority
+            # keep the first push as it came (no copy): a round of one client costs no pass over the data
+            self.total, self.priority = value.astype(acc, copy=False), priority
         else:
-            self.total += acc
+            if not self.total.flags.writeable or len(self.contributors) == 1:
+                self.total = self.total.astype(acc, copy=True)
+            np.add(self.total, value, out=self.total, casting="unsafe")
             self.priority = max(self.priority, priority)
         self.contributors.append(src)
 

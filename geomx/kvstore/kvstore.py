@@ -226,8 +226,9 @@ class KVStore:
             log.warning("closing the kvstore at exit: %s", exc)
 
     def _track(self, h: Handle) -> Handle:
-        if len(self._outstanding) > 256:
-            self._outstanding = [x for x in self._outstanding if not x.done()]
+        # keep what waitall must still wait for or report; a finished handle would pin its reply in memory
+        if len(self._outstanding) > 16:
+            self._outstanding = [x for x in self._outstanding if not x.done() or x.error is not None]
         self._outstanding.append(h)
         return h
 
