@@ -12,7 +12,6 @@ import os
 import platform
 import shlex
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -55,9 +54,9 @@ def run_directory(run_dir: str | None, name: str) -> Iterator[Path]:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port outside the ephemeral range, free now (see geomx.cli.launch.free_ports)."""
+    from geomx.cli.launch import free_ports
+    return free_ports(1, host)[0]
 
 
 # -- deployments ---------------------------------------------------------------------------------------------

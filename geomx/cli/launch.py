@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -43,15 +44,25 @@ class Running:
     returncode: int | None = None
 
 
+# Fixed ports (schedulers, emulator) come from below the kernel's ephemeral range (32768-60999 by default):
+# the outgoing connections of the deployment itself take ephemeral ports, and one of them could otherwise
+# grab a port between the moment it is chosen here and the moment its role binds it.
+_FIXED_PORT_RANGE = (20000, 32000)
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind((host, 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.randrange(*_FIXED_PORT_RANGE)
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        ports.append(port)
     return ports
 
 
