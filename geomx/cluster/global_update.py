@@ -43,7 +43,9 @@ class UpdatePolicy:
 
 class MeanGradient(UpdatePolicy):
     def apply(self, server, st, total, contributors):
-        if total.flags.writeable:   # the round's own sum: divide in place, no extra pass
+        if self.divisor == 1.0:     # a single worker: its gradient is the mean
+            mean = total
+        elif total.flags.writeable:   # the round's own sum: divide in place, no extra pass
             mean = np.divide(total, self.divisor, out=total)
         else:
             mean = total / self.divisor

@@ -54,6 +54,7 @@ class KVStore:
         self.po.on_data = self._on_data
         self._outstanding: list[Handle] = []
         self._initialized_keys: set = set()
+        self._staging: dict = {}          # key -> (buffer, the request that last sent it)
         self._closed = False
         self.po.start()
         try:
@@ -171,7 +172,8 @@ class KVStore:
 
     def push(self, key, value, priority: int = 0) -> Handle | list[Handle]:
         keys, values = _pairs(key, value)
-        hs = [self._track(self._client.push(k, _to_numpy(v), priority)) for k, v in zip(keys, values)]
+        hs = [self._track(self._staged(k, v, lambda arr, k=k: self._client.push(k, arr, priority)))
+              for k, v in zip(keys, values)]
         return hs if isinstance(key, (list, tuple)) else hs[0]
 
     def pull(self, key, out=None, priority: int = 0) -> Handle | list[Handle]:
@@ -185,7 +187,8 @@ class KVStore:
         """Push then pull in one message (one round trip)."""
         keys, values = _pairs(key, value)
         outs = _pairs(key, out)[1] if out is not None else [None] * len(keys)
-        hs = [self._track(self._client.pushpull(k, _to_numpy(v), priority).then(_copier(o)))
+        hs = [self._track(self._staged(k, v, lambda arr, k=k: self._client.pushpull(k, arr, priority))
+                          .then(_copier(o)))
               for k, v, o in zip(keys, values, outs)]
         return hs if isinstance(key, (list, tuple)) else hs[0]
 
@@ -225,6 +228,19 @@ class KVStore:
         except GeomxError as exc:   # the error was (or will be) reported where it happened
             log.warning("closing the kvstore at exit: %s", exc)
 
+    def _staged(self, key, value, send) -> Handle:
+        """Copy ``value`` into the key's staging buffer and ``send`` it. The buffer is reused once the previous
+        request of the key has been answered (then the van has sent it), so a training loop pushes from warm
+        memory instead of a fresh allocation per step."""
+        src = _as_numpy_view(value)
+        buf, prev = self._staging.get(key, (None, None))
+        if buf is None or prev is None or not prev.done() or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = np.empty(src.shape, src.dtype)
+        np.copyto(buf, src)
+        handle = send(buf)
+        self._staging[key] = (buf, handle)
+        return handle
+
     def _track(self, h: Handle) -> Handle:
         # keep what waitall must still wait for or report; a finished handle would pin its reply in memory
         if len(self._outstanding) > 16:
@@ -260,17 +276,20 @@ def _pairs(key, value) -> tuple[list, list]:
     return keys, values
 
 
+def _as_numpy_view(value) -> np.ndarray:
+    """A numpy view of a tensor or array (no copy when it is already on the CPU)."""
+    if isinstance(value, np.ndarray):
+        return value
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    raise GeomxError(f"values are torch tensors or numpy arrays, not {type(value).__name__}")
+
+
 def _to_numpy(value) -> np.ndarray:
     """A private copy (the caller may overwrite its tensor while the message is in flight)."""
-    if isinstance(value, np.ndarray):
-        return np.array(value, copy=True, order="C")
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        torch = None
-    if torch is not None and isinstance(value, torch.Tensor):
-        return value.detach().cpu().contiguous().numpy().copy()
-    raise GeomxError(f"values are torch tensors or numpy arrays, not {type(value).__name__}")
+    return np.array(_as_numpy_view(value), copy=True, order="C")
 
 
 def _copier(out):
