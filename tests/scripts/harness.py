@@ -10,14 +10,12 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -52,14 +50,6 @@ def make_topology(*, dcs: int = 2, workers_per_dc=2, global_servers: int = 1, mo
     return topo
 
 
-# A server drops data from senders it does not know yet, and its member table can arrive after a client's
-# first request (see test_faults.py::test_server_keeps_requests_that_arrive_before_its_member_table). Until
-# that geomx bug is fixed, a run that hits it is stopped at once and started again, so that the other tests
-# test what they are about. Set to 1 to see the race fail runs.
-RACE_ATTEMPTS = 1
-RACE_MARK = re.compile(r"'\w+' from unknown sender '(?:worker|master|server)-")
-
-
 def launch(tmp_path: Path, script: str | Path, *, dcs: int = 2, workers_per_dc=2, global_servers: int = 1,
            mode: str = "dist_sync", topology: str = "hips", wan: str = "lan", env: dict | None = None,
            timeout: float = 90, name: str = "run", edit_plan=None, watch=None) -> tuple[int, Path, str]:
@@ -72,19 +62,9 @@ def launch(tmp_path: Path, script: str | Path, *, dcs: int = 2, workers_per_dc=2
     path = Path(script) if isinstance(script, Path) else write_script(tmp_path / f"{name}-script", script)
     topo = make_topology(dcs=dcs, workers_per_dc=workers_per_dc, global_servers=global_servers, mode=mode,
                          topology=topology, wan=wan, env=env)
-    for attempt in range(RACE_ATTEMPTS):
-        run_dir = tmp_path / (name if attempt == 0 else f"{name}-retry{attempt}")
-        code, output, raced = _launch_once(topo, path, run_dir, timeout, edit_plan, watch)
-        if not raced:
-            break
-        warnings.warn(f"{run_dir}: a server dropped a request that arrived before its member table (known "
-                      f"geomx race); run stopped" + ("; starting it again" if attempt + 1 < RACE_ATTEMPTS else ""))
-    return code, run_dir, output
-
-
-def _launch_once(topo, path: Path, run_dir: Path, timeout: float, edit_plan, watch) -> tuple[int, str, bool]:
     from geomx.cli import launch as launch_mod
 
+    run_dir = tmp_path / name
     run_dir.mkdir(parents=True, exist_ok=True)
     out = io.StringIO()
     launcher = launch_mod.Launcher(topo, [sys.executable, str(path)], run_dir=run_dir, quiet=False, out=out)
@@ -104,18 +84,12 @@ def _launch_once(topo, path: Path, run_dir: Path, timeout: float, edit_plan, wat
             result["error"] = exc
 
     thread = threading.Thread(target=run, name="test-launcher", daemon=True)
-    raced = False
     try:
         thread.start()
         while thread.is_alive():
             thread.join(0.1)
             if watch is not None and thread.is_alive():
                 watch(launcher, run_dir)
-            if RACE_ATTEMPTS > 1 and not raced and any(RACE_MARK.search(_read(p)) for p in run_dir.glob("*.log")):
-                raced = True
-                for r in list(launcher.running):     # the launcher sees them fail and tears everything down
-                    if r.spec.kind in ("worker", "master"):
-                        _kill_group(r.proc)
     finally:
         thread.join(timeout + 30)
         launch_mod.plan = original_plan
@@ -125,14 +99,7 @@ def _launch_once(topo, path: Path, run_dir: Path, timeout: float, edit_plan, wat
                 r.proc.wait(10)
     if "error" in result:
         raise result["error"]
-    return result["code"], out.getvalue(), raced
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except OSError:
-        return ""
+    return result["code"], run_dir, out.getvalue()
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -212,34 +179,24 @@ class Processes:
 def start_plan(tmp_path: Path, script: Path, topo, ready, timeout: float = 60):
     """Start every process of ``topo``'s plan ourselves (no launcher, so no kill-all on failure), each in its own
     session with a log file, and wait until ``ready(run_dir)``. Returns (Processes, {role name: Popen}, run dir);
-    the caller must ``close()`` the Processes. A start that hits the member-table race is started again."""
+    the caller must ``close()`` the Processes."""
     from geomx.cli.launch import plan
 
-    for attempt in range(RACE_ATTEMPTS):
-        run_dir = tmp_path / ("run" if attempt == 0 else f"run-retry{attempt}")
-        run_dir.mkdir(parents=True)
-        specs = plan(topo, [sys.executable, str(script)], run_dir)
-        procs = Processes()
-        try:
-            running = {s.name: procs.start(s.argv, {**os.environ, **s.env}, run_dir / f"{s.name}.log")
-                       for s in specs}
-            end = time.monotonic() + timeout
-            while not ready(run_dir):
-                raced = RACE_ATTEMPTS > 1 and any(RACE_MARK.search(_read(p)) for p in run_dir.glob("*.log"))
-                if raced or time.monotonic() > end:
-                    break
-                time.sleep(0.1)
-            else:
-                return procs, running, run_dir
-        except BaseException:
-            procs.close()
-            raise
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(parents=True)
+    specs = plan(topo, [sys.executable, str(script)], run_dir)
+    procs = Processes()
+    try:
+        running = {s.name: procs.start(s.argv, {**os.environ, **s.env}, run_dir / f"{s.name}.log") for s in specs}
+        end = time.monotonic() + timeout
+        while not ready(run_dir):
+            if time.monotonic() > end:
+                raise AssertionError(f"the deployment was not ready within {timeout:g} s\n{logs(run_dir)[-12000:]}")
+            time.sleep(0.1)
+    except BaseException:
         procs.close()
-        if not raced:
-            raise AssertionError(f"the deployment was not ready within {timeout:g} s\n{logs(run_dir)[-12000:]}")
-        warnings.warn(f"{run_dir}: a server dropped a request that arrived before its member table (known geomx "
-                      f"race); starting again")
-    raise AssertionError(f"every start hit the member-table race; last run: {run_dir}")
+        raise
+    return procs, running, run_dir
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
