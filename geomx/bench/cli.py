@@ -74,16 +74,11 @@ def _parse_bytes(text: str) -> tuple[int, ...]:
 
 
 def _cmd_link(args) -> int:
-    import json
-
     from geomx.bench.common import emit_report
     from geomx.errors import ConfigError
     from geomx.profiles import get_profile, parse_duration, parse_rate
 
-    try:
-        from geomx.bench.link import bench_link, format_link_report
-    except ImportError as exc:
-        raise ConfigError(f"geomx bench link is not available in this version ({exc})") from None
+    from geomx.bench.link import bench_link, format_link_report
     if args.profile and (args.wan_rate or args.wan_rtt):
         raise ConfigError("give --profile or --wan-rate/--wan-rtt, not both")
     if args.profile:
@@ -97,8 +92,5 @@ def _cmd_link(args) -> int:
         jitter = parse_duration(args.jitter)
     result = bench_link(rate_bps=rate, rtt_s=rtt, jitter_s=jitter, sizes=_parse_bytes(args.sizes),
                         seconds=args.seconds, pings=args.pings)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    emit_report(args, "geomx bench link: one emulated WAN link", format_link_report(result))
+    emit_report(args, "geomx bench link: one emulated WAN link", format_link_report(result), result)
     return 0

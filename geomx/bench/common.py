@@ -193,8 +193,11 @@ def machine_description() -> str:
            f"{platform.python_version()}{load}"
 
 
-def emit_report(args, title: str, body: str) -> None:
-    """Print the report; with ``--output FILE`` also append it with the command line, date and machine."""
+def emit_report(args, title: str, body: str, result: dict) -> None:
+    """Print the report; with ``--output FILE`` also append it with the command line, date and machine; with
+    ``--json FILE`` write the raw ``result``."""
+    if getattr(args, "json", None):
+        Path(args.json).write_text(json.dumps(result, indent=1))
     section = "\n".join([f"## {title}", "",
                          f"* command: `{command_line(args)}`",
                          f"* date: {time.strftime('%Y-%m-%d %H:%M %Z')}",
@@ -209,3 +212,13 @@ def emit_report(args, title: str, body: str) -> None:
         with open(path, "a") as f:
             f.write("\n" + section)
         print(f"(appended to {path})", file=sys.stderr)
+
+
+def dispatch_helper(module: str, commands: dict, argv: list[str] | None) -> int:
+    """``python -m geomx.bench.<module> COMMAND ...``: the helper processes a bench starts for itself."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in commands:
+        print(f"usage: python -m geomx.bench.{module} {{{','.join(commands)}}} ... (started by geomx bench "
+              f"{module})", file=sys.stderr)
+        return 2
+    return commands[argv[0]](argv[1:])

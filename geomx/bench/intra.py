@@ -23,8 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from geomx.bench.common import (MIB, bench_env, emit_report, free_port, launch, markdown_table, ratio, read_json,
-                                run_directory)
+from geomx.bench.common import (MIB, bench_env, dispatch_helper, emit_report, free_port, launch, markdown_table,
+                                ratio, read_json, run_directory)
 from geomx.errors import GeomxError
 
 KEY = "bench-intra-gradient"
@@ -190,9 +190,7 @@ def format_intra_report(r: dict) -> str:
 
 def cmd_intra(args) -> int:
     result = bench_intra(args.mb, args.workers, args.repeats, run_dir=args.run_dir, timeout=args.timeout)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    emit_report(args, "geomx bench intra: one DC's gradient sync vs gloo all_reduce", format_intra_report(result))
+    emit_report(args, "geomx bench intra: one DC's gradient sync vs gloo all_reduce", format_intra_report(result), result)
     return 0
 
 
@@ -206,12 +204,7 @@ def add_parser(bsub) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("kv-worker", "gloo-worker"):
-        print("usage: python -m geomx.bench.intra {kv-worker,gloo-worker} ... (started by geomx bench intra)",
-              file=sys.stderr)
-        return 2
-    return {"kv-worker": kv_worker_main, "gloo-worker": gloo_worker_main}[argv[0]](argv[1:])
+    return dispatch_helper("intra", {"kv-worker": kv_worker_main, "gloo-worker": gloo_worker_main}, argv)
 
 
 if __name__ == "__main__":

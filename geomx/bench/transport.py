@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from geomx.bench.common import (MIB, bench_env, emit_report, fmt_mib, launch, markdown_table, median,
-                                parse_sizes, ratio, read_json, run_directory)
+from geomx.bench.common import (MIB, bench_env, dispatch_helper, emit_report, fmt_mib, launch, markdown_table,
+                                median, parse_sizes, ratio, read_json, run_directory)
 from geomx.errors import GeomxError
 
 TARGET = 0.80           # geomx / raw at sizes >= TARGET_FROM_MIB (the target)
@@ -263,9 +263,7 @@ def _num(x: float, spec: str) -> str:
 def cmd_transport(args) -> int:
     result = bench_transport(parse_sizes(args.sizes), args.repeats, run_dir=args.run_dir, timeout=args.timeout,
                              profile=args.profile)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    emit_report(args, "geomx bench transport: push+pull vs raw pyzmq", format_transport_report(result))
+    emit_report(args, "geomx bench transport: push+pull vs raw pyzmq", format_transport_report(result), result)
     return 0
 
 
@@ -374,12 +372,7 @@ def format_profile(summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("kv-worker", "echo-server"):
-        print("usage: python -m geomx.bench.transport {kv-worker,echo-server} ... (started by geomx bench transport)",
-              file=sys.stderr)
-        return 2
-    return {"kv-worker": kv_worker_main, "echo-server": echo_server_main}[argv[0]](argv[1:])
+    return dispatch_helper("transport", {"kv-worker": kv_worker_main, "echo-server": echo_server_main}, argv)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ gradient does, so with 2 workers per DC HiPS should move about half the bytes.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
@@ -156,9 +155,7 @@ def cmd_wan(args) -> int:
     result = bench_wan(profile=args.profile, wan_rate=args.wan_rate, wan_rtt=args.wan_rtt, steps=args.steps,
                        dcs=args.dcs, workers_per_dc=args.workers_per_dc, model=args.model, seed=args.seed,
                        run_dir=args.run_dir, timeout=args.timeout)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    emit_report(args, "geomx bench wan: HiPS vs flat over an emulated WAN", format_wan_report(result))
+    emit_report(args, "geomx bench wan: HiPS vs flat over an emulated WAN", format_wan_report(result), result)
     return 0
 
 
