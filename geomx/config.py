@@ -21,6 +21,9 @@ MODES = ("dist_sync", "dist_async")
 TOPOLOGIES = ("hips", "flat")
 
 
+DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024
+
+
 @dataclass
 class NodeConfig:
     role: str
@@ -43,6 +46,7 @@ class NodeConfig:
     heartbeat_timeout: float = 10.0
     connect_timeout: float = 120.0
     op_timeout: float = 300.0
+    partition_bytes: int = DEFAULT_PARTITION_BYTES   # tensors above this travel in parts (0: never)
     curve: object = None                   # geomx.transport.security.Curve when GEOMX_SECRET is set
 
     @property
@@ -51,6 +55,19 @@ class NodeConfig:
         who = self.role.replace("_", " ")
         rank = "" if self.rank is None else f" {self.rank}"
         return f"{who}{rank} of DC {self.dc}" if self.role in ("scheduler", "server", "worker") else who + rank
+
+
+def _partition_bytes(text: str | None) -> int:
+    if text is None or text.strip() == "":
+        return DEFAULT_PARTITION_BYTES
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"GEOMX_PARTITION_BYTES={text!r} is not a whole number of bytes") from None
+    if value != 0 and value < 1024:
+        raise ConfigError(f"GEOMX_PARTITION_BYTES={value} is too small: use >= 1024 bytes, or 0 to never "
+                          f"partition")
+    return value
 
 
 def _need(env: Mapping[str, str], name: str, role: str) -> str:
@@ -134,6 +151,7 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
     cfg.heartbeat_timeout = _float(env, "GEOMX_HEARTBEAT_TIMEOUT", cfg.heartbeat_timeout)
     cfg.connect_timeout = _float(env, "GEOMX_CONNECT_TIMEOUT", cfg.connect_timeout)
     cfg.op_timeout = _float(env, "GEOMX_TIMEOUT", cfg.op_timeout)
+    cfg.partition_bytes = _partition_bytes(env.get("GEOMX_PARTITION_BYTES"))
     requested = env.get("GEOMX_RANK") or env.get("DMLC_WORKER_ID")
     cfg.rank = _int(env, "GEOMX_RANK" if env.get("GEOMX_RANK") else "DMLC_WORKER_ID", role) if requested else None
 

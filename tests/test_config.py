@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from geomx.config import config_from_env
-from geomx.errors import ConfigError
+from geomx.errors import ConfigError, KVError
+from geomx.kvstore.partition import check_user_key, plan_parts
 from harness import REPO, node_env
 
 PY = sys.executable
@@ -251,3 +252,25 @@ def test_launch_with_an_inconsistent_topology_file_exits_2_naming_it(tmp_path):
     res = _geomx("launch", "--config", str(path), "--run-dir", str(tmp_path / "run"), "--", PY, "-c", "pass")
     assert res.returncode == 2, res.stderr
     assert "geomx: error:" in res.stderr and "workers_per_dc" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("text, error", [("lots", "not a whole number"), ("100", "too small")])
+def test_bad_partition_bytes_is_refused_naming_the_variable(text, error):
+    env = worker_env(GEOMX_PARTITION_BYTES=text)
+    with pytest.raises(ConfigError, match=f"GEOMX_PARTITION_BYTES.*{error}"):
+        config_from_env(env)
+
+
+def test_plan_parts_cuts_flat_ranges_of_at_most_partition_bytes_covering_every_element():
+    parts = plan_parts("w", 1001, 4, 400)
+    assert [p.key for p in parts] == [f"w#{i}/11" for i in range(11)]
+    assert [(p.start, p.stop) for p in parts][:2] == [(0, 100), (100, 200)] and parts[-1].stop == 1001
+    assert all(p.stop - p.start <= 100 for p in parts)
+    assert plan_parts("w", 100, 4, 400) is None and plan_parts("w", 10**6, 4, 0) is None
+
+
+def test_user_keys_shaped_like_partition_keys_are_refused():
+    with pytest.raises(KVError, match="reserves"):
+        check_user_key("w#0/3")
+    check_user_key("w#x")
+    check_user_key(3)

@@ -127,11 +127,17 @@ def hips_g2(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def hips_g2_parts(tmp_path_factory):
+    """Tensors above 16 KiB travel in parts: "big" (80 000 bytes) as 5 parts of <= 16 384 bytes."""
+    return _run(tmp_path_factory, "hips-g2-parts", global_servers=2, env={"GEOMX_PARTITION_BYTES": "16384"})
+
+
+@pytest.fixture(scope="module")
 def flat_g2(tmp_path_factory):
     return _run(tmp_path_factory, "flat-g2", global_servers=2, topology="flat")
 
 
-@pytest.mark.parametrize("run", ["hips_g1", "hips_g2"])
+@pytest.mark.parametrize("run", ["hips_g1", "hips_g2", "hips_g2_parts"])
 def test_fsa_pushpull_equals_exact_mean_of_every_workers_gradient_across_dcs(run, request):
     run_dir = request.getfixturevalue(run)
     for me in range(N):
@@ -154,6 +160,14 @@ def test_two_global_servers_share_the_keys_each_key_whole_on_the_emptiest_server
     # the keys initialized after it go to the other one
     later = [repr(k) for k in list(all_keys())[list(all_keys()).index("big") + 1:]]
     assert later and all(owners[k] != owners[repr("big")] for k in later), owners
+
+
+def test_a_tensor_above_partition_bytes_travels_as_parts_spread_over_both_global_servers(hips_g2_parts):
+    owners = dict((k, r) for k, r in load_json(hips_g2_parts, "owners"))
+    parts = sorted(k for k in owners if k.startswith("'big#"))
+    assert parts == [f"'big#{i}/5'" for i in range(5)], owners
+    assert {owners[k] for k in parts} == {0, 1}, "all parts of one tensor landed on one server"
+    assert "'big'" not in owners and "'fc.weight'" in owners    # small keys stay whole
 
 
 def test_flat_topology_pushpull_equals_mean_of_every_workers_gradient(flat_g2):
@@ -182,7 +196,7 @@ def test_flat_and_hips_give_identical_results_for_identical_gradients(hips_g2, f
             np.testing.assert_array_equal(hips_start[name], flat_start[name], err_msg=name)
 
 
-@pytest.mark.parametrize("run", ["hips_g2", "flat_g2"])
+@pytest.mark.parametrize("run", ["hips_g2", "flat_g2", "hips_g2_parts"])
 def test_every_worker_starts_from_the_master_workers_values(run, request):
     run_dir = request.getfixturevalue(run)
     for me in range(N):

@@ -10,23 +10,9 @@ from geomx.errors import ConfigError
 from geomx.transport.message import Message, encode
 from geomx.transport.security import Curve
 from geomx.transport.van import Van
+from harness import Inbox
 
 SECRET = "correct horse battery staple 42"
-
-
-class Inbox:
-    def __init__(self):
-        self.messages, self.event = [], threading.Event()
-
-    def __call__(self, msg):
-        self.messages.append(msg)
-        self.event.set()
-
-    def wait_for(self, n, timeout=5.0):
-        end = time.monotonic() + timeout
-        while len(self.messages) < n and time.monotonic() < end:
-            time.sleep(0.01)
-        return len(self.messages) >= n
 
 
 @pytest.fixture

@@ -98,6 +98,30 @@ class Handle:
                 log.exception("callback of %s failed", self.what)
 
 
+def gather(handles: list[Handle], combine: Callable[[list], Any], what: str) -> Handle:
+    """A handle that finishes with ``combine(results)`` once all ``handles`` have, or with the first error."""
+    first = handles[0]
+    joined = Handle(first._po, what, first.server)
+    left = [len(handles)]
+    lock = threading.Lock()
+
+    def one(h: Handle) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if h.error is not None:
+            joined._finish(error=h.error)
+        elif last:
+            try:
+                joined._finish(combine([x.result for x in handles]))
+            except Exception as exc:
+                joined._finish(error=exc)
+
+    for h in handles:
+        h.add_done_callback(one)
+    return joined
+
+
 def home_server(key: int | str, num_servers: int) -> int:
     """Where a client first asks about ``key``: a stable hash, identical in every process."""
     if isinstance(key, int):
@@ -114,13 +138,15 @@ class KVClient:
         if not self.servers:
             raise GeomxError(f"the {tier.name} tier has no servers for {po.cfg.label} to talk to")
         self._req = itertools.count(1)
-        self._pending: dict[int, tuple[Handle, Callable[[Message], Any] | None]] = {}
+        # request id -> (handle, reply -> result, the array the reply's tensor is received into or None)
+        self._pending: dict[int, tuple[Handle, Callable[[Message], Any] | None, np.ndarray | None]] = {}
         self._lock = threading.Lock()
         self._owner: dict[Any, int] = {}
         self._pushes: dict[Any, int] = {}
         self._placed_bytes = [0] * len(self.servers)
         self.info: dict = {}
         po.add_abort_listener(self._fail_all)
+        po.van.receive_into = self.receive_into
 
     # requests ---------------------------------------------------------------------------------------------
     def init(self, key, value: np.ndarray, priority: int = 0) -> Handle:
@@ -157,14 +183,19 @@ class KVClient:
         self._pushes[key] = self._pushes.get(key, 0) + 1
         return self._request("push", key, rank, {}, [value], priority, None)
 
-    def pull(self, key, priority: int = 0) -> Handle:
+    def pull(self, key, priority: int = 0, *, out: np.ndarray | None = None) -> Handle:
+        """The result is the value; with ``out`` (a writable C-contiguous array of the key's shape and dtype)
+        the reply is received straight into it and the result is ``out`` itself."""
         rank = self._owner_of(key)
-        return self._request("pull", key, rank, {"after": self._pushes.get(key, 0)}, [], priority, _first_tensor)
+        return self._request("pull", key, rank, {"after": self._pushes.get(key, 0)}, [], priority, _first_tensor,
+                             out)
 
-    def pushpull(self, key, value: np.ndarray, priority: int = 0) -> Handle:
+    def pushpull(self, key, value: np.ndarray, priority: int = 0, *, out: np.ndarray | None = None) -> Handle:
+        """``value`` is sent without a copy: leave it unchanged until the handle finishes. ``out`` as in
+        :meth:`pull` (it may be ``value`` itself: the reply arrives only after the push was received)."""
         rank = self._owner_of(key)
         self._pushes[key] = self._pushes.get(key, 0) + 1
-        return self._request("pushpull", key, rank, {}, [value], priority, _first_tensor)
+        return self._request("pushpull", key, rank, {}, [value], priority, _first_tensor, out)
 
     def command(self, name: str, **args) -> list[Handle]:
         """Send a configuration command to every server of the tier."""
@@ -172,13 +203,23 @@ class KVClient:
                 for s in self.servers]
 
     # replies ------------------------------------------------------------------------------------------------
+    def receive_into(self, header: dict) -> list[np.ndarray | None]:
+        """Van hook: the ``out`` array of the request a reply answers, if it came from the server asked."""
+        if header["op"] != "reply" or len(header["t"]) != 1:
+            return []
+        with self._lock:
+            entry = self._pending.get(header["f"].get("req"))
+        if entry is None or entry[2] is None or entry[0].server.id != header.get("src"):
+            return []
+        return [entry[2]]
+
     def handle_reply(self, msg: Message) -> None:
         with self._lock:
             entry = self._pending.pop(msg.get("req"), None)
         if entry is None:
             log.warning("%s: reply to unknown request %r from %s dropped", self.po.node_id, msg.get("req"), msg.src)
             return
-        handle, convert = entry
+        handle, convert, _ = entry
         if msg.get("error"):
             kind = PeerLostError if msg.get("lost") else KVError
             handle._finish(error=kind(f"{handle.what} refused by {handle.server.label}: {msg['error']}"))
@@ -199,13 +240,13 @@ class KVClient:
                           f"value) first") from None
 
     def _request(self, op: str, key, rank: int, fields: dict, tensors: list, priority: int,
-                 convert: Callable[[Message], Any] | None) -> Handle:
+                 convert: Callable[[Message], Any] | None, out: np.ndarray | None = None) -> Handle:
         server = self.servers[rank]
         what = f"{op} of key {key!r}" if key is not None else f"command {fields.get('name')!r}"
         handle = Handle(self.po, what, server)
         req = next(self._req)
         with self._lock:
-            self._pending[req] = (handle, convert)
+            self._pending[req] = (handle, convert, out)
         if self.po.aborted:
             self._fail_all(self.po.aborted)
         self._send(server, Message(op, fields={"req": req, "key": key, **fields}, tensors=tensors,
@@ -218,7 +259,7 @@ class KVClient:
     def _fail_all(self, reason: str) -> None:
         with self._lock:
             pending, self._pending = self._pending, {}
-        for handle, _ in pending.values():
+        for handle, _, _ in pending.values():
             handle._finish(error=PeerLostError(f"{handle.what} failed: {reason}"))
 
 

@@ -5,8 +5,13 @@
     kv.pull("fc.weight", out=w)                  # every worker starts from it
     kv.pushpull("fc.weight", grad, out=grad).wait()
 
-push, pull and pushpull return a handle; ``handle.wait()`` returns once the reply arrived (and was copied
-into ``out``); ``kv.waitall()`` waits for everything outstanding. Values are torch tensors or numpy arrays.
+push, pull and pushpull return a handle; ``handle.wait()`` returns once the reply arrived (and is in
+``out``); ``kv.waitall()`` waits for everything outstanding. Values are torch tensors or numpy arrays.
+
+Zero-copy, as torch.distributed's ``async_op=True`` and Horovod's async ops (and unlike MXNet, whose engine
+snapshots the value): push and pushpull send ``value`` from its own memory, so leave it unchanged until the
+handle has finished; a CPU, C-contiguous ``out`` of the key's dtype receives the reply straight from the
+socket (``out`` may be ``value`` itself). Other outputs get a copy.
 """
 from __future__ import annotations
 
@@ -16,10 +21,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from geomx.cluster.client import Handle, KVClient, check_key
+from geomx.cluster.client import Handle, KVClient, check_key, gather
 from geomx.cluster.postoffice import Postoffice, Tier
 from geomx.config import MODES, NodeConfig, config_from_env
-from geomx.errors import ConfigError, GeomxError
+from geomx.errors import ConfigError, GeomxError, KVError
+from geomx.kvstore.partition import check_user_key, flat_slices, plan_parts
 from geomx.profiles import CENTRAL_DC
 
 log = logging.getLogger("geomx.kvstore")
@@ -54,7 +60,7 @@ class KVStore:
         self.po.on_data = self._on_data
         self._outstanding: list[Handle] = []
         self._initialized_keys: set = set()
-        self._staging: dict = {}          # key -> (buffer, the request that last sent it)
+        self._layout: dict = {}           # key -> (shape, dtype, parts or None), from this worker's init
         self._closed = False
         self.po.start()
         try:
@@ -164,32 +170,38 @@ class KVStore:
         handles = []
         for k, v in zip(keys, values):
             check_key(k)
-            handles.append(self._client.init(k, _to_numpy(v)))
-        for k, h in zip(keys, handles):
-            _, info = h.wait()
-            self._check_info(info)
+            check_user_key(k)
+            arr = np.ascontiguousarray(_as_numpy_view(v))     # init blocks until answered: no copy needed
+            parts = plan_parts(k, arr.size, arr.itemsize, self.cfg.partition_bytes)
+            self._layout[k] = (arr.shape, arr.dtype, parts)
+            if parts is None:
+                handles.append([self._client.init(k, arr)])
+            else:
+                handles.append([self._client.init(p.key, piece) for p, piece in zip(parts, flat_slices(arr, parts))])
+        for k, hs in zip(keys, handles):
+            for h in hs:
+                _, info = h.wait()
+                self._check_info(info)
             self._initialized_keys.add(k)
 
     def push(self, key, value, priority: int = 0) -> Handle | list[Handle]:
+        """Send a gradient (zero-copy: leave ``value`` unchanged until the handle has finished)."""
         keys, values = _pairs(key, value)
-        hs = [self._track(self._staged(k, v, lambda arr, k=k: self._client.push(k, arr, priority)))
-              for k, v in zip(keys, values)]
+        hs = [self._track(self._request("push", k, v, None, priority)) for k, v in zip(keys, values)]
         return hs if isinstance(key, (list, tuple)) else hs[0]
 
     def pull(self, key, out=None, priority: int = 0) -> Handle | list[Handle]:
-        """Fetch the current value (after this worker's earlier pushes of the key). With ``out`` the value is
-        copied into it; ``handle.wait()`` also returns it as a numpy array."""
+        """Fetch the current value (after this worker's earlier pushes of the key) into ``out``;
+        ``handle.wait()`` also returns it as a numpy array."""
         keys, outs = _pairs(key, out) if out is not None else (_keys(key), [None] * len(_keys(key)))
-        hs = [self._track(self._client.pull(k, priority).then(_copier(o))) for k, o in zip(keys, outs)]
+        hs = [self._track(self._request("pull", k, None, o, priority)) for k, o in zip(keys, outs)]
         return hs if isinstance(key, (list, tuple)) else hs[0]
 
     def pushpull(self, key, value, out=None, priority: int = 0) -> Handle | list[Handle]:
-        """Push then pull in one message (one round trip)."""
+        """Push then pull in one message (one round trip). ``out`` may be ``value`` itself."""
         keys, values = _pairs(key, value)
         outs = _pairs(key, out)[1] if out is not None else [None] * len(keys)
-        hs = [self._track(self._staged(k, v, lambda arr, k=k: self._client.pushpull(k, arr, priority))
-                          .then(_copier(o)))
-              for k, v, o in zip(keys, values, outs)]
+        hs = [self._track(self._request("pushpull", k, v, o, priority)) for k, v, o in zip(keys, values, outs)]
         return hs if isinstance(key, (list, tuple)) else hs[0]
 
     def waitall(self, timeout: float | None = None) -> None:
@@ -228,18 +240,35 @@ class KVStore:
         except GeomxError as exc:   # the error was (or will be) reported where it happened
             log.warning("closing the kvstore at exit: %s", exc)
 
-    def _staged(self, key, value, send) -> Handle:
-        """Copy ``value`` into the key's staging buffer and ``send`` it. The buffer is reused once the previous
-        request of the key has been answered (then the van has sent it), so a training loop pushes from warm
-        memory instead of a fresh allocation per step."""
-        src = _as_numpy_view(value)
-        buf, prev = self._staging.get(key, (None, None))
-        if buf is None or prev is None or not prev.done() or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = np.empty(src.shape, src.dtype)
-        np.copyto(buf, src)
-        handle = send(buf)
-        self._staging[key] = (buf, handle)
-        return handle
+    def _request(self, op: str, key, value, out, priority: int) -> Handle:
+        """One push, pull or pushpull of a user key: of the whole tensor, or of each of its parts."""
+        check_key(key)
+        src = _as_numpy_view(value) if value is not None else None
+        target = _receivable(out)
+        shape, dtype, parts = self._layout.get(key, (None, None, None))
+        if parts is None:
+            h = self._send(op, key, src, target, priority)
+        else:
+            if src is not None and (src.shape != shape or src.dtype != dtype):
+                raise KVError(f"{op} of key {key!r} has shape {tuple(src.shape)} {src.dtype.name}, but the key was "
+                              f"initialized with shape {tuple(shape)} {dtype.name}")
+            if src is not None:
+                src = np.ascontiguousarray(src)
+            into = None if op == "push" else (target if target is not None and target.shape == shape
+                                               else np.empty(shape, dtype))
+            values = flat_slices(src, parts) if src is not None else [None] * len(parts)
+            outs = flat_slices(into, parts) if into is not None else [None] * len(parts)
+            h = gather([self._send(op, p.key, v, o, priority) for p, v, o in zip(parts, values, outs)],
+                       lambda _: into, f"{op} of key {key!r}")
+            target = into if into is target else None
+        return h if op == "push" else h.then(_copier(out, target))
+
+    def _send(self, op: str, key, value, out, priority: int) -> Handle:
+        if op == "push":
+            return self._client.push(key, value, priority)
+        if op == "pull":
+            return self._client.pull(key, priority, out=out)
+        return self._client.pushpull(key, value, priority, out=out)
 
     def _track(self, h: Handle) -> Handle:
         # keep what waitall must still wait for or report; a finished handle would pin its reply in memory
@@ -287,16 +316,28 @@ def _as_numpy_view(value) -> np.ndarray:
     raise GeomxError(f"values are torch tensors or numpy arrays, not {type(value).__name__}")
 
 
-def _to_numpy(value) -> np.ndarray:
-    """A private copy (the caller may overwrite its tensor while the message is in flight)."""
-    return np.array(_as_numpy_view(value), copy=True, order="C")
+def _receivable(out) -> np.ndarray | None:
+    """A numpy view of ``out`` that a reply can be received into directly, or None (then it gets a copy)."""
+    if out is None:
+        return None
+    if isinstance(out, np.ndarray):
+        view = out
+    else:
+        import torch
+
+        if not isinstance(out, torch.Tensor) or out.device.type != "cpu" or out.dtype == torch.bfloat16:
+            return None
+        view = out.detach().numpy()
+    return view if view.flags.c_contiguous and view.flags.writeable and view.nbytes else None
 
 
-def _copier(out):
+def _copier(out, received_into: np.ndarray | None = None):
     if out is None:
         return lambda arr: arr
 
     def copy(arr: np.ndarray) -> np.ndarray:
+        if arr is received_into:             # the reply was received straight into ``out``
+            return arr
         if tuple(out.shape) != tuple(arr.shape):
             raise GeomxError(f"pull into an output of shape {tuple(out.shape)}, but the value has shape "
                              f"{tuple(arr.shape)}")

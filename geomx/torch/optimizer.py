@@ -86,15 +86,16 @@ class DistributedOptimizer:
                 if value is None:
                     continue
                 if self.server_updates:
-                    p.copy_(torch.from_numpy(value.copy()))
+                    p.copy_(value)
                 else:
-                    p.grad = torch.from_numpy(value.copy()).to(p.device)
+                    p.grad = value if value.device == p.device else value.to(p.device)
         if not self.server_updates:
             self.optimizer.step()
 
     def synchronize(self) -> list:
         """Push what backward did not push (parameters without a gradient this step push zeros, so the
-        round completes everywhere) and wait for all results."""
+        round completes everywhere) and wait for all results: per parameter, the tensor its gradient was
+        pushed from, now holding the reply (mean gradient, or new weights when the servers update)."""
         for i, (_, p) in enumerate(self.params):
             if p.requires_grad and i not in self._handles:
                 grad = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -102,8 +103,10 @@ class DistributedOptimizer:
         start = time.perf_counter()
         results = []
         for i, _ in enumerate(self.params):
-            h = self._handles.pop(i, None)
-            results.append(h.wait() if h is not None else None)
+            entry = self._handles.pop(i, None)
+            if entry is not None:
+                entry[0].wait()
+            results.append(entry[1] if entry is not None else None)
         self.comm_wait_s += time.perf_counter() - start
         self._passes.clear()
         return results
@@ -117,7 +120,11 @@ class DistributedOptimizer:
             self._push(i, p, grad)
 
     def _push(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> None:
-        self._handles[i] = self.kv.pushpull(self.params[i][0], grad, priority=-i)
+        # zero-copy both ways: the reply lands in the buffer the gradient was sent from, which nothing writes
+        # before step() (the next backward comes after it)
+        if grad.device.type != "cpu" or not grad.is_contiguous():
+            grad = grad.detach().cpu().contiguous()
+        self._handles[i] = (self.kv.pushpull(self.params[i][0], grad, out=grad, priority=-i), grad)
 
 
 def _named(optimizer: torch.optim.Optimizer, named) -> list[tuple[str, torch.nn.Parameter]]:

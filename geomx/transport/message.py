@@ -54,47 +54,74 @@ def _buffer(frame) -> memoryview:
     return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
 
 
-def decode(frames: Sequence) -> Message:
-    """Frames (bytes or zmq.Frame) -> Message. Raises ProtocolError on anything malformed."""
-    if not frames:
-        raise ProtocolError("empty message")
+def decode_header(frame) -> dict:
+    """The header frame -> its map, checked: an ``op`` string, ``t`` a list of valid (dtype, shape) specs,
+    ``f`` a map. Raises ProtocolError on anything malformed."""
     try:
-        header = msgpack.unpackb(_buffer(frames[0]), raw=False, strict_map_key=False)
+        header = msgpack.unpackb(_buffer(frame), raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f"header is not msgpack ({exc.__class__.__name__})") from None
     if not isinstance(header, dict) or not isinstance(header.get("op"), str):
         raise ProtocolError("header is not a geomx message header")
     specs = header.get("t") or []
-    if not isinstance(specs, list) or len(specs) != len(frames) - 1:
-        raise ProtocolError(f"header announces {len(specs) if isinstance(specs, list) else '?'} tensors "
-                            f"but {len(frames) - 1} frames followed")
-    tensors = []
-    for spec, frame in zip(specs, frames[1:]):
-        try:
-            dtype_name, shape = spec
-            if dtype_name not in WIRE_DTYPES:
-                raise ProtocolError(f"dtype {dtype_name!r} is not allowed on the wire")
-            dtype = np.dtype(dtype_name)
-            shape = tuple(int(s) for s in shape)
-            buf = _buffer(frame)
-            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-            if count * dtype.itemsize != buf.nbytes:
-                raise ProtocolError(f"tensor of shape {shape} {dtype_name} needs {count * dtype.itemsize} bytes, "
-                                    f"frame has {buf.nbytes}")
-            tensors.append(np.frombuffer(buf, dtype=dtype, count=count).reshape(shape) if count
-                           else np.zeros(shape, dtype=dtype))
-        except ProtocolError:
-            raise
-        except Exception as exc:
-            raise ProtocolError(f"bad tensor spec {spec!r}: {exc}") from None
+    if not isinstance(specs, list):
+        raise ProtocolError("header tensor list is not a list")
+    header["t"] = [_spec(s) for s in specs]
     fields = header.get("f") or {}
     if not isinstance(fields, dict):
         raise ProtocolError("header fields are not a map")
+    header["f"] = fields
+    return header
+
+
+def _spec(spec) -> tuple[np.dtype, tuple[int, ...]]:
+    try:
+        dtype_name, shape = spec
+        if dtype_name not in WIRE_DTYPES:
+            raise ProtocolError(f"dtype {dtype_name!r} is not allowed on the wire")
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ProtocolError(f"negative dimension in shape {shape}")
+        return np.dtype(dtype_name), shape
+    except ProtocolError:
+        raise
+    except Exception as exc:
+        raise ProtocolError(f"bad tensor spec {spec!r}: {exc}") from None
+
+
+def build_message(header: dict, frames: Sequence) -> Message:
+    """A checked header (:func:`decode_header`) and its tensor frames -> Message. A frame may already be the
+    numpy array the tensor was received into (see ``Van.receive_into``); it is used as it is."""
+    specs = header["t"]
+    if len(specs) != len(frames):
+        raise ProtocolError(f"header announces {len(specs)} tensors but {len(frames)} frames followed")
+    tensors = []
+    for (dtype, shape), frame in zip(specs, frames):
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if isinstance(frame, np.ndarray):
+            if frame.dtype != dtype or frame.shape != shape:
+                raise ProtocolError(f"tensor received into a {frame.dtype} {frame.shape} buffer, header says "
+                                    f"{dtype} {shape}")
+            tensors.append(frame)
+            continue
+        buf = _buffer(frame)
+        if count * dtype.itemsize != buf.nbytes:
+            raise ProtocolError(f"tensor of shape {shape} {dtype.name} needs {count * dtype.itemsize} bytes, "
+                                f"frame has {buf.nbytes}")
+        tensors.append(np.frombuffer(buf, dtype=dtype, count=count).reshape(shape) if count
+                       else np.zeros(shape, dtype=dtype))
     prio = header.get("p", 0)
-    return Message(op=header["op"], src=str(header.get("src", "")), fields=fields, tensors=tensors,
+    return Message(op=header["op"], src=str(header.get("src", "")), fields=header["f"], tensors=tensors,
                    priority=int(prio) if isinstance(prio, int) else 0)
+
+
+def decode(frames: Sequence) -> Message:
+    """Frames (bytes or zmq.Frame) -> Message. Raises ProtocolError on anything malformed."""
+    if not frames:
+        raise ProtocolError("empty message")
+    return build_message(decode_header(frames[0]), frames[1:])
 
 
 def payload_nbytes(frames: Sequence) -> int:
     """Bytes a message occupies on the wire (header + tensor frames)."""
-    return sum(_buffer(f).nbytes for f in frames)
+    return sum(f.nbytes if isinstance(f, np.ndarray) else _buffer(f).nbytes for f in frames)

@@ -209,3 +209,20 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
         if time.monotonic() > end:
             raise AssertionError(f"{what} did not happen within {timeout:g} s")
         time.sleep(interval)
+
+
+class Inbox:
+    """An ``on_message`` callback for in-process Van tests that keeps what arrives."""
+
+    def __init__(self):
+        self.messages, self.event = [], threading.Event()
+
+    def __call__(self, msg):
+        self.messages.append(msg)
+        self.event.set()
+
+    def wait_for(self, n, timeout=5.0):
+        end = time.monotonic() + timeout
+        while len(self.messages) < n and time.monotonic() < end:
+            time.sleep(0.01)
+        return len(self.messages) >= n

@@ -1,0 +1,51 @@
+"""Large tensors travel as several parts, each its own key on the servers (BytePS's partitioning).
+
+Why: a part is sent, summed, and answered while the next part is still on the wire, so the request and
+the reply of one big tensor overlap instead of following each other; the parts of one tensor can live on
+different global servers; and the receiving side works on warm, reused buffers of part size instead of one
+fresh allocation of the whole tensor per round.
+
+A tensor of more than ``partition_bytes`` bytes is cut, flattened, into parts of at most that many bytes.
+Part ``i`` of ``n`` of key ``k`` is the key ``"k#i/n"``; user keys of that form are refused. Every process of
+a deployment must use the same ``partition_bytes`` (``GEOMX_PARTITION_BYTES``; the launcher sets one value
+for all). Partitioning is exact for the element-wise server optimizers (SGD, Adam, ...): each element is
+updated from its own gradient and state, wherever the cut falls.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from geomx.errors import KVError
+
+_PART_KEY = re.compile(r"#\d+/\d+$")
+
+
+@dataclass(frozen=True)
+class Part:
+    key: str          # the part's key on the servers
+    start: int        # element range of the flattened tensor
+    stop: int
+
+
+def check_user_key(key) -> None:
+    if isinstance(key, str) and _PART_KEY.search(key):
+        raise KVError(f"key {key!r} ends like a partition key ('#i/n'), which geomx reserves for the parts of "
+                      f"large tensors; rename it")
+
+
+def plan_parts(key, nelements: int, itemsize: int, partition_bytes: int) -> list[Part] | None:
+    """The parts of a tensor, or None when it travels whole (small enough, or partitioning is off)."""
+    if partition_bytes <= 0 or nelements * itemsize <= partition_bytes:
+        return None
+    per_part = max(1, partition_bytes // itemsize)
+    n = -(-nelements // per_part)
+    return [Part(f"{key}#{i}/{n}", i * per_part, min(nelements, (i + 1) * per_part)) for i in range(n)]
+
+
+def flat_slices(array: np.ndarray, parts: list[Part]) -> list[np.ndarray]:
+    """Views of each part in a C-contiguous ``array`` (no copy)."""
+    flat = array.reshape(-1)
+    return [flat[p.start:p.stop] for p in parts]
