@@ -178,7 +178,10 @@ def main(argv=None) -> int:
                 acc = evaluate(model, xt, yt)
                 history.append({"step": step, "epoch": epoch, "loss": loss.item(), "test_acc": acc,
                                 "wall_s": time.perf_counter() - start})
+                geomx.metrics.log(step=step, loss=loss.item(), test_acc=acc)
                 print(f"epoch {epoch} step {step} loss {loss.item():.4f} test accuracy {acc:.4f}", flush=True)
+            else:
+                geomx.metrics.log(step=step, loss=loss.item())
             if last:
                 break
         if step >= total_steps:

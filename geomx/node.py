@@ -22,6 +22,7 @@ def setup_logging() -> None:
 
 
 def run_scheduler(cfg: NodeConfig) -> int:
+    from geomx import metrics
     from geomx.cluster.scheduler import Scheduler
 
     if cfg.role == "global_scheduler":
@@ -32,7 +33,8 @@ def run_scheduler(cfg: NodeConfig) -> int:
                                                         "worker": cfg.num_workers}, cfg.scheduler
     scheduler = Scheduler(tier=tier, dc=cfg.dc, expected=expected, host=host, port=port, emulator=cfg.emulator,
                           heartbeat_timeout=cfg.heartbeat_timeout, connect_timeout=cfg.connect_timeout,
-                          bind_host=os.environ.get("GEOMX_BIND_HOST") or None, security=cfg.curve)
+                          bind_host=os.environ.get("GEOMX_BIND_HOST") or None, security=cfg.curve,
+                          metrics=metrics.open_process_writer(cfg.run_dir, cfg.role, cfg.dc))
     return scheduler.serve()
 
 

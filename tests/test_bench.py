@@ -43,27 +43,40 @@ def test_intra_smoke(tmp_path):
     assert len(r["gloo_iters"]) == 4                                      # 2 ranks x (before, after)
 
 
-def test_wan_smoke_flat_moves_more_bytes_than_hips(tmp_path):
-    js = tmp_path / "w.json"
-    assert main(["bench", "wan", "--wan-rate", "1gbit", "--wan-rtt", "2ms", "--steps", "2", "--model", "cnn",
-                 "--json", str(js)]) == 0
+def test_wan_matrix_smoke_rows_are_consistent_and_flat_moves_more_wan_bytes(tmp_path):
+    js, out = tmp_path / "w.json", tmp_path / "bench-out"
+    assert main(["bench", "wan", "--wan-rate", "1gbit", "--wan-rtt", "2ms", "--steps", "4", "--eval-every", "2",
+                 "--model", "cnn", "--target-acc", "0.15", "--configs", "hips-fsa,hips-mixedsync",
+                 "--json", str(js), "--out-dir", str(out)]) == 0
     r = json.loads(js.read_text())
-    hips, flat = r["runs"]["hips"], r["runs"]["flat"]
-    for run in (hips, flat):
-        assert run["wan_bytes_up"] > 0 and run["wan_bytes_down"] > 0 and run["wan_bytes_other"] == 0
-        assert run["bytes_per_step"] == pytest.approx(run["wan_bytes"] / 2)
-        assert _finite_positive(run["step_s"])
-        assert run["parameters"] and run["model_bytes"] == 4 * run["parameters"]
-        # every step moves at least one model copy per DC each way
-        assert run["bytes_up_per_step"] >= 2 * run["model_bytes"]
-    # 2 workers per DC: flat sends every worker's gradient, HiPS one aggregate per DC
-    assert flat["bytes_up_per_step"] > 1.5 * hips["bytes_up_per_step"]
-    assert flat["bytes_down_per_step"] > 1.5 * hips["bytes_down_per_step"]
-    assert 0.3 < r["ratios"]["bytes_per_step"] < 0.6
-    for value in r["ratios"].values():
-        assert _finite_positive(value)
-    # same seed, same synchronous algorithm: both topologies train the same model
-    assert hips["final_loss"] == pytest.approx(flat["final_loss"], abs=1e-3)
+    rows = {x["config"]: x for x in r["rows"]}
+    assert [x["config"] for x in r["rows"]] == ["flat", "hips-fsa", "hips-mixedsync"]   # baseline first
+    for x in r["rows"]:
+        roles, links = x["bytes_roles_vs_links"]
+        # what the roles handed to the network across DCs is what the emulated links carried
+        assert links > 0 and abs(roles - links) <= 0.001 * links, (x["config"], roles, links)
+        assert x["steps"] == 4 and x["workers"] == 4 and 0 < x["final_acc"] <= 1
+        assert x["dense_bytes"] > 0 and _finite_positive(x["train_s"]) and 0 < x["compute_utilization"] <= 1
+        assert _finite_positive(x["efficiency"]) and _finite_positive(x["speedup"])
+        if x["time_to_target_s"] is not None:
+            assert x["steps_to_target"] in (2, 4) and 0 < x["time_to_target_s"] <= x["train_s"]
+    flat, fsa = rows["flat"], rows["hips-fsa"]
+    # 2 workers per DC: flat sends every worker's gradient, HiPS one aggregate per DC (set-up included)
+    assert flat["wan_bytes_total"] > 1.5 * fsa["wan_bytes_total"]
+    assert flat["byte_reduction"] == pytest.approx(1.0) and flat["speedup"] == pytest.approx(1.0)
+    # dense FSA and flat PS run the same synchronous algorithm from the same seed: the same model
+    assert fsa["final_acc"] == pytest.approx(flat["final_acc"], abs=1e-6)
+    assert fsa["steps_to_target"] == flat["steps_to_target"]
+    table = (out / "wan-cnn-custom.md").read_text()
+    for x in r["rows"]:
+        assert x["label"] in table
+    assert set(r["files"]) >= {"table"}
+    if "plot" in r["files"]:
+        assert (out / "wan-cnn-custom.png").stat().st_size > 10_000
+
+
+def test_wan_rejects_an_unknown_configuration_naming_it():
+    assert main(["bench", "wan", "--configs", "hips-fsa,warp-drive"]) == 2
 
 
 def test_wan_rejects_unemulated_profile_and_single_step():

@@ -22,13 +22,51 @@ def run_example(run_dir: Path, args: list[str], **topology) -> list[dict]:
     return results
 
 
-def test_example_reaches_95_percent_on_digits_in_the_default_topology_over_an_emulated_wan(tmp_path):
-    results = run_example(tmp_path, [])   # defaults: 2 DCs x 2 workers, regional WAN, dist_sync, Adam
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("default-run")
+    return run_dir, run_example(run_dir, [])   # defaults: 2 DCs x 2 workers, regional WAN, dist_sync, Adam
+
+
+def test_example_reaches_95_percent_on_digits_in_the_default_topology_over_an_emulated_wan(default_run):
+    run_dir, results = default_run
     finals = [r["final_test_acc"] for r in results]
     assert min(finals) >= 0.95, finals
     # FSA keeps every worker's model identical, so their test accuracies match exactly
     assert len(set(finals)) == 1, finals
-    assert (tmp_path / "wan_links.json").exists()
+    assert (run_dir / "wan_links.json").exists()
+
+
+def test_report_of_the_run_agrees_with_what_the_workers_and_the_emulator_measured(default_run, capsys):
+    from geomx.cli.main import main
+    from geomx.report.run import load_run
+    from geomx.report.summary import summarize
+
+    run_dir, results = default_run
+    run = load_run(run_dir)
+    s = summarize(run, target_acc=0.9)
+    assert s["steps"] == results[0]["steps"] and s["workers"] == 4
+    assert s["final_acc"] == pytest.approx(results[0]["final_test_acc"], abs=1e-6)
+    assert s["best_acc"] >= s["final_acc"] and s["time_to_target_s"] is not None
+    assert 0 < s["time_to_target_s"] <= s["train_s"] and s["steps_to_target"] <= s["steps"]
+    roles, links = s["bytes_roles_vs_links"]
+    assert roles == links, "the roles' byte counters and the emulated links disagree"
+    # dense HiPS: each DC sends one model copy up and receives one down per step (plus headers)
+    assert 0.9 < s["compression_ratio"] < 1.05, s["compression_ratio"]
+    assert 0 < s["compute_utilization"] < 1 and 0 < s["efficiency"]
+    assert s["lower_bound_s"] == pytest.approx(s["compute_s"] + s["wire_s"] + s["round_trips_s"])
+    # servers report their queue depths
+    assert run.server_queues and all("held_requests" in q for q in run.server_queues)
+    assert main(["report", str(run_dir), "--target-acc", "0.9"]) == 0
+    text = capsys.readouterr().out
+    assert "time to accuracy 0.900" in text and "efficiency" in text and f"{roles:,} / {links:,}" in text
+
+
+def test_report_of_a_directory_that_is_no_run_names_it(tmp_path, capsys):
+    from geomx.cli.main import main
+
+    assert main(["report", str(tmp_path)]) == 2
+    assert str(tmp_path) in capsys.readouterr().err
 
 
 def test_dist_async_mixedsync_converges_on_the_example(tmp_path):

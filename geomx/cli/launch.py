@@ -127,10 +127,12 @@ class Launcher:
         self.out = out or sys.stdout
         self.running: list[Running] = []
         self._print_lock = threading.Lock()
+        self.progress = None        # geomx.cli.progress.Progress while the deployment runs (not with quiet)
 
     def say(self, text: str) -> None:
         with self._print_lock:
-            print(text, file=self.out, flush=True)
+            if self.progress is None or not self.progress.print(text):
+                print(text, file=self.out, flush=True)
 
     def run(self, timeout: float | None = None) -> int:
         """Start everything, wait, tear down. Returns the exit code for the launcher."""
@@ -152,8 +154,14 @@ class Launcher:
                 self.say(f"geomx: {len(specs)} processes up ({self.topo.topology}, {self.topo.mode}, "
                          f"{self.topo.dcs} DCs x {self.topo.workers_per_dc} workers, {self.topo.global_servers} "
                          f"global server(s), WAN {p.name}: {p.description}); logs in {self.run_dir}")
+                from geomx.cli.progress import Progress
+                self.progress = Progress(self.run_dir, self.out)
+                self.progress.start()
             return self._monitor(interrupted, timeout)
         finally:
+            if self.progress is not None:
+                self.progress.stop()
+                self.progress = None
             self._stop_all()
             for s, h in old.items():
                 signal.signal(s, h)

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("launch", help="start a whole deployment on this machine and run a training command")
     _add_topology_flags(p)
     p.add_argument("--run-dir", help="directory for logs and metrics (default runs/<timestamp>)")
-    p.add_argument("--quiet", action="store_true", help="do not echo the workers' output")
+    p.add_argument("--quiet", action="store_true", help="no live progress, no echo of the workers' output")
     p.add_argument("--timeout", type=float, help="stop everything after this many seconds")
     p.add_argument("--secure", action="store_true",
                    help="authenticate and encrypt every link (CurveZMQ, a fresh secret for this run)")
@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from geomx.bench.cli import add_bench_parser
     add_bench_parser(sub)
+    from geomx.report.cli import add_report_parser
+    add_report_parser(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -81,6 +81,13 @@ class KVServer:
         self.info: dict = {}                      # sent with init replies: mode, server optimizer, ...
         self.tables_pending = 1                   # member tables still to come; subclasses set it
         self._early: list[Message] = []           # requests that overtook our own member table
+        po.metrics_fields.append(self.queue_depths)
+
+    def queue_depths(self) -> dict:
+        """For the metrics: requests held until their round completes, and rounds still collecting pushes."""
+        states = list(self.keys.values())
+        return {"held_requests": sum(len(st.waiting) for st in states) + len(self._early),
+                "open_rounds": sum(len(st.rounds) for st in states)}
 
     # to be provided by subclasses ---------------------------------------------------------------------------
     def expected_contributors(self, st: KeyState) -> int:

@@ -18,10 +18,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
+from geomx import metrics
 from geomx.config import NodeConfig
 from geomx.errors import ConfigError, DeadlineError, PeerLostError
 from geomx.transport.message import Message
 from geomx.transport.van import Van, tcp_address
+
+_METRICS_PERIOD_S = 1.0
 
 log = logging.getLogger("geomx.postoffice")
 
@@ -158,6 +161,10 @@ class Postoffice:
         self._abort_event = threading.Event()
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
+        # metrics: the van's byte counters every second (and at close), plus what roles add (queue depths)
+        self.metrics = metrics.open_process_writer(cfg.run_dir, cfg.role, cfg.dc)
+        self.metrics_fields: list[Callable[[], dict]] = []
+        self._metrics_thread: threading.Thread | None = None
         self.van = Van(node_id=self.node_id, dc=cfg.dc, on_message=self._dispatch, host=cfg.host, port=cfg.port,
                        emulator=cfg.emulator, security=cfg.curve)
 
@@ -165,6 +172,9 @@ class Postoffice:
         self.van.start()
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self._hb_thread.start()
+        if self.metrics is not None:
+            self._metrics_thread = threading.Thread(target=self._metrics_loop, name="metrics", daemon=True)
+            self._metrics_thread.start()
 
     def join(self, name: str, scheduler: tuple[str, int], scheduler_dc: str, tier_role: str, declared: dict,
              rank: int | None = None, on_table: Callable[[Tier], None] | None = None) -> Tier:
@@ -222,6 +232,22 @@ class Postoffice:
                 if not tier.closed:
                     tier.send_to_scheduler("bye")
         self.van.stop()
+        if self._metrics_thread is not None:
+            self._metrics_thread.join(timeout=2)
+            self._write_traffic()           # final counters, after the van flushed its queue
+
+    def _metrics_loop(self) -> None:
+        while not self._hb_stop.wait(_METRICS_PERIOD_S):
+            self._write_traffic()
+
+    def _write_traffic(self) -> None:
+        extra: dict = {}
+        for fn in self.metrics_fields:
+            try:
+                extra.update(fn())
+            except RuntimeError:   # a dict changed size under us on the receive thread: next time
+                pass
+        self.metrics.write("traffic", **self.van.counters(), **extra)
 
     # internals ----------------------------------------------------------------------------------------------
     def _dispatch(self, msg: Message) -> None:

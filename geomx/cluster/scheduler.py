@@ -23,7 +23,7 @@ log = logging.getLogger("geomx.scheduler")
 class Scheduler:
     def __init__(self, *, tier: str, dc: str, expected: dict[str, int], host: str = "127.0.0.1", port: int,
                  emulator: str | None = None, heartbeat_timeout: float = 10.0, connect_timeout: float = 120.0,
-                 bind_host: str | None = None, security=None) -> None:
+                 bind_host: str | None = None, security=None, metrics=None) -> None:
         self.tier, self.dc, self.expected = tier, dc, dict(expected)
         self.heartbeat_timeout, self.connect_timeout = heartbeat_timeout, connect_timeout
         self.van = Van(node_id=f"scheduler-{tier}", dc=dc, on_message=self._on_message, host=host, port=port,
@@ -37,6 +37,7 @@ class Scheduler:
         self._done = threading.Event()
         self.failure: str | None = None
         self._started = time.monotonic()
+        self._metrics = metrics           # geomx.metrics.MetricsWriter or None
 
     @property
     def address(self) -> str:
@@ -51,10 +52,16 @@ class Scheduler:
         """Run until every worker left (0) or the tier aborted (1)."""
         self.start()
         try:
+            ticks = 0
             while not self._done.wait(0.5):
                 self._check_liveness()
+                ticks += 1
+                if self._metrics is not None and ticks % 2 == 0:
+                    self._metrics.write("traffic", **self.van.counters())
         finally:
             self.van.stop()
+            if self._metrics is not None:
+                self._metrics.write("traffic", **self.van.counters())
         return 1 if self.failure else 0
 
     def stop(self) -> None:

@@ -183,6 +183,9 @@ class KVStore:
                 _, info = h.wait()
                 self._check_info(info)
             self._initialized_keys.add(k)
+        if self.po.metrics is not None:
+            dense = sum(int(np.prod(shape)) * 4 for shape, _, _ in self._layout.values())
+            self.po.metrics.write("model", keys=len(self._layout), dense_bytes=dense)
 
     def push(self, key, value, priority: int = 0) -> Handle | list[Handle]:
         """Send a gradient (zero-copy: leave ``value`` unchanged until the handle has finished)."""

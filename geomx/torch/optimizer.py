@@ -26,6 +26,7 @@ from typing import Iterable
 
 import torch
 
+from geomx import metrics
 from geomx.errors import ConfigError
 
 
@@ -57,6 +58,7 @@ class DistributedOptimizer:
         for _, p in self.params:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._on_grad)
+        metrics.ready()
 
     # the wrapped optimizer's API ---------------------------------------------------------------------------
     @property
@@ -107,7 +109,9 @@ class DistributedOptimizer:
             if entry is not None:
                 entry[0].wait()
             results.append(entry[1] if entry is not None else None)
-        self.comm_wait_s += time.perf_counter() - start
+        waited = time.perf_counter() - start
+        self.comm_wait_s += waited
+        metrics.add_comm_wait(waited)
         self._passes.clear()
         return results
 

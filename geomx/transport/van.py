@@ -85,7 +85,8 @@ class Van:
         self._running = False
         self._router: zmq.Socket | None = None
         self._threads: list[threading.Thread] = []
-        self.sent_bytes: dict[str, int] = defaultdict(int)      # by destination DC
+        self.sent_bytes: dict[str, int] = defaultdict(int)      # by destination DC, as handed to ZeroMQ
+        self.sent_messages: dict[str, int] = defaultdict(int)
         self.received_bytes = 0
         self.dropped_messages = 0
         # header -> an array (or None) per announced tensor to receive that frame into; called on the receive
@@ -139,6 +140,11 @@ class Van:
         with self._cv:
             heapq.heappush(self._queue, (-msg.priority, next(self._seq), addr, dst_dc, frames))
             self._cv.notify()
+
+    def counters(self) -> dict:
+        """Cumulative traffic (see geomx.metrics, kind ``traffic``)."""
+        return {"node": self.node_id, "sent": dict(self.sent_bytes), "sent_messages": dict(self.sent_messages),
+                "received": self.received_bytes, "send_queue": len(self._queue)}
 
     def stop(self, flush_timeout: float = 2.0) -> None:
         """Send what is queued (up to ``flush_timeout``), then close the sockets."""
@@ -265,6 +271,7 @@ class Van:
             log.warning("%s cannot send to %r: %s; message dropped", self.node_id, addr, exc)
             return
         self.sent_bytes[dst_dc or self.dc] += payload_nbytes(frames[1:] if via_emulator else frames)
+        self.sent_messages[dst_dc or self.dc] += 1
 
     def _connect(self, addr: str) -> zmq.Socket:
         if not is_tcp_address(addr):

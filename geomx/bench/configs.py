@@ -1,0 +1,48 @@
+"""The configurations ``geomx bench wan`` compares: one row each, registered by name.
+
+A later feature (a compressor, a synchronization algorithm) adds its row with one ``register`` call, not by
+editing the runner. Every row trains the same model on the same data with the same hyperparameters, seed
+and number of steps; a row differs only in topology, mode, environment and extra training arguments.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from geomx.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str                        # --configs picks rows by this
+    label: str                       # the row's title in tables and legends
+    topology: str = "hips"
+    mode: str = "dist_sync"
+    env: dict = field(default_factory=dict)          # extra environment of every process
+    train_args: tuple[str, ...] = ()                 # extra arguments of examples/train_cnn.py
+
+
+CONFIGS: dict[str, BenchConfig] = {}
+BASELINE = "flat"          # speedups and byte reductions are against this row
+
+
+def register(config: BenchConfig) -> BenchConfig:
+    if config.name in CONFIGS:
+        raise ConfigError(f"benchmark configuration {config.name!r} is registered twice")
+    CONFIGS[config.name] = config
+    return config
+
+
+def select(names: str | None) -> list[BenchConfig]:
+    """The rows named in ``--configs`` (comma-separated; default: all), the baseline always first."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()] if names else list(CONFIGS)
+    unknown = [n for n in wanted if n not in CONFIGS]
+    if unknown:
+        raise ConfigError(f"unknown benchmark configuration(s) {', '.join(unknown)}; known: {', '.join(CONFIGS)}")
+    if BASELINE not in wanted:
+        wanted.insert(0, BASELINE)
+    return [CONFIGS[BASELINE]] + [CONFIGS[n] for n in wanted if n != BASELINE]
+
+
+register(BenchConfig("flat", "flat PS (dense, dist_sync)", topology="flat"))
+register(BenchConfig("hips-fsa", "HiPS FSA (dense, dist_sync)"))
+register(BenchConfig("hips-mixedsync", "HiPS MixedSync (dense, dist_async)", mode="dist_async"))

@@ -1,0 +1,130 @@
+"""Metrics as JSON lines in the run directory: one file per process, ``RUN_DIR/metrics/<role>-<dc>-<pid>.jsonl``.
+
+A training script logs its own numbers with one call::
+
+    geomx.metrics.log(step=step, loss=loss.item(), test_acc=acc)    # test_acc only when it evaluated
+
+Every role also writes, on its own, what it counts where the bytes move. The schema (every record has ``t``,
+Unix time in seconds, and ``kind``):
+
+==========  ==========================================================================================
+kind        fields
+==========  ==========================================================================================
+``start``   ``role``, ``dc``, ``pid``: first record of every file
+``step``    ``step``; what the script passed (``loss``, ``test_acc``, ...); ``elapsed_s`` since the
+            process's first record; ``comm_wait_s``: cumulative time the process waited for the network
+            (``DistributedOptimizer.step``), so compute = elapsed - comm_wait
+``ready``   ``elapsed_s``, ``comm_wait_s``: the worker is set up (joined, keys initialized, initial model
+            pulled) and starts training; reports measure training from here
+``model``   ``keys``, ``dense_bytes``: fp32 bytes of every key this worker initialized (one dense copy)
+``traffic`` ``sent``: {destination DC: bytes}, ``sent_messages``: {destination DC: count}, ``received``:
+            bytes, cumulative counters of the process's van (header + tensor frames, as on the wire);
+            ``send_queue``: messages waiting to be sent; servers add ``held_requests`` (pulls waiting for
+            their round) and ``open_rounds``. Written every second and once more at exit.
+==========  ==========================================================================================
+
+Bytes between a node of DC X and one of DC Y count as WAN traffic X -> Y when X != Y (the central party,
+``central``, is a DC of its own), LAN otherwise. Nothing is written when ``GEOMX_RUN_DIR`` is not set.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+METRICS_DIR = "metrics"
+
+_lock = threading.Lock()
+_writer: "MetricsWriter | None" = None
+_comm_wait_s = 0.0
+
+
+class MetricsWriter:
+    """Append-only JSON-lines file of one process; safe to call from any thread."""
+
+    def __init__(self, run_dir: str | os.PathLike, role: str, dc: str) -> None:
+        folder = Path(run_dir) / METRICS_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"{role}-{_safe(dc)}-{os.getpid()}.jsonl"
+        self._file = open(self.path, "a", buffering=1)
+        self._lock = threading.Lock()
+        self.started = time.time()
+        self.write("start", role=role, dc=dc, pid=os.getpid())
+
+    def write(self, kind: str, **fields: Any) -> None:
+        line = json.dumps({"t": time.time(), "kind": kind, **fields}, default=_plain)
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(line + "\n")
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def open_process_writer(run_dir: str | None, role: str, dc: str) -> MetricsWriter | None:
+    """The process's writer (created once; None without a run directory)."""
+    global _writer
+    with _lock:
+        if _writer is None and run_dir:
+            _writer = MetricsWriter(run_dir, role, dc)
+        return _writer
+
+
+def process_writer() -> MetricsWriter | None:
+    return _writer
+
+
+def add_comm_wait(seconds: float) -> None:
+    """Called by whoever blocks on the network on behalf of training (DistributedOptimizer.step)."""
+    global _comm_wait_s
+    with _lock:
+        _comm_wait_s += seconds
+
+
+def comm_wait_s() -> float:
+    return _comm_wait_s
+
+
+def log(*, step: int, **numbers: Any) -> None:
+    """Record one training step's numbers (loss, test_acc, ...). A no-op outside a run directory."""
+    writer = _writer
+    if writer is None:
+        return
+    writer.write("step", step=int(step), elapsed_s=time.time() - writer.started, comm_wait_s=_comm_wait_s,
+                 **numbers)
+
+
+def ready() -> None:
+    """Mark the end of set-up (DistributedOptimizer does it once the initial model is pulled)."""
+    writer = _writer
+    if writer is not None:
+        writer.write("ready", elapsed_s=time.time() - writer.started, comm_wait_s=_comm_wait_s)
+
+
+def read_records(path: str | os.PathLike) -> list[dict]:
+    """The records of one metrics file; a line cut short by a crash is skipped."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and "kind" in rec:
+                out.append(rec)
+    return out
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def _plain(value):
+    try:
+        return float(value)        # numpy and torch scalars
+    except (TypeError, ValueError):
+        return str(value)

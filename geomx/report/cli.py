@@ -1,0 +1,26 @@
+"""``geomx report RUN_DIR...``: the summary table of each run (definitions in geomx.report.summary)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def cmd_report(args) -> int:
+    from geomx.report.run import load_run
+    from geomx.report.summary import format_report, summarize
+
+    summaries = [summarize(load_run(path), args.target_acc) for path in args.runs]
+    if args.json:
+        print(json.dumps(summaries if len(summaries) > 1 else summaries[0], indent=2))
+    else:
+        print("\n\n".join(format_report(s) for s in summaries))
+    return 0
+
+
+def add_report_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("report", help="summarize run directories: time, accuracy, WAN bytes, efficiency")
+    p.add_argument("runs", nargs="+", help="run directories written by geomx launch")
+    p.add_argument("--target-acc", type=float, help="report the time to reach this test accuracy")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.set_defaults(fn=cmd_report)
+    return p

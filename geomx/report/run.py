@@ -1,0 +1,141 @@
+"""Read one run directory (written by ``geomx launch``) into plain numbers: what every report and plot uses.
+
+Sources, all in the run directory:
+
+* ``launch.json``: the topology and the WAN profile (rates, RTT) of the run;
+* ``metrics/*.jsonl``: every process's records (schema in :mod:`geomx.metrics`);
+* ``wan_links.json``: the WAN emulator's per-link counters and throughput series (emulated runs only).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from geomx.errors import GeomxError
+from geomx.metrics import METRICS_DIR, read_records
+from geomx.profiles import CENTRAL_DC
+
+
+@dataclass
+class WorkerSeries:
+    """One training process's step records, times relative to the run's training start."""
+    dc: str
+    pid: int
+    steps: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)        # seconds since the run's first worker record
+    losses: list[float] = field(default_factory=list)
+    evals: list[tuple[int, float, float]] = field(default_factory=list)   # (step, time, test_acc)
+    elapsed_s: float = 0.0          # the process's own clock at its last step record
+    comm_wait_s: float = 0.0        # cumulative network wait at its last step record
+    ready_t: float = 0.0            # set-up done (time since training start; 0 without a ready record)
+    ready_elapsed_s: float = 0.0
+    ready_comm_wait_s: float = 0.0
+
+    @property
+    def compute_s(self) -> float:
+        """Time after set-up not spent waiting for the network."""
+        return (self.elapsed_s - self.ready_elapsed_s) - (self.comm_wait_s - self.ready_comm_wait_s)
+
+
+@dataclass
+class Run:
+    path: Path
+    name: str
+    manifest: dict
+    workers: list[WorkerSeries]
+    # (src DC, dst DC) -> bytes / messages handed to the network by every process of src DC
+    sent: dict[tuple[str, str], int]
+    sent_messages: dict[tuple[str, str], int]
+    dense_bytes: int | None                  # one dense fp32 copy of the model
+    links: dict | None                       # wan_links.json, if the run had a WAN emulator
+    start_t: float                           # Unix time of the first worker record
+    server_queues: list[dict]                # traffic records of servers (held_requests, send_queue, ...)
+
+    @property
+    def steps(self) -> int:
+        return max((w.steps[-1] for w in self.workers if w.steps), default=0)
+
+    @property
+    def wall_s(self) -> float:
+        """Training wall time: first worker record to the last step record of any worker."""
+        return max((w.times[-1] for w in self.workers if w.times), default=0.0)
+
+    def wan_bytes(self, direction: str) -> int:
+        """Bytes the roles sent across the WAN: ``up`` (DC -> central), ``down`` (central -> DC) or ``all``."""
+        total = 0
+        for (src, dst), n in self.sent.items():
+            if src == dst:
+                continue
+            if direction == "all" or (direction == "up" and dst == CENTRAL_DC) or (
+                    direction == "down" and src == CENTRAL_DC):
+                total += n
+        return total
+
+    def link_bytes(self) -> dict[tuple[str, str], int]:
+        """The emulator's count per directed link (empty without an emulator)."""
+        if not self.links:
+            return {}
+        return {(lk["src_dc"], lk["dst_dc"]): lk["bytes"] for lk in self.links["links"].values()}
+
+
+def load_run(path: str | Path) -> Run:
+    path = Path(path)
+    manifest_file = path / "launch.json"
+    if not manifest_file.exists():
+        raise GeomxError(f"{path} is not a geomx run directory (no launch.json; runs come from geomx launch)")
+    manifest = json.loads(manifest_file.read_text())
+    files = sorted((path / METRICS_DIR).glob("*.jsonl"))
+    if not files:
+        raise GeomxError(f"{path} has no metrics ({path / METRICS_DIR}/*.jsonl): was the run started by a geomx "
+                         f"version that writes them, with GEOMX_RUN_DIR set?")
+    workers: list[WorkerSeries] = []
+    sent: dict[tuple[str, str], int] = {}
+    sent_messages: dict[tuple[str, str], int] = {}
+    dense: int | None = None
+    queues: list[dict] = []
+    raw_workers = []
+    for f in files:
+        records = read_records(f)
+        if not records or records[0]["kind"] != "start":
+            continue
+        head = records[0]
+        role, dc = head["role"], head["dc"]
+        last_traffic = None
+        for rec in records:
+            if rec["kind"] == "traffic":
+                last_traffic = rec
+                if role in ("server", "global_server"):
+                    queues.append({"role": role, "dc": dc, **rec})
+            elif rec["kind"] == "model" and dense is None:
+                dense = int(rec["dense_bytes"])
+        if last_traffic is not None:
+            for dst, n in last_traffic.get("sent", {}).items():
+                sent[(dc, dst)] = sent.get((dc, dst), 0) + int(n)
+            for dst, n in last_traffic.get("sent_messages", {}).items():
+                sent_messages[(dc, dst)] = sent_messages.get((dc, dst), 0) + int(n)
+        steps = [r for r in records if r["kind"] == "step"]
+        if role == "worker" and steps:
+            raw_workers.append((head, steps, next((r for r in records if r["kind"] == "ready"), None)))
+    start_t = min((head["t"] for head, _, _ in raw_workers), default=0.0)
+    for head, steps, ready in raw_workers:
+        w = WorkerSeries(dc=head["dc"], pid=head["pid"])
+        if ready is not None:
+            w.ready_t, w.ready_elapsed_s = ready["t"] - start_t, float(ready["elapsed_s"])
+            w.ready_comm_wait_s = float(ready["comm_wait_s"])
+        for r in steps:
+            t = r["t"] - start_t
+            w.steps.append(int(r["step"]))
+            w.times.append(t)
+            if r.get("loss") is not None:
+                w.losses.append(float(r["loss"]))
+            if r.get("test_acc") is not None:
+                w.evals.append((int(r["step"]), t, float(r["test_acc"])))
+        w.elapsed_s = float(steps[-1].get("elapsed_s", 0.0))
+        w.comm_wait_s = float(steps[-1].get("comm_wait_s", 0.0))
+        workers.append(w)
+    links_file = path / "wan_links.json"
+    links = json.loads(links_file.read_text()) if links_file.exists() else None
+    return Run(path=path, name=path.name, manifest=manifest, workers=workers, sent=sent,
+               sent_messages=sent_messages, dense_bytes=dense, links=links, start_t=start_t,
+               server_queues=queues)

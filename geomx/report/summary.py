@@ -1,0 +1,134 @@
+"""``geomx report RUN_DIR``: one table per run, every figure computed from what the run recorded.
+
+Training is measured from the moment the workers finished set-up (``ready``: joined, keys initialized,
+initial model pulled) to the last step; set-up is reported apart. Definitions:
+
+* accuracy at a step = mean test accuracy over the workers that evaluated it; time to target = the time of
+  the first such step at or above the target;
+* WAN bytes = bytes the roles handed to the network between different DCs (the emulator counts the same);
+  per step = training-phase bytes / steps, the training phase cut from the emulator's per-second series;
+* compression ratio = the dense fp32 bytes the same protocol would move per step (one model copy up and one
+  down per DC in HiPS, per worker in the flat topology) / the measured WAN bytes per step;
+* compute utilization = share of the workers' training time not spent waiting for the network;
+* lower bound = compute time + the busiest directed WAN link's bytes / its rate + one WAN round trip per
+  step; efficiency = lower bound / measured training time (1.0: only the WAN and compute cost time).
+"""
+from __future__ import annotations
+
+import math
+from statistics import mean
+
+from geomx.profiles import CENTRAL_DC
+from geomx.report.run import Run
+
+MB = 1e6
+
+
+def accuracy_curve(run: Run) -> list[tuple[int, float, float]]:
+    """(step, mean time s, mean test accuracy) at every evaluated step, over the workers that evaluated it."""
+    by_step: dict[int, list[tuple[float, float]]] = {}
+    for w in run.workers:
+        for step, t, acc in w.evals:
+            by_step.setdefault(step, []).append((t, acc))
+    return [(step, mean(t for t, _ in pts), mean(a for _, a in pts)) for step, pts in sorted(by_step.items())]
+
+
+def training_link_bytes(run: Run, since_t: float) -> dict[tuple[str, str], float]:
+    """Bytes per WAN link after ``since_t`` (s after training start), from the emulator's per-second series
+    (the partial second is prorated); without an emulator, the roles' totals."""
+    if not run.links:
+        return {k: float(v) for k, v in run.sent.items() if k[0] != k[1]}
+    cut = since_t + run.start_t - run.links["t0_unix"]      # seconds on the emulator's clock
+    out = {}
+    for lk in run.links["links"].values():
+        total = 0.0
+        for second, nbytes in enumerate(lk.get("series", [])):
+            total += nbytes * min(1.0, max(0.0, second + 1 - cut))
+        out[(lk["src_dc"], lk["dst_dc"])] = total
+    return out
+
+
+def summarize(run: Run, target_acc: float | None = None) -> dict:
+    m = run.manifest
+    wan = m.get("wan", {})
+    steps = run.steps
+    ready_t = max((w.ready_t for w in run.workers), default=0.0)
+    train_s = run.wall_s - ready_t
+    curve = accuracy_curve(run)
+    reached = next(((s, t) for s, t, a in curve if target_acc is not None and a >= target_acc), None)
+    link_bytes = training_link_bytes(run, ready_t)
+    up = sum(v for (src, dst), v in link_bytes.items() if dst == CENTRAL_DC and src != dst)
+    down = sum(v for (src, dst), v in link_bytes.items() if src == CENTRAL_DC and src != dst)
+    senders = len(m.get("dcs", [])) if m.get("topology") == "hips" else len(run.workers)
+    dense_per_step = 2 * run.dense_bytes * senders if run.dense_bytes else None
+    per_step = (up + down) / steps if steps else math.nan
+    compute = mean(w.compute_s for w in run.workers) if run.workers else math.nan
+    utilization = mean(w.compute_s / max(1e-9, w.elapsed_s - w.ready_elapsed_s) for w in run.workers) \
+        if run.workers else math.nan
+    wire = _wire_time(link_bytes, wan)
+    rtt = float(wan.get("rtt_s") or 0.0)
+    lower = compute + wire + steps * rtt
+    return {
+        "run": run.name, "topology": m.get("topology"), "mode": m.get("mode"), "wan": wan.get("profile"),
+        "workers": len(run.workers), "steps": steps, "setup_s": ready_t, "train_s": train_s,
+        "step_s": train_s / steps if steps else math.nan,
+        "final_acc": curve[-1][2] if curve else math.nan, "best_acc": max((a for _, _, a in curve), default=math.nan),
+        "target_acc": target_acc, "time_to_target_s": reached[1] - ready_t if reached else None,
+        "steps_to_target": reached[0] if reached else None,
+        "wan_bytes_total": run.wan_bytes("all"), "wan_bytes_up_per_step": up / steps if steps else math.nan,
+        "wan_bytes_down_per_step": down / steps if steps else math.nan, "wan_bytes_per_step": per_step,
+        "dense_bytes": run.dense_bytes,
+        "compression_ratio": dense_per_step / per_step if dense_per_step and per_step else math.nan,
+        "compute_s": compute, "compute_utilization": utilization, "wire_s": wire, "round_trips_s": steps * rtt,
+        "lower_bound_s": lower, "efficiency": lower / train_s if train_s > 0 else math.nan,
+        "bytes_roles_vs_links": _consistency(run),
+    }
+
+
+def _wire_time(link_bytes: dict[tuple[str, str], float], wan: dict) -> float:
+    """The busiest directed link's bytes / its rate. Links are full duplex and run side by side, and a
+    partitioned round streams its reply while later parts still go up, so no run can beat this."""
+    worst = 0.0
+    for (src, dst), nbytes in link_bytes.items():
+        if src == dst:
+            continue
+        rate = wan.get("uplink_bps") if dst == CENTRAL_DC else wan.get("downlink_bps")
+        if rate:              # not emulated (lan): the WAN costs nothing measurable
+            worst = max(worst, nbytes * 8 / float(rate))
+    return worst
+
+
+def _consistency(run: Run) -> tuple[int, int] | None:
+    """(bytes the roles sent across DCs, bytes the emulated links counted), when there is an emulator."""
+    links = run.link_bytes()
+    if not links:
+        return None
+    return run.wan_bytes("all"), sum(links.values())
+
+
+def format_report(s: dict) -> str:
+    def num(x, spec, suffix=""):
+        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec) + suffix
+
+    target = (f"{num(s['time_to_target_s'], '.1f', ' s')} (step {s['steps_to_target']})" if s["time_to_target_s"]
+              is not None else ("not reached" if s["target_acc"] is not None else "- (no --target-acc)"))
+    rows = [
+        ("run", f"{s['run']} ({s['topology']}, {s['mode']}, WAN {s['wan']}, {s['workers']} workers)"),
+        ("training wall time", f"{num(s['train_s'], '.1f', ' s')} for {s['steps']} steps "
+                               f"({num(s['step_s'], '.3f', ' s')} per step; set-up {num(s['setup_s'], '.1f', ' s')})"),
+        ("final / best test accuracy", f"{num(s['final_acc'], '.4f')} / {num(s['best_acc'], '.4f')}"),
+        (f"time to accuracy {num(s['target_acc'], '.3f')}", target),
+        ("WAN MB per step, up / down", f"{num(s['wan_bytes_up_per_step'] / MB, '.2f')} / "
+                                       f"{num(s['wan_bytes_down_per_step'] / MB, '.2f')}"),
+        ("WAN MB in the whole run (set-up included)", num(s["wan_bytes_total"] / MB, ".1f")),
+        ("compression ratio vs dense fp32", num(s["compression_ratio"], ".2f", "x")),
+        ("compute utilization", num(s["compute_utilization"], ".0%")),
+        ("lower bound: compute + busiest link + round trips", f"{num(s['lower_bound_s'], '.1f', ' s')} = "
+         f"{num(s['compute_s'], '.1f')} + {num(s['wire_s'], '.1f')} + {num(s['round_trips_s'], '.1f')} s"),
+        ("efficiency (lower bound / measured)", num(s["efficiency"], ".2f")),
+    ]
+    if s["bytes_roles_vs_links"]:
+        roles, links = s["bytes_roles_vs_links"]
+        rows.append(("WAN bytes: sent by roles / counted by links", f"{roles:,} / {links:,}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
