@@ -62,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from geomx.bench.cli import add_bench_parser
     add_bench_parser(sub)
-    from geomx.report.cli import add_report_parser
+    from geomx.report.cli import add_plot_parser, add_report_parser
     add_report_parser(sub)
+    add_plot_parser(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,184 @@
+"""``geomx plot RUN_DIR... -o FILE.png``: one figure that overlays runs, three panels side by side.
+
+1. test accuracy vs wall time since the workers started (first worker record; set-up marked);
+2. test accuracy vs cumulative WAN bytes (MB): the emulator's per-second series summed over its links and
+   interpolated at each evaluation; without an emulator, a straight line from 0 to the bytes the roles sent
+   over the run's wall time (the legend says so);
+3. throughput of every emulated WAN link over time, on the same clock as panel 1.
+
+Accuracy at a step is the mean over the workers that evaluated it, at their mean time
+(:func:`geomx.report.summary.accuracy_curve`). Everything is read through :func:`geomx.report.run.load_run`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from geomx.errors import GeomxError
+from geomx.report.run import Run
+from geomx.report.summary import MB, accuracy_curve
+
+MBIT = 1e6
+FIGSIZE_IN = (15.0, 4.5)
+DPI = 120
+NO_EMULATOR = "no emulator: bytes interpolated"
+
+
+@dataclass
+class LinkSeries:
+    """One emulated link's throughput: ``times`` (s since training start) of each second's start, ``mbps``."""
+    name: str                      # "src->dst"
+    times: list[float]
+    mbps: list[float]
+
+
+@dataclass
+class RunSeries:
+    """What the figure draws for one run."""
+    label: str                     # legend of panels 1 and 2
+    short: str                     # prefix of the link lines in panel 3
+    steps: list[int]
+    times: list[float]             # mean time of each evaluated step, s since training start
+    accs: list[float]              # mean test accuracy at that step
+    wan_mb: list[float]            # cumulative WAN MB at that time
+    emulated: bool                 # False: wan_mb is the straight-line estimate
+    ready_s: float = 0.0           # set-up done (last worker ready), s since training start
+    links: list[LinkSeries] = field(default_factory=list)
+
+
+def default_label(run: Run) -> str:
+    m = run.manifest
+    profile = m.get("wan", {}).get("profile", "?")
+    return f"{run.name} ({m.get('topology', '?')}, {m.get('mode', '?')}, {profile})"
+
+
+def series_for(run: Run, *, label: str | None = None) -> RunSeries:
+    """The plotted numbers of one run; ``label`` replaces the default legend (directory name + manifest)."""
+    curve = accuracy_curve(run)
+    if not curve:
+        raise GeomxError(f"run {run.path} has no evaluated test accuracy (no step record with test_acc): "
+                         f"nothing to plot; did the training script log test_acc?")
+    steps, times, accs = (list(col) for col in zip(*curve))
+    emulated = bool(run.links and run.links.get("links"))
+    wan = cumulative_link_bytes(run, times) if emulated else straight_line_bytes(run, times)
+    return RunSeries(label=label or default_label(run), short=label or run.name, steps=steps, times=times,
+                     accs=accs, wan_mb=[b / MB for b in wan], emulated=emulated,
+                     ready_s=max((w.ready_t for w in run.workers), default=0.0),
+                     links=link_throughput(run) if emulated else [])
+
+
+def cumulative_link_bytes(run: Run, times: list[float]) -> list[float]:
+    """Bytes all emulated links delivered up to each time (s since training start). Knots at whole seconds
+    of the emulator's clock, linear in between: a second's bytes are spread evenly over it."""
+    per_second = _summed_series(run.links["links"].values())
+    knots_x = np.arange(len(per_second) + 1, dtype=float)
+    knots_y = np.concatenate(([0.0], np.cumsum(per_second)))
+    emulator_t = np.asarray(times) + run.start_t - run.links["t0_unix"]
+    return np.interp(emulator_t, knots_x, knots_y).tolist()
+
+
+def straight_line_bytes(run: Run, times: list[float]) -> list[float]:
+    """Without an emulator there is no time series: spread the roles' WAN total evenly over the wall time."""
+    total, wall = run.wan_bytes("all"), run.wall_s
+    return [total * min(1.0, t / wall) if wall > 0 else float(total) for t in times]
+
+
+def _summed_series(links) -> np.ndarray:
+    longest = max((len(lk.get("series", [])) for lk in links), default=0)
+    total = np.zeros(longest)
+    for lk in links:
+        s = lk.get("series", [])
+        total[:len(s)] += s
+    return total
+
+
+def link_throughput(run: Run) -> list[LinkSeries]:
+    """Each link's Mbit/s per second of the emulator, shifted onto the training clock."""
+    offset = run.links["t0_unix"] - run.start_t
+    out = []
+    for name, lk in sorted(run.links["links"].items()):
+        series = lk.get("series", [])
+        out.append(LinkSeries(name=f"{lk['src_dc']}->{lk['dst_dc']}",
+                              times=[second + offset for second in range(len(series))],
+                              mbps=[b * 8 / MBIT for b in series]))
+    return out
+
+
+def check_labels(labels: list[str] | None, n_runs: int) -> None:
+    if labels is not None and len(labels) != n_runs:
+        raise GeomxError(f"{len(labels)} label(s) given for {n_runs} run(s): --labels needs one label per run "
+                         f"directory, comma-separated")
+
+
+def plot_runs(runs: list[Run], output: Path, *, labels: list[str] | None = None) -> Path:
+    """Draw ``runs`` into one PNG at ``output`` and return its path."""
+    if not runs:
+        raise GeomxError("geomx plot needs at least one run directory")
+    check_labels(labels, len(runs))
+    series = [series_for(run, label=labels[i] if labels else None) for i, run in enumerate(runs)]
+    fig = build_figure(series)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    FigureCanvasAgg(fig)                   # Agg, no display: never touches pyplot's global state
+    fig.savefig(output, dpi=DPI)
+    return output
+
+
+def build_figure(series: list[RunSeries]) -> Figure:
+    fig = Figure(figsize=FIGSIZE_IN, dpi=DPI)
+    ax_time, ax_bytes, ax_links = fig.subplots(1, 3)
+    colors = [f"C{i % 10}" for i in range(len(series))]
+    for s, color in zip(series, colors):
+        ax_time.plot(s.times, s.accs, marker="o", markersize=3, color=color, label=s.label)
+        _mark_ready(ax_time, s, color)
+        bytes_label = s.label if s.emulated else f"{s.label}\n[{NO_EMULATOR}]"
+        ax_bytes.plot(s.wan_mb, s.accs, marker="o", markersize=3, color=color, label=bytes_label,
+                      linestyle="-" if s.emulated else "--")
+    # the clock starts at the first worker record, so the set-up (join, init, first pull) comes first
+    ax_time.plot([], [], color="grey", linestyle=":", label="set-up done (workers ready)")
+    _decorate(ax_time, "Test accuracy vs wall time", "wall time since workers started (s)", "test accuracy")
+    _decorate(ax_bytes, "Test accuracy vs WAN traffic", "cumulative WAN traffic (MB)", "test accuracy")
+    _draw_links(ax_links, series, colors)
+    fig.tight_layout()
+    return fig
+
+
+def _draw_links(ax: Axes, series: list[RunSeries], colors: list[str]) -> None:
+    """One line per link; a run keeps its colour from the other panels, its links differ by line style."""
+    styles = ["-", "--", "-.", ":"]
+    drawn = False
+    for s, color in zip(series, colors):
+        if s.links:
+            _mark_ready(ax, s, color)
+        for i, link in enumerate(s.links):
+            if not link.times:
+                continue
+            # steps-post: the value at t is what the link delivered during [t, t + 1); the repeated last
+            # value closes the last second's step
+            ax.plot(link.times + [link.times[-1] + 1.0], link.mbps + link.mbps[-1:], drawstyle="steps-post",
+                    color=color, linestyle=styles[i % len(styles)], alpha=0.85, label=f"{s.short}: {link.name}")
+            drawn = True
+    if not drawn:
+        ax.text(0.5, 0.5, "no WAN emulator in these runs:\nno per-link throughput", transform=ax.transAxes,
+                ha="center", va="center", color="grey")
+    _decorate(ax, "WAN link throughput", "time since workers started (s)", "throughput (Mbit/s)",
+              legend=drawn)
+
+
+def _mark_ready(ax: Axes, s: RunSeries, color: str) -> None:
+    """Dotted line where training proper starts: everything before it is set-up."""
+    ax.axvline(s.ready_s, color=color, linewidth=1.0, linestyle=":")
+
+
+def _decorate(ax: Axes, title: str, xlabel: str, ylabel: str, *, legend: bool = True) -> None:
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    if legend:
+        ax.legend(fontsize="small")
