@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from pathlib import Path
 
-from geomx.bench.common import emit_report, launch, markdown_table, run_directory, train_script_path
+from geomx.bench.common import command_line, emit_report, launch, markdown_table, run_directory, train_script_path
 from geomx.bench.configs import BASELINE, BenchConfig, select
 from geomx.errors import ConfigError, GeomxError
 from geomx.profiles import PROFILES
@@ -51,7 +52,7 @@ def run_config(config: BenchConfig, *, profile: str | None, wan_rate: str | None
 def bench_wan(*, profile: str | None = "transpacific", wan_rate: str | None = None, wan_rtt: str | None = None,
               configs: str | None = None, steps: int = 6, eval_every: int = 0, dcs: int = 2, workers_per_dc: int = 2,
               model: str = "wide", seed: int = 0, target_acc: float | None = None, run_dir: str | None = None,
-              out_dir: str | None = None, timeout: float = 900.0) -> dict:
+              out_dir: str | None = None, timeout: float = 900.0, command: str | None = None) -> dict:
     if steps < 2:
         raise ConfigError(f"--steps must be >= 2, got {steps}")
     if bool(wan_rate) != bool(wan_rtt):
@@ -62,7 +63,7 @@ def bench_wan(*, profile: str | None = "transpacific", wan_rate: str | None = No
     train_script_path()         # a clear error before anything starts
     eval_every = eval_every or max(1, steps // 20)
     results = []
-    with run_directory(run_dir or (str(Path(out_dir) / "runs") if out_dir else None), "wan") as rd:
+    with run_directory(run_dir, "wan") as rd:      # runs are kept only with --run-dir
         for config in rows:
             sub = rd / config.name
             sub.mkdir(parents=True, exist_ok=True)
@@ -74,7 +75,7 @@ def bench_wan(*, profile: str | None = "transpacific", wan_rate: str | None = No
         result = {"steps": steps, "eval_every": eval_every, "dcs": dcs, "workers_per_dc": workers_per_dc,
                   "model": model, "seed": seed, "target_acc": target_acc, "rows": results}
         if out_dir:
-            result["files"] = _write_outputs(result, Path(out_dir), [Path(r["run_dir"]) for r in results])
+            result["files"] = _write_outputs(result, Path(out_dir), [Path(r["run_dir"]) for r in results], command)
     return result
 
 
@@ -91,7 +92,7 @@ def _compare(results: list[dict]) -> None:
         r["step_time_vs_flat"] = r["step_s"] / base["step_s"] if base["step_s"] else math.nan
 
 
-def _write_outputs(result: dict, out_dir: Path, run_dirs: list[Path]) -> dict:
+def _write_outputs(result: dict, out_dir: Path, run_dirs: list[Path], command: str | None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"wan-{result['model']}-{result['rows'][0]['profile']}"
     files = {"table": str(out_dir / f"{stem}.md")}
@@ -104,7 +105,13 @@ def _write_outputs(result: dict, out_dir: Path, run_dirs: list[Path]) -> dict:
         png = out_dir / f"{stem}.png"
         plot_runs([load_run(p) for p in run_dirs], png, labels=[r["label"] for r in result["rows"]])
         files["plot"] = str(png)
-    body = format_wan_report(result)
+    from geomx.bench.common import machine_description
+
+    head = [f"# geomx bench wan: `--model {result['model']}` over `{result['rows'][0]['profile']}`", ""]
+    if command:
+        head.append(f"* command: `{command}`")
+    head += [f"* date: {time.strftime('%Y-%m-%d %H:%M %Z')}", f"* machine: {machine_description()}", "", ""]
+    body = "\n".join(head) + format_wan_report(result)
     if "plot" in files:
         body += f"\n\n![{stem}]({Path(files['plot']).name})\n"
     Path(files["table"]).write_text(body + "\n")
@@ -145,7 +152,7 @@ def cmd_wan(args) -> int:
     result = bench_wan(profile=args.profile, wan_rate=args.wan_rate, wan_rtt=args.wan_rtt, configs=args.configs,
                        steps=args.steps, eval_every=args.eval_every, dcs=args.dcs, workers_per_dc=args.workers_per_dc,
                        model=args.model, seed=args.seed, target_acc=args.target_acc, run_dir=args.run_dir,
-                       out_dir=args.out_dir, timeout=args.timeout)
+                       out_dir=args.out_dir, timeout=args.timeout, command=command_line(args))
     emit_report(args, "geomx bench wan: time to accuracy over an emulated WAN", format_wan_report(result), result)
     return 0
 

@@ -26,6 +26,7 @@ from geomx.report.summary import MB, accuracy_curve
 MBIT = 1e6
 FIGSIZE_IN = (15.0, 4.5)
 DPI = 120
+SMOOTH_S = 5             # seconds averaged in the throughput panel when several runs share it
 NO_EMULATOR = "no emulator: bytes interpolated"
 
 
@@ -149,13 +150,17 @@ def build_figure(series: list[RunSeries]) -> Figure:
 
 
 def _draw_links(ax: Axes, series: list[RunSeries], colors: list[str]) -> None:
-    """One line per link; a run keeps its colour from the other panels, its links differ by line style."""
+    """One run: one line per link. Several runs: per run the mean link of each direction, smoothed over
+    SMOOTH_S seconds (a dozen raw 1-second lines are unreadable). A run keeps its colour from the other
+    panels; up is solid, down dashed."""
     styles = ["-", "--", "-.", ":"]
+    several = sum(1 for s in series if s.links) > 1
     drawn = False
     for s, color in zip(series, colors):
         if s.links:
             _mark_ready(ax, s, color)
-        for i, link in enumerate(s.links):
+        lines = _direction_means(s.links) if several else s.links
+        for i, link in enumerate(lines):
             if not link.times:
                 continue
             # steps-post: the value at t is what the link delivered during [t, t + 1); the repeated last
@@ -166,8 +171,27 @@ def _draw_links(ax: Axes, series: list[RunSeries], colors: list[str]) -> None:
     if not drawn:
         ax.text(0.5, 0.5, "no WAN emulator in these runs:\nno per-link throughput", transform=ax.transAxes,
                 ha="center", va="center", color="grey")
-    _decorate(ax, "WAN link throughput", "time since workers started (s)", "throughput (Mbit/s)",
-              legend=drawn)
+    _decorate(ax, "WAN link throughput" + (f" ({SMOOTH_S} s mean)" if several else ""),
+              "time since workers started (s)", "throughput (Mbit/s)", legend=drawn)
+
+
+def _direction_means(links: list[LinkSeries]) -> list[LinkSeries]:
+    """The mean of the DC -> central links and of the central -> DC links, each smoothed over SMOOTH_S s."""
+    out = []
+    for name, pick in (("up (mean link)", lambda n: n.endswith("->central")),
+                       ("down (mean link)", lambda n: n.startswith("central->"))):
+        chosen = [lk for lk in links if pick(lk.name) and lk.times]
+        if not chosen:
+            continue
+        start = min(lk.times[0] for lk in chosen)
+        length = max(len(lk.mbps) for lk in chosen)
+        total = np.zeros(length + int(max(lk.times[0] for lk in chosen) - start))
+        for lk in chosen:
+            first = int(round(lk.times[0] - start))
+            total[first:first + len(lk.mbps)] += lk.mbps
+        smooth = np.convolve(total / len(chosen), np.ones(SMOOTH_S) / SMOOTH_S, mode="same")
+        out.append(LinkSeries(name=name, times=[start + i for i in range(len(smooth))], mbps=smooth.tolist()))
+    return out
 
 
 def _mark_ready(ax: Axes, s: RunSeries, color: str) -> None:
