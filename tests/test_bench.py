@@ -44,10 +44,10 @@ def test_intra_smoke(tmp_path):
 
 
 def test_wan_matrix_smoke_rows_are_consistent_and_flat_moves_more_wan_bytes(tmp_path):
-    js, out = tmp_path / "w.json", tmp_path / "bench-out"
+    js, out, runs = tmp_path / "w.json", tmp_path / "bench-out", tmp_path / "runs"
     assert main(["bench", "wan", "--wan-rate", "1gbit", "--wan-rtt", "2ms", "--steps", "4", "--eval-every", "2",
                  "--model", "cnn", "--target-acc", "0.15", "--configs", "hips-fsa,hips-mixedsync",
-                 "--json", str(js), "--out-dir", str(out)]) == 0
+                 "--json", str(js), "--out-dir", str(out), "--run-dir", str(runs)]) == 0
     r = json.loads(js.read_text())
     rows = {x["config"]: x for x in r["rows"]}
     assert [x["config"] for x in r["rows"]] == ["flat", "hips-fsa", "hips-mixedsync"]   # baseline first
@@ -73,6 +73,14 @@ def test_wan_matrix_smoke_rows_are_consistent_and_flat_moves_more_wan_bytes(tmp_
     assert set(r["files"]) >= {"table"}
     if "plot" in r["files"]:
         assert (out / "wan-cnn-custom.png").stat().st_size > 10_000
+    # the kept runs tabulate again to the same figures, without running anything
+    js2 = tmp_path / "again.json"
+    assert main(["bench", "wan", "--from-runs", str(runs), "--target-acc", "0.15", "--json", str(js2)]) == 0
+    again = json.loads(js2.read_text())
+    assert again["steps"] == 4 and again["model"] == "cnn"
+    for first, second in zip(r["rows"], again["rows"]):
+        for key in ("wan_bytes_per_step", "final_acc", "train_s", "efficiency", "speedup", "time_to_target_s"):
+            assert first[key] == second[key], key
 
 
 def test_wan_rejects_an_unknown_configuration_naming_it():

@@ -28,8 +28,6 @@ def run_config(config: BenchConfig, *, profile: str | None, wan_rate: str | None
                workers_per_dc: int, model: str, steps: int, eval_every: int, seed: int, target_acc: float | None,
                run_dir: Path, timeout: float) -> dict:
     from geomx.cli.topology import load_topology
-    from geomx.report.run import load_run
-    from geomx.report.summary import summarize
 
     topo = load_topology(None, dcs=dcs, workers_per_dc=workers_per_dc, wan=None if wan_rate else profile,
                          wan_rate=wan_rate, wan_rtt=wan_rtt, topology=config.topology, mode=config.mode)
@@ -40,13 +38,69 @@ def run_config(config: BenchConfig, *, profile: str | None, wan_rate: str | None
     command = [sys.executable, str(train_script_path()), "--model", model, "--steps", str(steps),
                "--eval-every", str(eval_every), "--seed", str(seed), *config.train_args]
     wall = launch(topo, command, run_dir, timeout, f"WAN bench ({config.name})")
+    return {**tabulate_run(config, run_dir, target_acc=target_acc, workers=topo.num_all_workers, steps=steps),
+            "deployment_s": wall}
+
+
+def tabulate_run(config: BenchConfig, run_dir: Path, *, target_acc: float | None, workers: int | None = None,
+                 steps: int | None = None) -> dict:
+    """One row of the table from a finished run directory (``geomx report``'s figures)."""
+    from geomx.report.run import load_run
+    from geomx.report.summary import summarize
+
     run = load_run(run_dir)
-    if len(run.workers) != topo.num_all_workers or run.steps != steps:
+    if (workers is not None and len(run.workers) != workers) or (steps is not None and run.steps != steps):
         raise GeomxError(f"WAN bench ({config.name}): {len(run.workers)} workers recorded up to step {run.steps}, "
-                         f"expected {topo.num_all_workers} workers and {steps} steps (see {run_dir})")
-    summary = summarize(run, target_acc)
-    return {"config": config.name, "label": config.label, "deployment_s": wall, "profile": topo.profile.name,
-            "profile_description": topo.profile.description, "run_dir": str(run_dir), **summary}
+                         f"expected {workers} workers and {steps} steps (see {run_dir})")
+    wan = run.manifest.get("wan", {})
+    known = PROFILES.get(wan.get("profile"))
+    description = known.description if known else (f"{wan.get('uplink_bps', 0) / 1e6:g} Mbit/s, "
+                                                    f"{wan.get('rtt_s', 0) * 1000:g} ms RTT")
+    return {"config": config.name, "label": config.label, "profile": wan.get("profile"),
+            "profile_description": description, "run_dir": str(run_dir), **summarize(run, target_acc)}
+
+
+def retabulate(*, from_runs: str, configs: str | None, target_acc: float | None, out_dir: str | None,
+               command: str | None = None) -> dict:
+    """The table (and plot) again from the run directories a ``--run-dir`` invocation kept, with the current
+    definitions: nothing is re-run."""
+    base = Path(from_runs)
+    rows = [c for c in select(configs) if (base / c.name).is_dir()]
+    if not rows or rows[0].name != BASELINE:
+        raise ConfigError(f"{base} holds no {BASELINE}/ run directory (keep runs with geomx bench wan --run-dir)")
+    results = [tabulate_run(c, base / c.name, target_acc=target_acc) for c in rows]
+    _compare(results)
+    first = load_manifest_args(base / BASELINE)
+    result = {**first, "target_acc": target_acc, "rows": results}
+    if out_dir:
+        result["files"] = _write_outputs(result, Path(out_dir), [base / c.name for c in rows], command,
+                                         note=f"tabulating the runs an earlier invocation kept, started "
+                                              f"{_started(base / BASELINE)}")
+    return result
+
+
+def _started(run_dir: Path) -> str:
+    import json
+
+    t = json.loads((run_dir / "launch.json").read_text()).get("started")
+    return time.strftime("%Y-%m-%d %H:%M %Z", time.localtime(t)) if t else "at an unknown time"
+
+
+def load_manifest_args(run_dir: Path) -> dict:
+    """Steps, model, seed... of a kept run, from its launch manifest and training command."""
+    import json
+
+    manifest = json.loads((run_dir / "launch.json").read_text())
+    cmd = manifest.get("command", [])
+
+    def arg(flag: str, default):
+        return type(default)(cmd[cmd.index(flag) + 1]) if flag in cmd else default
+
+    per_dc = manifest.get("workers_per_dc")
+    if isinstance(per_dc, list):
+        per_dc = per_dc[0] if len(set(per_dc)) == 1 else "/".join(map(str, per_dc))
+    return {"steps": arg("--steps", 0), "eval_every": arg("--eval-every", 0), "model": arg("--model", "cnn"),
+            "seed": arg("--seed", 0), "dcs": len(manifest.get("dcs", [])), "workers_per_dc": per_dc}
 
 
 def bench_wan(*, profile: str | None = "transpacific", wan_rate: str | None = None, wan_rtt: str | None = None,
@@ -92,7 +146,8 @@ def _compare(results: list[dict]) -> None:
         r["step_time_vs_flat"] = r["step_s"] / base["step_s"] if base["step_s"] else math.nan
 
 
-def _write_outputs(result: dict, out_dir: Path, run_dirs: list[Path], command: str | None) -> dict:
+def _write_outputs(result: dict, out_dir: Path, run_dirs: list[Path], command: str | None,
+                   note: str | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"wan-{result['model']}-{result['rows'][0]['profile']}"
     files = {"table": str(out_dir / f"{stem}.md")}
@@ -109,7 +164,7 @@ def _write_outputs(result: dict, out_dir: Path, run_dirs: list[Path], command: s
 
     head = [f"# geomx bench wan: `--model {result['model']}` over `{result['rows'][0]['profile']}`", ""]
     if command:
-        head.append(f"* command: `{command}`")
+        head.append(f"* command: `{command}`" + (f" ({note})" if note else ""))
     head += [f"* date: {time.strftime('%Y-%m-%d %H:%M %Z')}", f"* machine: {machine_description()}", "", ""]
     body = "\n".join(head) + format_wan_report(result)
     if "plot" in files:
@@ -142,13 +197,18 @@ def format_wan_report(r: dict) -> str:
         f"examples/train_cnn.py `--model {r['model']}`, {r['steps']} steps, evaluation every {r['eval_every']} "
         f"steps, seed {r['seed']}; the rows ran one after another on this machine.", "",
         markdown_table(header, rows, [False] + [True] * (len(header) - 1)), "",
-        f"Training time starts when every worker finished set-up (joined, keys initialized, initial model pulled). "
+        f"Training time starts when the first worker finished set-up (joined, keys initialized, initial model pulled). "
         f"WAN MB / step = training-phase bytes on all DC <-> central links / steps (MB = 10^6 bytes). Speedup = "
         f"flat's {' or '.join(sorted(basis))} / this row's. Efficiency = (compute + busiest WAN link's bytes / its "
         f"rate + one round trip per step) / training time. Definitions: `geomx report` (geomx/report/summary.py)."])
 
 
 def cmd_wan(args) -> int:
+    if args.from_runs:
+        result = retabulate(from_runs=args.from_runs, configs=args.configs, target_acc=args.target_acc,
+                            out_dir=args.out_dir, command=command_line(args))
+        emit_report(args, "geomx bench wan: time to accuracy over an emulated WAN", format_wan_report(result), result)
+        return 0
     result = bench_wan(profile=args.profile, wan_rate=args.wan_rate, wan_rtt=args.wan_rtt, configs=args.configs,
                        steps=args.steps, eval_every=args.eval_every, dcs=args.dcs, workers_per_dc=args.workers_per_dc,
                        model=args.model, seed=args.seed, target_acc=args.target_acc, run_dir=args.run_dir,
@@ -178,5 +238,7 @@ def add_parser(bsub) -> argparse.ArgumentParser:
                    help="workload: examples/train_cnn.py --model wide (~6.7M-parameter MLP, default) or cnn")
     p.add_argument("--seed", type=int, default=0, help="training seed, the same for every row (default 0)")
     p.add_argument("--out-dir", help="write the table and the plot here (e.g. docs/benchmarks)")
+    p.add_argument("--from-runs", metavar="DIR", help="run nothing: tabulate again the runs an earlier "
+                                                       "invocation kept with --run-dir DIR")
     p.set_defaults(fn=cmd_wan)
     return p

@@ -1,6 +1,6 @@
 """``geomx report RUN_DIR``: one table per run, every figure computed from what the run recorded.
 
-Training is measured from the moment the workers finished set-up (``ready``: joined, keys initialized,
+Training is measured from the moment the first worker finished set-up (``ready``: joined, keys initialized,
 initial model pulled) to the last step; set-up is reported apart. Definitions:
 
 * accuracy at a step = mean test accuracy over the workers that evaluated it; time to target = the time of
@@ -52,7 +52,8 @@ def summarize(run: Run, target_acc: float | None = None) -> dict:
     m = run.manifest
     wan = m.get("wan", {})
     steps = run.steps
-    ready_t = max((w.ready_t for w in run.workers), default=0.0)
+    # training starts when the first worker is set up: in dist_async a DC trains while another still sets up
+    ready_t = min((w.ready_t for w in run.workers), default=0.0)
     train_s = run.wall_s - ready_t
     curve = accuracy_curve(run)
     reached = next(((s, t) for s, t, a in curve if target_acc is not None and a >= target_acc), None)
