@@ -105,7 +105,7 @@ def test_helpers():
 
 
 def test_every_bench_is_registered():
-    for name in ("transport", "intra", "wan", "link"):
+    for name in ("transport", "intra", "wan", "link", "codec"):
         with pytest.raises(SystemExit) as exc:
             main(["bench", name, "--help"])
         assert exc.value.code == 0

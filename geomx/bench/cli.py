@@ -4,6 +4,7 @@
     geomx bench intra [--mb 64] [--workers 4] [--repeats 10]
     geomx bench wan [--profile transpacific] [--steps 6] [--dcs 2] [--workers-per-dc 2] [--model wide]
     geomx bench link [--profile transpacific | --wan-rate 100mbit --wan-rtt 180ms]
+    geomx bench codec [--elements 25000000] [--repeats 3] [--threads N]
 
 Each prints a markdown report; ``--output FILE`` also appends it, with the command line, the date and the
 machine, to FILE (e.g. docs/benchmarks.md). Every figure is measured in the run that prints it.
@@ -13,9 +14,13 @@ from __future__ import annotations
 import argparse
 
 
-def _common(p: argparse.ArgumentParser, default_timeout: float) -> None:
+def _report_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", metavar="FILE", help="also append the report (with command and date) to FILE")
     p.add_argument("--json", metavar="FILE", help="write the raw measurements as JSON to FILE")
+
+
+def _common(p: argparse.ArgumentParser, default_timeout: float) -> None:
+    _report_options(p)
     p.add_argument("--run-dir", help="keep the deployments' logs and results here (default: a temporary "
                                      "directory, removed afterwards)")
     p.add_argument("--timeout", type=float, default=default_timeout,
@@ -23,18 +28,21 @@ def _common(p: argparse.ArgumentParser, default_timeout: float) -> None:
 
 
 def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: transport, intra, wan, link",
-                       description="Benchmarks that start real deployments on this machine and print markdown "
-                                   "reports. Every figure is measured in the run.")
-    bsub = p.add_subparsers(dest="bench", required=True, metavar="{transport,intra,wan,link}")
+    p = sub.add_parser("bench", help="benchmarks: transport, intra, wan, link, codec",
+                       description="Benchmarks that print markdown reports (transport, intra and wan start real "
+                                   "deployments on this machine). Every figure is measured in the run.")
+    bsub = p.add_subparsers(dest="bench", required=True, metavar="{transport,intra,wan,link,codec}")
 
-    from geomx.bench import intra, transport, wan
+    from geomx.bench import codec, intra, transport, wan
 
     for module, timeout in ((transport, 600.0), (intra, 600.0), (wan, 900.0)):
         sp = module.add_parser(bsub)
         _common(sp, timeout)
         sp.set_defaults(bench_parser=sp)
     _add_link_parser(bsub)
+    sp = codec.add_parser(bsub)     # in-process, no deployment: no --run-dir or --timeout
+    _report_options(sp)
+    sp.set_defaults(bench_parser=sp)
 
 
 # -- geomx bench link (geomx/bench/link.py) ----------------------------------------------------------------------
@@ -51,8 +59,7 @@ def _add_link_parser(bsub) -> None:
     p.add_argument("--sizes", default="64k,1m,4m", help="message sizes, e.g. 64k,1m,4m (default)")
     p.add_argument("--seconds", type=float, default=1.5, help="about how long each size transfers (default 1.5)")
     p.add_argument("--pings", type=int, default=40, help="ping-pongs per path for the delay (default 40)")
-    p.add_argument("--output", metavar="FILE", help="also append the report (with command and date) to FILE")
-    p.add_argument("--json", metavar="FILE", help="write the raw measurements as JSON to FILE")
+    _report_options(p)
     p.set_defaults(fn=_cmd_link, bench_parser=p)
 
 
