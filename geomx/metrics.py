@@ -105,18 +105,19 @@ def ready() -> None:
         writer.write("ready", elapsed_s=time.time() - writer.started, comm_wait_s=_comm_wait_s)
 
 
+def parse_record(line: str | bytes) -> dict | None:
+    """One metrics line -> its record; None for a line cut short by a crash (or anything else)."""
+    try:
+        rec = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return rec if isinstance(rec, dict) and "kind" in rec else None
+
+
 def read_records(path: str | os.PathLike) -> list[dict]:
     """The records of one metrics file; a line cut short by a crash is skipped."""
-    out = []
     with open(path) as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict) and "kind" in rec:
-                out.append(rec)
-    return out
+        return [rec for rec in map(parse_record, f) if rec is not None]
 
 
 def _safe(name: str) -> str:

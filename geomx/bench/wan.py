@@ -11,6 +11,7 @@ same invocation. With ``--out-dir`` the table goes to ``<dir>/wan-<model>-<profi
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -70,27 +71,18 @@ def retabulate(*, from_runs: str, configs: str | None, target_acc: float | None,
         raise ConfigError(f"{base} holds no {BASELINE}/ run directory (keep runs with geomx bench wan --run-dir)")
     results = [tabulate_run(c, base / c.name, target_acc=target_acc) for c in rows]
     _compare(results)
-    first = load_manifest_args(base / BASELINE)
-    result = {**first, "target_acc": target_acc, "rows": results}
+    manifest = json.loads((base / BASELINE / "launch.json").read_text())
+    result = {**_training_args(manifest), "target_acc": target_acc, "rows": results}
     if out_dir:
+        started = manifest.get("started")
+        when = time.strftime("%Y-%m-%d %H:%M %Z", time.localtime(started)) if started else "at an unknown time"
         result["files"] = _write_outputs(result, Path(out_dir), [base / c.name for c in rows], command,
-                                         note=f"tabulating the runs an earlier invocation kept, started "
-                                              f"{_started(base / BASELINE)}")
+                                         note=f"tabulating the runs an earlier invocation kept, started {when}")
     return result
 
 
-def _started(run_dir: Path) -> str:
-    import json
-
-    t = json.loads((run_dir / "launch.json").read_text()).get("started")
-    return time.strftime("%Y-%m-%d %H:%M %Z", time.localtime(t)) if t else "at an unknown time"
-
-
-def load_manifest_args(run_dir: Path) -> dict:
+def _training_args(manifest: dict) -> dict:
     """Steps, model, seed... of a kept run, from its launch manifest and training command."""
-    import json
-
-    manifest = json.loads((run_dir / "launch.json").read_text())
     cmd = manifest.get("command", [])
 
     def arg(flag: str, default):
@@ -174,8 +166,7 @@ def _write_outputs(result: dict, out_dir: Path, run_dirs: list[Path], command: s
 
 
 def format_wan_report(r: dict) -> str:
-    def num(x, spec, suffix=""):
-        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec) + suffix
+    from geomx.report.summary import fmt_number as num
 
     target = r["target_acc"]
     rows = []
@@ -207,12 +198,12 @@ def cmd_wan(args) -> int:
     if args.from_runs:
         result = retabulate(from_runs=args.from_runs, configs=args.configs, target_acc=args.target_acc,
                             out_dir=args.out_dir, command=command_line(args))
-        emit_report(args, "geomx bench wan: time to accuracy over an emulated WAN", format_wan_report(result), result)
-        return 0
-    result = bench_wan(profile=args.profile, wan_rate=args.wan_rate, wan_rtt=args.wan_rtt, configs=args.configs,
-                       steps=args.steps, eval_every=args.eval_every, dcs=args.dcs, workers_per_dc=args.workers_per_dc,
-                       model=args.model, seed=args.seed, target_acc=args.target_acc, run_dir=args.run_dir,
-                       out_dir=args.out_dir, timeout=args.timeout, command=command_line(args))
+    else:
+        result = bench_wan(profile=args.profile, wan_rate=args.wan_rate, wan_rtt=args.wan_rtt, configs=args.configs,
+                           steps=args.steps, eval_every=args.eval_every, dcs=args.dcs,
+                           workers_per_dc=args.workers_per_dc, model=args.model, seed=args.seed,
+                           target_acc=args.target_acc, run_dir=args.run_dir, out_dir=args.out_dir,
+                           timeout=args.timeout, command=command_line(args))
     emit_report(args, "geomx bench wan: time to accuracy over an emulated WAN", format_wan_report(result), result)
     return 0
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from geomx.metrics import METRICS_DIR
+from geomx.metrics import METRICS_DIR, parse_record
 
 
 class RunWatcher:
@@ -26,15 +26,13 @@ class RunWatcher:
 
     def poll(self) -> None:
         for f in sorted((self.run_dir / METRICS_DIR).glob("worker-*.jsonl")):
-            with open(f) as fh:
+            with open(f, "rb") as fh:
                 fh.seek(self._offsets.get(f, 0))
                 chunk = fh.read()
-            done = chunk.rfind("\n") + 1            # a line still being written waits for the next poll
-            self._offsets[f] = self._offsets.get(f, 0) + len(chunk[:done].encode())
-            for line in chunk[:done].splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
+            done = chunk.rfind(b"\n") + 1           # a line still being written waits for the next poll
+            self._offsets[f] = self._offsets.get(f, 0) + done
+            for rec in map(parse_record, chunk[:done].splitlines()):
+                if rec is None:
                     continue
                 if rec.get("kind") == "start":
                     self._dc_of[f] = rec.get("dc", "?")
@@ -67,10 +65,16 @@ class RunWatcher:
         return rates
 
 
+def step_range(steps: list[int]) -> str:
+    """"12" when a DC's workers agree, "11-12" when they do not."""
+    low, high = min(steps), max(steps)
+    return f"{low}" if low == high else f"{low}-{high}"
+
+
 def status_line(watcher: RunWatcher) -> str:
     parts = []
     for dc, s in sorted(watcher.by_dc().items()):
-        text = f"DC {dc}: step {min(s['steps'])}" + (f"-{max(s['steps'])}" if max(s["steps"]) != min(s["steps"]) else "")
+        text = f"DC {dc}: step {step_range(s['steps'])}"
         if s["loss"] is not None:
             text += f" loss {s['loss']:.3f}"
         if s["test_acc"] is not None:
@@ -89,8 +93,7 @@ def progress_table(watcher: RunWatcher):
     for col in ("DC", "steps", "loss", "test acc"):
         table.add_column(col, justify="right" if col != "DC" else "left")
     for dc, s in sorted(watcher.by_dc().items()):
-        steps = f"{min(s['steps'])}" + (f"-{max(s['steps'])}" if max(s["steps"]) != min(s["steps"]) else "")
-        table.add_row(dc, steps, "-" if s["loss"] is None else f"{s['loss']:.4f}",
+        table.add_row(dc, step_range(s["steps"]), "-" if s["loss"] is None else f"{s['loss']:.4f}",
                       "-" if s["test_acc"] is None else f"{s['test_acc']:.4f}")
     for name, rate in sorted(watcher.link_rates().items()):
         table.add_row(f"WAN {name}", "", "", f"{rate:.0f} Mbit/s")

@@ -107,10 +107,13 @@ def _consistency(run: Run) -> tuple[int, int] | None:
     return run.wan_bytes("all"), sum(links.values())
 
 
-def format_report(s: dict) -> str:
-    def num(x, spec, suffix=""):
-        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec) + suffix
+def fmt_number(x, spec: str, suffix: str = "") -> str:
+    """A figure for a table: "-" when it is missing (None or NaN)."""
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec) + suffix
 
+
+def format_report(s: dict) -> str:
+    num = fmt_number
     target = (f"{num(s['time_to_target_s'], '.1f', ' s')} (step {s['steps_to_target']})" if s["time_to_target_s"]
               is not None else ("not reached" if s["target_acc"] is not None else "- (no --target-acc)"))
     rows = [
