@@ -36,3 +36,4 @@ def test_watcher_reports_steps_loss_and_accuracy_per_dc_and_link_throughput(tmp_
         f.write('ss": 0.05}\n')
     watcher.poll()
     assert sorted(watcher.by_dc()["a"]["steps"]) == [5, 6] and watcher.by_dc()["a"]["loss"] in (0.05, 0.1)
+

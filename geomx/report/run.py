@@ -47,7 +47,7 @@ class Run:
     # (src DC, dst DC) -> bytes / messages handed to the network by every process of src DC
     sent: dict[tuple[str, str], int]
     sent_messages: dict[tuple[str, str], int]
-    dense_bytes: int | None                  # one dense fp32 copy of the model
+    dense_bytes: int | None                  # one dense fp32 copy of the model (every initialized key)
     links: dict | None                       # wan_links.json, if the run had a WAN emulator
     start_t: float                           # Unix time of the first worker record
     server_queues: list[dict]                # traffic records of servers (held_requests, send_queue, ...)
@@ -107,8 +107,9 @@ def load_run(path: str | Path) -> Run:
                 last_traffic = rec
                 if role in ("server", "global_server"):
                     queues.append({"role": role, "dc": dc, **rec})
-            elif rec["kind"] == "model" and dense is None:
-                dense = int(rec["dense_bytes"])
+            elif rec["kind"] == "model":
+                # cumulative over this process's kv.init calls: the last record covers every key
+                dense = max(dense or 0, int(rec["dense_bytes"]))
         if last_traffic is not None:
             for dst, n in last_traffic.get("sent", {}).items():
                 sent[(dc, dst)] = sent.get((dc, dst), 0) + int(n)
