@@ -66,6 +66,14 @@ class KeyState:
         return f"shape {tuple(self.shape)} {self.dtype.name}"
 
 
+def layout_mismatch(what: str, key, value: np.ndarray, shape, dtype) -> str | None:
+    """The error for a value whose shape or dtype is not the key's (servers, and workers for partitioned keys)."""
+    if tuple(value.shape) == tuple(shape) and value.dtype == dtype:
+        return None
+    return (f"{what} of key {key!r} has shape {tuple(value.shape)} {value.dtype.name}, but the key was initialized "
+            f"with shape {tuple(shape)} {np.dtype(dtype).name}")
+
+
 def accumulator_dtype(dtype: np.dtype) -> np.dtype:
     """Sums of low-precision tensors are kept in fp32 (GeoMX sums fp16 in fp16, which overflows)."""
     return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
@@ -163,9 +171,9 @@ class KVServer:
         return st
 
     def check_value(self, st: KeyState, value: np.ndarray, what: str) -> None:
-        if tuple(value.shape) != tuple(st.shape) or value.dtype != st.dtype:
-            raise Refused(f"{what} of key {st.key!r} has shape {tuple(value.shape)} {value.dtype.name}, but the key "
-                          f"was initialized with {st.describe()}")
+        problem = layout_mismatch(what, st.key, value, st.shape, st.dtype)
+        if problem:
+            raise Refused(problem)
 
     def single_tensor(self, msg: Message) -> np.ndarray:
         if len(msg.tensors) != 1:

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from geomx.cluster.client import Handle, KVClient, check_key, gather
+from geomx.cluster.kvserver import layout_mismatch
 from geomx.cluster.postoffice import Postoffice, Tier
 from geomx.config import MODES, NodeConfig, config_from_env
 from geomx.errors import ConfigError, GeomxError, KVError
@@ -252,10 +253,10 @@ class KVStore:
         if parts is None:
             h = self._send(op, key, src, target, priority)
         else:
-            if src is not None and (src.shape != shape or src.dtype != dtype):
-                raise KVError(f"{op} of key {key!r} has shape {tuple(src.shape)} {src.dtype.name}, but the key was "
-                              f"initialized with shape {tuple(shape)} {dtype.name}")
             if src is not None:
+                problem = layout_mismatch(op, key, src, shape, dtype)
+                if problem:
+                    raise KVError(problem)
                 src = np.ascontiguousarray(src)
             into = None if op == "push" else (target if target is not None and target.shape == shape
                                                else np.empty(shape, dtype))
