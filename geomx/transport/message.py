@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import msgpack
 import numpy as np
+import zmq
 
 from geomx.errors import ProtocolError
 
@@ -44,10 +45,23 @@ def encode(msg: Message) -> list:
     for t in msg.tensors:
         arr = np.ascontiguousarray(t)
         specs.append((arr.dtype.name, list(arr.shape)))
-        frames.append(memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b"")
+        frames.append(_wire_frame(arr) if arr.size else b"")
     header = {"op": msg.op, "src": msg.src, "p": msg.priority, "f": msg.fields, "t": specs}
     frames[0] = msgpack.packb(header, use_bin_type=True)
     return frames
+
+
+def _wire_frame(arr: np.ndarray):
+    """What to send for a contiguous array: the received ZeroMQ frame itself when the array is all of one
+    (a server answering with a push it kept as received), which libzmq shares by reference count, instead
+    of a view of its memory, which pyzmq's zero-copy bookkeeping releases through its collector thread."""
+    base = arr.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    # a C-contiguous view as large as the frame it lies in is all of that frame
+    if isinstance(base, memoryview) and isinstance(base.obj, zmq.Frame) and base.nbytes == arr.nbytes:
+        return base.obj
+    return memoryview(arr.reshape(-1).view(np.uint8))
 
 
 def _buffer(frame) -> memoryview:
