@@ -2,8 +2,8 @@
 
 Why: a part is sent, summed, and answered while the next part is still on the wire, so the request and
 the reply of one big tensor overlap instead of following each other; the parts of one tensor can live on
-different global servers; and the receiving side works on warm, reused buffers of part size instead of one
-fresh allocation of the whole tensor per round.
+different global servers; and no single buffer grows past what glibc serves from its heap (32 MiB, see
+``geomx.transport.van.keep_freed_buffers``), so the receiving side reuses warm memory.
 
 A tensor of more than ``partition_bytes`` bytes is cut, flattened, into parts of at most that many bytes.
 Part ``i`` of ``n`` of key ``k`` is the key ``"k#i/n"``; user keys of that form are refused. Every process of

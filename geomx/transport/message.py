@@ -7,6 +7,7 @@ travel as one frame (sent zero-copy by the van). A message is what every higher 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -18,6 +19,7 @@ from geomx.errors import ProtocolError
 
 # dtypes allowed on the wire; anything else is refused by name
 WIRE_DTYPES = {"float32", "float64", "float16", "int8", "uint8", "int16", "uint16", "int32", "int64", "bool"}
+_NAMES = {np.dtype(name): name for name in WIRE_DTYPES}     # dtype.name is computed in Python on every call
 
 
 @dataclass
@@ -44,7 +46,7 @@ def encode(msg: Message) -> list:
     frames: list = [b""]
     for t in msg.tensors:
         arr = np.ascontiguousarray(t)
-        specs.append((arr.dtype.name, list(arr.shape)))
+        specs.append((_NAMES.get(arr.dtype) or arr.dtype.name, list(arr.shape)))
         frames.append(_wire_frame(arr) if arr.size else b"")
     header = {"op": msg.op, "src": msg.src, "p": msg.priority, "f": msg.fields, "t": specs}
     frames[0] = msgpack.packb(header, use_bin_type=True)
@@ -111,7 +113,7 @@ def build_message(header: dict, frames: Sequence) -> Message:
         raise ProtocolError(f"header announces {len(specs)} tensors but {len(frames)} frames followed")
     tensors = []
     for (dtype, shape), frame in zip(specs, frames):
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        count = math.prod(shape)
         if isinstance(frame, np.ndarray):
             if frame.dtype != dtype or frame.shape != shape:
                 raise ProtocolError(f"tensor received into a {frame.dtype} {frame.shape} buffer, header says "
