@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import zmq
 
-from geomx.transport.message import Message
+from geomx.transport.message import Message, encode
 from geomx.transport.van import Van
 from harness import Inbox
 
@@ -40,6 +40,23 @@ def test_tensor_is_received_straight_into_the_array_receive_into_names(pair):
     assert inbox.messages[0].tensors[0] is out
     np.testing.assert_array_equal(out, np.arange(12.0).reshape(3, 4))
     assert seen_headers[0]["f"]["req"] == 7 and seen_headers[0]["op"] == "reply"
+
+
+def test_a_received_tensor_is_sent_on_as_its_own_frame_and_a_slice_of_it_as_a_view(pair):
+    """A server replying with a push it kept as received hands ZeroMQ the received frame (shared by reference
+    count); any other array goes as a view of its memory."""
+    sender, receiver, inbox = pair
+    value = np.arange(40_000, dtype=np.float32).reshape(200, 200)
+    sender.send(receiver.address, Message("push", tensors=[value]))
+    assert inbox.wait_for(1)
+    kept = inbox.messages[0].tensors[0]
+    frames = encode(Message("reply", tensors=[kept, kept[:10]]))
+    assert isinstance(frames[1], zmq.Frame) and not isinstance(frames[2], zmq.Frame)
+    receiver.send(receiver.address, Message("reply", tensors=[kept, kept[:10]]))
+    assert inbox.wait_for(2)
+    whole, part = inbox.messages[1].tensors
+    np.testing.assert_array_equal(whole, value)
+    np.testing.assert_array_equal(part, value[:10])
 
 
 @pytest.mark.parametrize("offered", [np.zeros(12, np.float32),            # another shape
