@@ -104,6 +104,7 @@ def echo_server_main(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="python -m geomx.bench.transport echo-server")
     p.add_argument("--port-file", required=True)
+    p.add_argument("--idle-s", type=float, default=60.0, help="exit after this long without a message")
     args = p.parse_args(argv)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -112,8 +113,8 @@ def echo_server_main(argv: list[str]) -> int:
     Path(args.port_file + ".tmp").write_text(str(port))
     os.replace(args.port_file + ".tmp", args.port_file)
     while True:
-        if not sock.poll(60_000):
-            return 1                        # nobody talked to us for a minute: the bench is gone
+        if not sock.poll(int(args.idle_s * 1000)):
+            return 1                        # nobody talked to us for that long: the bench is gone
         frames = sock.recv_multipart(copy=False)
         if len(frames) == 3:
             sock.send_multipart([frames[0], b"bye"])
@@ -127,13 +128,14 @@ def echo_server_main(argv: list[str]) -> int:
 class RawEcho:
     """Start the echo server process; ``roundtrips`` times DEALER -> ROUTER -> DEALER echoes."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, idle_s: float) -> None:
         import zmq
 
         port_file = run_dir / "echo-port"
         self.log = open(run_dir / "echo-server.log", "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "geomx.bench.transport", "echo-server", "--port-file",
-                                      str(port_file)], env=bench_env(), stdout=self.log, stderr=subprocess.STDOUT)
+                                      str(port_file), "--idle-s", str(idle_s)],
+                                     env=bench_env(), stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while not port_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -191,7 +193,8 @@ def bench_transport(sizes: list[float], repeats: int, *, run_dir: str | None = N
     with run_directory(run_dir, "transport") as rd:
         env = profile_env(rd) if profile else {}
         raw: dict[float, list[float]] = {m: [] for m in sizes}
-        echo = RawEcho(rd) if not profile else None
+        # the echo server idles while the geomx deployment runs (up to ``timeout``), then serves the second pass
+        echo = RawEcho(rd, timeout + 60) if not profile else None
         try:
             if echo:
                 for m in sizes:
