@@ -115,6 +115,17 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return acc
 
 
+def parse_compression(text: str):
+    """``fp16`` or a JSON object such as ``{"type": "bsc", "threshold": 0.01}``."""
+    text = text.strip()
+    if not text.startswith("{"):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--compression is not valid JSON: {exc}") from None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", choices=["digits", "mnist", "fashion-mnist"], default="digits")
@@ -133,11 +144,16 @@ def main(argv=None) -> int:
                    help="this worker's slice (default: GEOMX_WORKER_INDEX set by geomx launch)")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: every epoch)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compression", default=None, type=parse_compression,
+                   help='gradient compression: a codec name (fp16) or a JSON dict, e.g. \'{"type": "bsc", '
+                        '"threshold": 0.01}\' (docs/compression.md)')
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     kv = geomx.kvstore.create()
+    if args.compression is not None:
+        kv.set_gradient_compression(args.compression)
     if args.data == "digits":
         x_train, x_test, y_train, y_test = load_digits()
     else:

@@ -6,6 +6,7 @@ and number of steps; a row differs only in topology, mode, environment and extra
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from geomx.errors import ConfigError
@@ -46,3 +47,17 @@ def select(names: str | None) -> list[BenchConfig]:
 register(BenchConfig("flat", "flat PS (dense, dist_sync)", topology="flat"))
 register(BenchConfig("hips-fsa", "HiPS FSA (dense, dist_sync)"))
 register(BenchConfig("hips-mixedsync", "HiPS MixedSync (dense, dist_async)", mode="dist_async"))
+
+
+def _compressed(name: str, label: str, spec: dict) -> BenchConfig:
+    return register(BenchConfig(name, label, train_args=("--compression", json.dumps(spec))))
+
+
+# GeoMX's scripts set MXNET_KVSTORE_SIZE_LOWER_BOUND=1000: every weight matrix is compressed, biases too
+_compressed("hips-bsc", "HiPS + Bi-Sparse 1% (dist_sync)", {"type": "bsc", "threshold": 0.01, "size_lower_bound": 1000})
+_compressed("hips-bsc-0.1", "HiPS + Bi-Sparse 0.1% (dist_sync)",
+            {"type": "bsc", "threshold": 0.001, "size_lower_bound": 1000})
+_compressed("hips-fp16", "HiPS + FP16 (dist_sync)", {"type": "fp16"})
+_compressed("hips-mpq", "HiPS + MPQ 1% (dist_sync)", {"type": "mpq", "threshold": 0.01, "size_lower_bound": 1000})
+_compressed("hips-powersgd", "HiPS + PowerSGD rank 4 on the WAN (dist_sync)",
+            {"wan": {"type": "powersgd", "rank": 4}, "size_lower_bound": 1000})

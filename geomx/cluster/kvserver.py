@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from geomx.cluster.compressed import ServerWire, WireError
 from geomx.cluster.postoffice import NodeInfo, Postoffice
 from geomx.transport.message import Message
 
@@ -87,6 +88,7 @@ class KVServer:
         self.keys: dict[Any, KeyState] = {}
         self.clients: dict[str, NodeInfo] = {}   # node id -> member of a tier we serve
         self.info: dict = {}                      # sent with init replies: mode, server optimizer, ...
+        self.wire: ServerWire | None = None       # gradient compression, once configured
         self.tables_pending = 1                   # member tables still to come; subclasses set it
         self._early: list[Message] = []           # requests that overtook our own member table
         po.metrics_fields.append(self.queue_depths)
@@ -183,8 +185,7 @@ class KVServer:
     def _on_push(self, msg: Message, client: NodeInfo) -> None:
         st = self.key_state(msg)
         try:
-            value = self.single_tensor(msg)
-            self.check_value(st, value, msg.op)
+            value = self.push_value(st, msg)
             if client.tier_role != "worker" or client.kind == "master":
                 raise Refused(f"{client.label} does not train; only workers push gradients")
         except Refused:
@@ -201,6 +202,18 @@ class KVServer:
         self.accept_push(st, msg.src, number, value, msg.priority)
         self.serve_waiting(st)
 
+    def push_value(self, st: KeyState, msg: Message) -> np.ndarray:
+        """The pushed tensor, decoded if it came compressed; Refused if it does not fit the key."""
+        try:
+            decoded = self.wire.decode_push(st, msg.fields, msg.tensors) if self.wire is not None else None
+        except WireError as exc:
+            raise Refused(f"{msg.op} of key {st.key!r}: {exc}") from None
+        if decoded is not None:
+            return decoded
+        value = self.single_tensor(msg)
+        self.check_value(st, value, msg.op)
+        return value
+
     def _on_pull(self, msg: Message, client: NodeInfo) -> None:
         st = self.key_state(msg)
         st.waiting.append((msg, int(msg.get("after") or 0)))
@@ -210,6 +223,8 @@ class KVServer:
         """``value`` now reflects one more push of each contributor. Never mutate it afterwards: replies are
         sent without copying."""
         st.value = value
+        if self.wire is not None and contributors:
+            self.wire.on_new_value(st, value)
         for src in contributors:
             st.applied[src] = st.applied.get(src, 0) + 1
         self.serve_waiting(st)
@@ -221,10 +236,24 @@ class KVServer:
         for msg, after in st.waiting:
             refused = st.refused.get(msg.src, 0)
             if st.applied.get(msg.src, 0) + refused >= after and st.pushes.get(msg.src, 0) + refused >= after:
-                self.reply(msg, tensors=[self.read_value(st, msg.src)])
+                self.reply_value(msg, st)
             else:
                 still.append((msg, after))
         st.waiting = still
+
+    def reply_value(self, msg: Message, st: KeyState) -> None:
+        value = self.read_value(st, msg.src)
+        if self.wire is None:
+            self.reply(msg, tensors=[value])
+            return
+        tensors, fields = self.wire.encode_reply(st, msg.src, value)
+        self.reply(msg, tensors=tensors, **fields)
+
+    def reply_init(self, msg: Message, st: KeyState) -> None:
+        """Answer an init with the key's current value (what the client starts from, sent whole)."""
+        if self.wire is not None:
+            self.wire.note_dense(st, msg.src, st.value)
+        self.reply(msg, tensors=[st.value], info=self.info)
 
     def fail_waiting(self, st: KeyState, error: str, *, lost: bool = False) -> None:
         """Answer every held request of ``st`` with ``error`` (``lost``: because a peer died)."""

@@ -13,8 +13,10 @@ import threading
 import numpy as np
 
 from geomx.cluster.client import Handle, KVClient, check_key
+from geomx.cluster.compressed import ServerWire
 from geomx.cluster.kvserver import KeyState, KVServer, Refused, Round
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
+from geomx.compression import CompressionPolicy
 from geomx.config import NodeConfig
 from geomx.errors import KVError, PeerLostError
 from geomx.profiles import CENTRAL_DC
@@ -64,7 +66,7 @@ class LocalServer(KVServer):
         if st.value is None:
             st.held_inits.append(msg)
         else:
-            self.reply(msg, tensors=[st.value], info=self.info)
+            self.reply_init(msg, st)
 
     def _initialized(self, st: KeyState, h: Handle) -> None:
         held, st.held_inits = st.held_inits, []
@@ -75,18 +77,27 @@ class LocalServer(KVServer):
                                    f"the master worker with shape {tuple(value.shape)} {value.dtype.name}")
             else:
                 self.info.update(info)
+                self._configure_compression()
                 st.value = value
                 for msg in held:
-                    self.reply(msg, tensors=[value], info=self.info)
+                    self.reply_init(msg, st)
                 return
         del self.keys[st.key]   # a later init may try again
         for msg in held:
             self.reply(msg, error=str(h.error))
 
     # rounds -------------------------------------------------------------------------------------------------
+    def _configure_compression(self) -> None:
+        """The master worker's compression setting arrives with the first init reply, before any push."""
+        wire = self.info.get("compression")
+        if wire is not None and self.wire is None:
+            policy = CompressionPolicy.from_wire(wire)
+            self.wire = ServerWire(policy, "lan", weights=bool(self.info.get("server_optimizer")),
+                                   per_client=False, salt=self.po.node_id)
+
     def on_round(self, st: KeyState, number: int, rnd: Round) -> None:
         total = rnd.total.astype(st.dtype, copy=False)
-        h = self.upstream.pushpull(st.key, total, priority=rnd.priority)
+        h = self.upstream.pushpull(st.key, total, priority=rnd.priority, count=len(rnd.contributors))
         h.add_done_callback(lambda h: self._round_done(st, number, rnd.contributors, h))
 
     def _round_done(self, st: KeyState, number: int, contributors: list[str], h: Handle) -> None:

@@ -171,6 +171,10 @@ class _Sparse(Codec):
     def _decode(self, payload, shape):
         n = math.prod(shape)
         idx, values = self._indices_values(payload, n)
+        # payloads come off the network: an index outside [0, n) must not wrap around or crash a server
+        if idx.dtype.kind not in "iu" or idx.shape != values.shape or (idx.size and (idx.min() < 0 or idx.max() >= n)):
+            raise ValueError(f"{self.name} payload has {idx.size} {idx.dtype} indices for {values.size} values, "
+                             f"not all in [0, {n})")
         out = np.zeros(n, dtype=F32)
         out[idx] = values
         return out
@@ -307,6 +311,11 @@ class DGC(_Sparse):
             check_number(self, "clip_norm", low=0.0, open_low=True)
         check_int(self, "warmup_steps_per_stage", low=0)
         check_fraction(self, "sample_ratio")
+
+    def downlink(self) -> Codec:
+        # momentum correction and masking act on each worker's own gradient stream; what a server sends back
+        # is an aggregate, sparsified at the same ratio with plain residual accumulation
+        return BSC(threshold=self.ratio, sample_ratio=self.sample_ratio)
 
     def density(self, step: int) -> float:
         """The fraction of entries sent at ``step`` (0-based), warm-up included."""

@@ -24,17 +24,13 @@ import numpy as np
 from geomx.cluster.client import Handle, KVClient, check_key, gather
 from geomx.cluster.kvserver import layout_mismatch
 from geomx.cluster.postoffice import Postoffice, Tier
+from geomx.compression import parse_policy
 from geomx.config import MODES, NodeConfig, config_from_env
 from geomx.errors import ConfigError, GeomxError, KVError
-from geomx.kvstore.partition import check_user_key, flat_slices, plan_parts
+from geomx.kvstore.partition import check_user_key, part_views, plan_parts
 from geomx.profiles import CENTRAL_DC
 
 log = logging.getLogger("geomx.kvstore")
-
-# GeoMX's compression types: accepted names that a later version implements
-_KNOWN_COMPRESSION = ("bsc", "2bit", "fp16", "bf16", "mpq", "dgc", "powersgd", "qsgd", "terngrad", "onebit",
-                      "randomk")
-
 
 def create(name: str | None = None, *, env: dict | None = None) -> "KVStore":
     """Join the deployment described by the environment (set by ``geomx launch`` or by hand, see
@@ -62,6 +58,7 @@ class KVStore:
         self._outstanding: list[Handle] = []
         self._initialized_keys: set = set()
         self._layout: dict = {}           # key -> (shape, dtype, parts or None), from this worker's init
+        self._compression: dict | None = None   # this worker's own set_gradient_compression, to check
         self._closed = False
         self.po.start()
         try:
@@ -150,18 +147,21 @@ class KVStore:
         for h in self._client.command("set_optimizer", optimizer=name, kwargs=kwargs):
             h.wait()
 
-    def set_gradient_compression(self, compression: dict) -> None:
-        """GeoMX's form, e.g. ``{"type": "bsc", "threshold": 0.01}``. This version transmits dense tensors
-        and accepts only ``{"type": "none"}``."""
-        if not isinstance(compression, dict) or "type" not in compression:
-            raise ConfigError(f"gradient compression must be a dict with a 'type' key, got {compression!r}")
-        kind = str(compression["type"]).lower()
-        if kind == "none":
+    def set_gradient_compression(self, compression: dict | str | None) -> None:
+        """Compress gradients on the wire (docs/compression.md). GeoMX's forms: ``{"type": "bsc", "threshold":
+        0.01}`` (WAN only), ``{"type": "fp16"}`` (both tiers), ``{"type": "mpq", "threshold": r,
+        "size_lower_bound": n}``; or per tier: ``{"lan": "fp16", "wan": {"type": "dgc", "ratio": 0.001}}``.
+
+        The master worker's call configures every server (before its first kv.init) and every worker follows
+        it; another worker's call is checked against the master's at init (a mismatch is an error)."""
+        policy = parse_policy(compression)
+        if self._initialized_keys:
+            raise ConfigError("set_gradient_compression must be called before the first kv.init")
+        if not self.is_master_worker:
+            self._compression = policy.to_wire()
             return
-        if kind in _KNOWN_COMPRESSION:
-            raise ConfigError(f"gradient compression {kind!r} is not available in this version of geomx; only "
-                              f"{{'type': 'none'}} is")
-        raise ConfigError(f"unknown gradient compression type {compression['type']!r}")
+        for h in self._client.command("set_compression", policy=policy.to_wire()):
+            h.wait()
 
     # key-value operations -----------------------------------------------------------------------------------
     def init(self, key, value) -> None:
@@ -173,12 +173,12 @@ class KVStore:
             check_key(k)
             check_user_key(k)
             arr = np.ascontiguousarray(_as_numpy_view(v))     # init blocks until answered: no copy needed
-            parts = plan_parts(k, arr.size, arr.itemsize, self.cfg.partition_bytes)
+            parts = plan_parts(k, arr.shape, arr.itemsize, self.cfg.partition_bytes)
             self._layout[k] = (arr.shape, arr.dtype, parts)
             if parts is None:
                 handles.append([self._client.init(k, arr)])
             else:
-                handles.append([self._client.init(p.key, piece) for p, piece in zip(parts, flat_slices(arr, parts))])
+                handles.append([self._client.init(p.key, piece) for p, piece in zip(parts, part_views(arr, parts))])
         for k, hs in zip(keys, handles):
             for h in hs:
                 _, info = h.wait()
@@ -260,8 +260,8 @@ class KVStore:
                 src = np.ascontiguousarray(src)
             into = None if op == "push" else (target if target is not None and target.shape == shape
                                                else np.empty(shape, dtype))
-            values = flat_slices(src, parts) if src is not None else [None] * len(parts)
-            outs = flat_slices(into, parts) if into is not None else [None] * len(parts)
+            values = part_views(src, parts) if src is not None else [None] * len(parts)
+            outs = part_views(into, parts) if into is not None else [None] * len(parts)
             h = gather([self._send(op, p.key, v, o, priority) for p, v, o in zip(parts, values, outs)],
                        lambda _: into, f"{op} of key {key!r}")
             target = into if into is target else None
@@ -286,6 +286,9 @@ class KVStore:
         if mode is not None and mode != self.type:
             raise ConfigError(f"this worker created a {self.type!r} kvstore but the master worker created "
                               f"{mode!r}")
+        if self._compression is not None and "compression" in info and info["compression"] != self._compression:
+            raise ConfigError(f"this worker set gradient compression {self._compression} but the master worker set "
+                              f"{info['compression']}")
         n = info.get("num_all_workers")
         if n is not None and n != self.cfg.num_all_workers:
             raise ConfigError(f"this worker counts DMLC_NUM_ALL_WORKER={self.cfg.num_all_workers} but the global "
