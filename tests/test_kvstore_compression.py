@@ -138,3 +138,43 @@ def test_dist_async_with_compression_delivers_every_gradient_to_every_dc(tmp_pat
         for key in KEYS:
             np.testing.assert_allclose(total[repr(key)], mean_gradient_sum(key), rtol=1e-4, atol=1e-4,
                                        err_msg=f"worker {me}, key {key!r}")
+
+
+FP16_SCRIPT = """
+import numpy as np
+import geomx
+import kvhelp as h
+
+kv = geomx.kvstore.create()
+kv.set_gradient_compression({"type": "fp16"})
+kv.init("g", np.zeros(8, np.float32))
+if kv.is_master_worker:
+    raise SystemExit(0)
+# 40000 fits fp16 (max 65504), the DC sum 80000 and the global sum 160000 do not
+out = kv.pushpull("g", np.full(8, 40000.0, np.float32)).wait()
+h.save(f"fp16-{h.worker_index()}", {"out": out})
+"""
+
+
+def test_fp16_on_both_tiers_sums_in_fp32_so_sums_beyond_the_fp16_range_stay_finite(tmp_path):
+    run = check_ok(launch(tmp_path, FP16_SCRIPT, dcs=DCS, workers_per_dc=PER_DC, timeout=60))
+    for me in range(N):
+        np.testing.assert_array_equal(load_npz(run, f"fp16-{me}")["out"], np.full(8, 40000.0, np.float32))
+
+
+MISMATCH_SCRIPT = """
+import numpy as np
+import geomx
+import kvhelp as h
+
+kv = geomx.kvstore.create()
+kv.set_gradient_compression({"type": "fp16"} if kv.is_master_worker or h.worker_index() != 3 else
+                            {"type": "bsc", "threshold": 0.01})
+kv.init("g", np.zeros(8, np.float32))
+"""
+
+
+def test_a_worker_whose_compression_differs_from_the_master_workers_fails_naming_both(tmp_path):
+    code, run_dir, output = launch(tmp_path, MISMATCH_SCRIPT, dcs=DCS, workers_per_dc=PER_DC, timeout=60)
+    assert code != 0
+    assert "set gradient compression" in output and "'bsc'" in output and "'fp16'" in output, output[-3000:]

@@ -250,7 +250,7 @@ class KVClient:
         wire = self.info.get("compression")
         if wire is not None and self.wire is None:
             self.wire = ClientWire(CompressionPolicy.from_wire(wire), "wan" if self.tier.name == "global" else "lan",
-                                   weights=bool(self.info.get("server_optimizer")), salt=self.po.node_id)
+                                   weights=bool(self.info.get("server_optimizer")), salt=self.po.cfg.label)
 
     def _encode(self, key, value: np.ndarray, count: int) -> tuple[list, dict]:
         if self.wire is None:

@@ -47,6 +47,7 @@ def compressible(dtype: np.dtype) -> bool:
 
 
 def _seed(key: Hashable, salt: str) -> int:
+    # from names, not addresses: a synchronous run with sampled codecs repeats exactly
     return zlib.crc32(f"{salt}/{key!r}".encode())
 
 

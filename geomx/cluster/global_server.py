@@ -93,7 +93,7 @@ class GlobalServer(KVServer):
                              "compression": self.compression.to_wire() if self.compression else None}
                 if self.compression is not None:
                     self.wire = ServerWire(self.compression, "wan", weights=self.optimizer is not None,
-                                           per_client=not self.policy.synchronous, salt=self.po.node_id)
+                                           per_client=not self.policy.synchronous, salt=self.po.cfg.label)
             st = KeyState(key, tuple(value.shape), value.dtype, value=np.array(value))
             self.policy.init_key(st)
             self.keys[key] = st

@@ -93,7 +93,7 @@ class LocalServer(KVServer):
         if wire is not None and self.wire is None:
             policy = CompressionPolicy.from_wire(wire)
             self.wire = ServerWire(policy, "lan", weights=bool(self.info.get("server_optimizer")),
-                                   per_client=False, salt=self.po.node_id)
+                                   per_client=False, salt=self.po.cfg.label)
 
     def on_round(self, st: KeyState, number: int, rnd: Round) -> None:
         total = rnd.total.astype(st.dtype, copy=False)
