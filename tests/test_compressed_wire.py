@@ -12,7 +12,7 @@ from geomx.compression import make_codec, parse_policy
 
 def _payload(codec_spec, x, count=1):
     policy = parse_policy({"wan": codec_spec, "size_lower_bound": 0})
-    return ClientWire(policy, "wan", weights=False, salt="t").encode_push("k", x, count)
+    return ClientWire(policy, "wan", weights=False, salt="t").encode_push("k", x, x.dtype, count)
 
 
 def test_a_push_decodes_to_what_was_sent_and_a_summed_push_is_scaled_back():

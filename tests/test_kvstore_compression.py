@@ -146,20 +146,28 @@ import geomx
 import kvhelp as h
 
 kv = geomx.kvstore.create()
-kv.set_gradient_compression({"type": "fp16"})
-kv.init("g", np.zeros(8, np.float32))
+if {policy}:
+    kv.set_gradient_compression({{"type": "fp16"}})
+kv.init("g", np.zeros(8, np.{dtype}))
 if kv.is_master_worker:
     raise SystemExit(0)
 # 40000 fits fp16 (max 65504), the DC sum 80000 and the global sum 160000 do not
-out = kv.pushpull("g", np.full(8, 40000.0, np.float32)).wait()
-h.save(f"fp16-{h.worker_index()}", {"out": out})
+out = kv.pushpull("g", np.full(8, 40000.0, np.{dtype})).wait()
+h.save(f"fp16-{{h.worker_index()}}", {{"out": out}})
 """
 
 
-def test_fp16_on_both_tiers_sums_in_fp32_so_sums_beyond_the_fp16_range_stay_finite(tmp_path):
-    run = check_ok(launch(tmp_path, FP16_SCRIPT, dcs=DCS, workers_per_dc=PER_DC, timeout=60))
+@pytest.mark.parametrize("how", ["policy", "fp16-tensors"])
+def test_fp16_sums_accumulate_in_fp32_so_sums_beyond_the_fp16_range_stay_finite(how, tmp_path):
+    """Both ways GeoMX users get fp16: the fp16 policy on float32 keys, or pushing float16 tensors themselves
+    (GeoMX sums those in fp16, where 2 x 40000 is inf)."""
+    dtype = "float32" if how == "policy" else "float16"
+    script = FP16_SCRIPT.format(policy=how == "policy", dtype=dtype)
+    run = check_ok(launch(tmp_path, script, dcs=DCS, workers_per_dc=PER_DC, timeout=60))
     for me in range(N):
-        np.testing.assert_array_equal(load_npz(run, f"fp16-{me}")["out"], np.full(8, 40000.0, np.float32))
+        out = load_npz(run, f"fp16-{me}")["out"]
+        assert out.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(out, np.full(8, 40000.0, dtype))
 
 
 MISMATCH_SCRIPT = """

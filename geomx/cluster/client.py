@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from geomx.cluster.compressed import CODEC_FIELD, ClientWire
+from geomx.cluster.compressed import CODEC_FIELD, ClientWire, dense_push
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
 from geomx.compression import CompressionPolicy
 from geomx.errors import DeadlineError, GeomxError, KVError, PeerLostError
@@ -253,9 +253,10 @@ class KVClient:
                                    weights=bool(self.info.get("server_optimizer")), salt=self.po.cfg.label)
 
     def _encode(self, key, value: np.ndarray, count: int) -> tuple[list, dict]:
+        dtype = self._layout[key][1] if key in self._layout else value.dtype
         if self.wire is None:
-            return [value], {}
-        return self.wire.encode_push(key, value, count)
+            return dense_push(value, count, dtype)
+        return self.wire.encode_push(key, value, dtype, count)
 
     def _init_result(self, key, msg: Message) -> tuple[np.ndarray, dict]:
         value, info = msg.tensors[0], dict(msg.get("info") or {})

@@ -51,6 +51,27 @@ def _seed(key: Hashable, salt: str) -> int:
     return zlib.crc32(f"{salt}/{key!r}".encode())
 
 
+def dense_push(value: np.ndarray, count: int, dtype: np.dtype) -> tuple[list[np.ndarray], dict]:
+    """An uncompressed push in the key's dtype. A sum (fp32) of ``count`` workers for a 16-bit key travels as
+    their mean with ``n = count`` (the receiver multiplies back in fp32): 2 x 40000 overflows fp16, the mean
+    does not."""
+    if value.dtype == dtype:
+        return [value], {}
+    if count == 1 or not (np.issubdtype(dtype, np.floating) and np.dtype(dtype).itemsize < 4):
+        return [value.astype(dtype)], {}         # integer sums stay exact sums
+    return [np.divide(value, count, dtype=np.float32).astype(dtype)], {"n": count}
+
+
+def scale_dense(value: np.ndarray, fields: dict) -> np.ndarray:
+    """The fp32 sum a :func:`dense_push` of a mean stands for (``value`` itself without ``n``)."""
+    count = fields.get("n")
+    if count is None:
+        return value
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise WireError(f"bad sender count {count!r}")
+    return np.multiply(value, np.float32(count), dtype=np.float32)
+
+
 class Stream:
     """Successive values of one key towards one receiver (or a group that applies the same values)."""
 
@@ -118,10 +139,11 @@ class ClientWire(_Side):
         self._push: dict[Hashable, Stream] = {}
         self._replica: dict[Hashable, np.ndarray] = {}
 
-    def encode_push(self, key, value: np.ndarray, count: int = 1) -> tuple[list[np.ndarray], dict]:
-        codec = self.codec(key, value.shape, value.dtype)
+    def encode_push(self, key, value: np.ndarray, dtype: np.dtype, count: int = 1) -> tuple[list, dict]:
+        """``value``: a gradient of the key (or an fp32 sum of ``count`` workers' gradients)."""
+        codec = self.codec(key, value.shape, dtype)
         if codec is None:
-            return [value], {}
+            return dense_push(value, count, dtype)
         stream = self._push.get(key)
         if stream is None:
             stream = self._push[key] = Stream(codec, _seed(key, self.salt))

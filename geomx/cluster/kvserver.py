@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from geomx.cluster.compressed import ServerWire, WireError
+from geomx.cluster.compressed import ServerWire, WireError, scale_dense
 from geomx.cluster.postoffice import NodeInfo, Postoffice
 from geomx.transport.message import Message
 
@@ -212,7 +212,10 @@ class KVServer:
             return decoded
         value = self.single_tensor(msg)
         self.check_value(st, value, msg.op)
-        return value
+        try:
+            return scale_dense(value, msg.fields)
+        except WireError as exc:
+            raise Refused(f"{msg.op} of key {st.key!r}: {exc}") from None
 
     def _on_pull(self, msg: Message, client: NodeInfo) -> None:
         st = self.key_state(msg)

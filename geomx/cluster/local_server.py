@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import threading
 
-import numpy as np
 
 from geomx.cluster.client import Handle, KVClient, check_key
 from geomx.cluster.compressed import ServerWire
@@ -96,8 +95,8 @@ class LocalServer(KVServer):
                                    per_client=False, salt=self.po.cfg.label)
 
     def on_round(self, st: KeyState, number: int, rnd: Round) -> None:
-        total = rnd.total.astype(st.dtype, copy=False)
-        h = self.upstream.pushpull(st.key, total, priority=rnd.priority, count=len(rnd.contributors))
+        # the fp32 sum: the client sends it in the key's dtype (a 16-bit key's sum as the mean, see dense_push)
+        h = self.upstream.pushpull(st.key, rnd.total, priority=rnd.priority, count=len(rnd.contributors))
         h.add_done_callback(lambda h: self._round_done(st, number, rnd.contributors, h))
 
     def _round_done(self, st: KeyState, number: int, contributors: list[str], h: Handle) -> None:
