@@ -165,10 +165,16 @@ class KVClient:
                     self._send(other, Message("key_owner", fields={"key": key, "owner": rank}))
             return self._request("init", key, rank, {"master": True}, [value], priority,
                                  lambda m: self._init_result(key, m))
+        return self.init_layout(key, value.shape, value.dtype, priority)
+
+    def init_layout(self, key, shape, dtype, priority: int = 0) -> Handle:
+        """Register ``key`` as a client that does not provide the value: only its shape and dtype travel."""
+        check_key(key)
         handle = Handle(self.po, f"init of key {key!r}", None)
+        layout = {"layout": [[int(n) for n in shape], np.dtype(dtype).name]}
 
         def ask(rank: int) -> None:
-            inner = self._request("init", key, rank, {}, [value], priority, lambda m: m)
+            inner = self._request("init", key, rank, layout, [], priority, lambda m: m)
             inner.add_done_callback(lambda h: on_answer(h, rank))
 
         def on_answer(h: Handle, rank: int) -> None:
@@ -186,8 +192,10 @@ class KVClient:
         ask(self._owner.get(key, home_server(key, len(self.servers))))
         return handle
 
-    def push(self, key, value: np.ndarray, priority: int = 0, *, count: int = 1) -> Handle:
-        """``count``: how many workers' gradients ``value`` sums (compressed pushes travel as their mean)."""
+    def push(self, key, value: np.ndarray, priority: int = 0, *, count: int | None = None) -> Handle:
+        """``count``: set by servers that push an fp32 sum of ``count`` workers' gradients (it travels in the
+        key's dtype, as a mean where that is 16 bits or compressed); a worker's own push leaves it None and
+        goes as it is (a wrong dtype is the server's to refuse)."""
         rank = self._owner_of(key)
         tensors, fields = self._encode(key, value, count)
         self._pushes[key] = self._pushes.get(key, 0) + 1
@@ -201,7 +209,7 @@ class KVClient:
                              self._value_of(key), out)
 
     def pushpull(self, key, value: np.ndarray, priority: int = 0, *, out: np.ndarray | None = None,
-                 count: int = 1) -> Handle:
+                 count: int | None = None) -> Handle:
         """``value`` is sent without a copy: leave it unchanged until the handle finishes. ``out`` as in
         :meth:`pull` (it may be ``value`` itself: the reply arrives only after the push was received).
         ``count`` as in :meth:`push`."""
@@ -252,11 +260,11 @@ class KVClient:
             self.wire = ClientWire(CompressionPolicy.from_wire(wire), "wan" if self.tier.name == "global" else "lan",
                                    weights=bool(self.info.get("server_optimizer")), salt=self.po.cfg.label)
 
-    def _encode(self, key, value: np.ndarray, count: int) -> tuple[list, dict]:
-        dtype = self._layout[key][1] if key in self._layout else value.dtype
+    def _encode(self, key, value: np.ndarray, count: int | None) -> tuple[list, dict]:
+        dtype = self._layout[key][1] if count is not None and key in self._layout else value.dtype
         if self.wire is None:
-            return dense_push(value, count, dtype)
-        return self.wire.encode_push(key, value, dtype, count)
+            return dense_push(value, count or 1, dtype)
+        return self.wire.encode_push(key, value, dtype, count or 1)
 
     def _init_result(self, key, msg: Message) -> tuple[np.ndarray, dict]:
         value, info = msg.tensors[0], dict(msg.get("info") or {})

@@ -5,6 +5,7 @@ the central party's tier, whose worker is the master worker that initializes and
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 
@@ -13,7 +14,7 @@ import numpy as np
 from geomx.cluster.global_update import (GradientRelay, MeanGradient, ServerOptimizer, UpdatePolicy,
                                          resolve_optimizer)
 from geomx.cluster.compressed import ServerWire
-from geomx.cluster.kvserver import KeyState, KVServer, Refused, accumulator_dtype
+from geomx.cluster.kvserver import KeyState, KVServer, Refused, accumulator_dtype, init_layout
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
 from geomx.compression import CompressionPolicy
 from geomx.config import MODES, NodeConfig
@@ -80,8 +81,9 @@ class GlobalServer(KVServer):
 
     # keys -----------------------------------------------------------------------------------------------------
     def on_init(self, msg: Message, client: NodeInfo) -> None:
-        key, value = msg.get("key"), self.single_tensor(msg)
+        key = msg.get("key")
         if msg.get("master"):
+            value = self.single_tensor(msg)
             if client.kind != "master":
                 raise Refused(f"{client.label} is not the master worker")
             if key in self.keys:
@@ -111,7 +113,7 @@ class GlobalServer(KVServer):
 
     def _answer_init(self, msg: Message, st: KeyState) -> None:
         try:
-            self.check_value(st, msg.tensors[0], "init")
+            self.check_layout(st, *init_layout(msg), "init")
         except Refused as exc:
             self.reply(msg, error=f"{exc} by the master worker")
             return
@@ -140,6 +142,9 @@ class GlobalServer(KVServer):
 
 
 def run_global_server(cfg: NodeConfig) -> int:
+    # a server optimizer needs torch; importing it takes seconds (tens on a loaded machine), which must not
+    # happen on the receive thread when set_optimizer arrives: start it now, beside the rendezvous
+    threading.Thread(target=importlib.import_module, args=("torch.optim",), name="import-torch", daemon=True).start()
     done = threading.Event()
     po = Postoffice(cfg)
     server = GlobalServer(po, cfg.num_all_workers)

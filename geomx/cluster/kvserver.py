@@ -17,7 +17,7 @@ import numpy as np
 
 from geomx.cluster.compressed import ServerWire, WireError, scale_dense
 from geomx.cluster.postoffice import NodeInfo, Postoffice
-from geomx.transport.message import Message
+from geomx.transport.message import WIRE_DTYPES, Message
 
 log = logging.getLogger("geomx.kvserver")
 
@@ -67,12 +67,31 @@ class KeyState:
         return f"shape {tuple(self.shape)} {self.dtype.name}"
 
 
-def layout_mismatch(what: str, key, value: np.ndarray, shape, dtype) -> str | None:
+def layout_mismatch(what: str, key, value_shape, value_dtype, shape, dtype) -> str | None:
     """The error for a value whose shape or dtype is not the key's (servers, and workers for partitioned keys)."""
-    if tuple(value.shape) == tuple(shape) and value.dtype == dtype:
+    if tuple(value_shape) == tuple(shape) and np.dtype(value_dtype) == np.dtype(dtype):
         return None
-    return (f"{what} of key {key!r} has shape {tuple(value.shape)} {value.dtype.name}, but the key was initialized "
-            f"with shape {tuple(shape)} {np.dtype(dtype).name}")
+    return (f"{what} of key {key!r} has shape {tuple(value_shape)} {np.dtype(value_dtype).name}, but the key was "
+            f"initialized with shape {tuple(shape)} {np.dtype(dtype).name}")
+
+
+def init_layout(msg: Message) -> tuple[tuple, np.dtype]:
+    """Shape and dtype of an init. Only the master worker's init carries a value; the others carry
+    ``layout = [shape, dtype name]`` (the value they would send is thrown away: across the WAN it costs a
+    model's worth of bytes per DC)."""
+    layout = msg.get("layout")
+    if layout is None:
+        if len(msg.tensors) != 1:
+            raise Refused(f"init of key {msg.get('key')!r} carries neither a value nor a layout")
+        return tuple(msg.tensors[0].shape), msg.tensors[0].dtype
+    try:
+        shape, name = layout
+        if name not in WIRE_DTYPES or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                               for n in shape):
+            raise ValueError
+        return tuple(shape), np.dtype(name)
+    except (TypeError, ValueError):
+        raise Refused(f"init of key {msg.get('key')!r} has a malformed layout {layout!r}") from None
 
 
 def accumulator_dtype(dtype: np.dtype) -> np.dtype:
@@ -173,7 +192,10 @@ class KVServer:
         return st
 
     def check_value(self, st: KeyState, value: np.ndarray, what: str) -> None:
-        problem = layout_mismatch(what, st.key, value, st.shape, st.dtype)
+        self.check_layout(st, value.shape, value.dtype, what)
+
+    def check_layout(self, st: KeyState, shape, dtype, what: str) -> None:
+        problem = layout_mismatch(what, st.key, shape, dtype, st.shape, st.dtype)
         if problem:
             raise Refused(problem)
 

@@ -13,7 +13,7 @@ import threading
 
 from geomx.cluster.client import Handle, KVClient, check_key
 from geomx.cluster.compressed import ServerWire
-from geomx.cluster.kvserver import KeyState, KVServer, Refused, Round
+from geomx.cluster.kvserver import KeyState, KVServer, Refused, Round, init_layout
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
 from geomx.compression import CompressionPolicy
 from geomx.config import NodeConfig
@@ -50,18 +50,18 @@ class LocalServer(KVServer):
 
     # init: the master worker's value, fetched once per key from the global tier ----------------------------
     def on_init(self, msg: Message, client: NodeInfo) -> None:
-        key, value = msg.get("key"), self.single_tensor(msg)
+        key, (shape, dtype) = msg.get("key"), init_layout(msg)
         try:
             check_key(key)
         except KVError as exc:
             raise Refused(str(exc)) from None
         st = self.keys.get(key)
         if st is None:
-            st = self.keys[key] = KeyState(key, tuple(value.shape), value.dtype)
+            st = self.keys[key] = KeyState(key, shape, dtype)
             st.held_inits.append(msg)
-            self.upstream.init(key, value).add_done_callback(lambda h: self._initialized(st, h))
+            self.upstream.init_layout(key, shape, dtype).add_done_callback(lambda h: self._initialized(st, h))
             return
-        self.check_value(st, value, "init")
+        self.check_layout(st, shape, dtype, "init")
         if st.value is None:
             st.held_inits.append(msg)
         else:

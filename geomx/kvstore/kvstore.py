@@ -254,7 +254,7 @@ class KVStore:
             h = self._send(op, key, src, target, priority)
         else:
             if src is not None:
-                problem = layout_mismatch(op, key, src, shape, dtype)
+                problem = layout_mismatch(op, key, src.shape, src.dtype, shape, dtype)
                 if problem:
                     raise KVError(problem)
                 src = np.ascontiguousarray(src)
