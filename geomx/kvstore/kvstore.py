@@ -118,6 +118,12 @@ class KVStore:
         the first init."""
         return bool(self._client.info.get("server_optimizer"))
 
+    @property
+    def compression(self) -> dict | None:
+        """The deployment's gradient compression (the master worker's setting, as sent to the servers), or
+        None. Known after the first init."""
+        return self._client.info.get("compression")
+
     # configuration (master worker) ----------------------------------------------------------------------------
     def set_optimizer(self, optimizer: Any, **kwargs) -> None:
         """Run ``optimizer`` (a torch.optim class, its name, or an instance) on the global servers. Only the
