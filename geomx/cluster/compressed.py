@@ -62,14 +62,18 @@ def dense_push(value: np.ndarray, count: int, dtype: np.dtype) -> tuple[list[np.
     return [np.divide(value, count, dtype=np.float32).astype(dtype)], {"n": count}
 
 
-def scale_dense(value: np.ndarray, fields: dict) -> np.ndarray:
-    """The fp32 sum a :func:`dense_push` of a mean stands for (``value`` itself without ``n``)."""
-    count = fields.get("n")
-    if count is None:
-        return value
+def _sender_count(fields: dict) -> int:
+    """How many workers' gradients a pushed mean stands for (1 without ``n``)."""
+    count = fields.get("n", 1)
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise WireError(f"bad sender count {count!r}")
-    return np.multiply(value, np.float32(count), dtype=np.float32)
+    return count
+
+
+def scale_dense(value: np.ndarray, fields: dict) -> np.ndarray:
+    """The fp32 sum a :func:`dense_push` of a mean stands for (``value`` itself without ``n``)."""
+    count = _sender_count(fields)
+    return value if count == 1 else np.multiply(value, np.float32(count), dtype=np.float32)
 
 
 class Stream:
@@ -96,12 +100,10 @@ def decode(codec: Codec, cm: Any, tensors: list[np.ndarray], shape: tuple) -> np
         raise WireError("malformed compression field")
     if cm.get("c") != codec.name:
         raise WireError(f"compressed with {cm.get('c')!r}, but the compression policy gives {codec.name!r}")
-    meta = cm["m"]
-    if tuple(meta.get("shape") or ()) != tuple(shape):
-        raise WireError(f"compressed tensor has shape {tuple(meta.get('shape') or ())}, the key {tuple(shape)}")
-    count = cm.get("n", 1)
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise WireError(f"bad sender count {count!r}")
+    meta, count = cm["m"], _sender_count(cm)
+    sent_shape = meta.get("shape")
+    if not isinstance(sent_shape, list) or tuple(sent_shape) != tuple(shape):
+        raise WireError(f"compressed tensor has shape {sent_shape!r}, the key {tuple(shape)}")
     try:
         dense = codec.decompress(Payload(list(tensors), dict(meta)))
     except (ValueError, TypeError, IndexError, KeyError) as exc:
