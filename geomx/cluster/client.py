@@ -190,10 +190,14 @@ class KVClient:
         return self._request("pull", key, rank, {"after": self._pushes.get(key, 0)}, [], priority, _first_tensor,
                              out)
 
-    def pushpull(self, key, value: np.ndarray, priority: int = 0, *, out: np.ndarray | None = None) -> Handle:
+    def pushpull(self, key, value: np.ndarray, priority: int = 0, *, out: np.ndarray | None = None,
+                 scope: str | None = None) -> Handle:
         """``value`` is sent without a copy: leave it unchanged until the handle finishes. ``out`` as in
-        :meth:`pull` (it may be ``value`` itself: the reply arrives only after the push was received)."""
+        :meth:`pull` (it may be ``value`` itself: the reply arrives only after the push was received).
+        ``scope="dc"``: a DC-only round (geomx.cluster.dc_rounds), apart from the key's ordinary rounds."""
         rank = self._owner_of(key)
+        if scope == "dc":
+            return self._request("dc_pushpull", key, rank, {}, [value], priority, _first_tensor, out)
         self._pushes[key] = self._pushes.get(key, 0) + 1
         return self._request("pushpull", key, rank, {}, [value], priority, _first_tensor, out)
 

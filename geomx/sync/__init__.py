@@ -1,0 +1,44 @@
+"""Synchronization algorithms, each a policy object chosen by name (``geomx launch --sync``, the TOML ``sync``
+table, ``GEOMX_SYNC`` / GeoMX's ``MXNET_KVSTORE_USE_HFA``), never a branch spread through the servers:
+
+* ``fsa`` (default) and MixedSync (``--mode dist_async``): gradients, the servers' update policies
+  (geomx.cluster.global_update); ``geomx.optim.DCASGD`` compensates MixedSync's delays there;
+* ``hfa``, ``diloco``: model averaging run by each worker (:mod:`geomx.sync.averaging`);
+* ``--slowdown``: emulated slow workers (:mod:`geomx.sync.slowdown`).
+
+Importing this package does not import torch (the launcher validates configurations with it).
+"""
+from __future__ import annotations
+
+from geomx.errors import ConfigError
+from geomx.sync.settings import ALGORITHMS, SyncSettings, launch_env, settings_from_env
+
+__all__ = ["ALGORITHMS", "HFA", "DiLoCo", "SyncSettings", "create", "launch_env", "settings_from_env"]
+
+
+def create(spec=None):
+    """The worker-side algorithm for ``DistributedOptimizer``: ``spec`` is None (read the environment), a name
+    (options from the environment), or an object with ``setup`` and ``after_step`` (used as is). Returns None
+    for FSA/MixedSync, where workers push gradients."""
+    if spec is not None and not isinstance(spec, str):
+        if not (callable(getattr(spec, "setup", None)) and callable(getattr(spec, "after_step", None))):
+            raise ConfigError(f"sync must be an algorithm name or an object with setup() and after_step(), not "
+                              f"{type(spec).__name__}")
+        return spec
+    settings = settings_from_env()
+    if spec is not None:
+        if spec not in ALGORITHMS:
+            raise ConfigError(f"unknown synchronization algorithm {spec!r}; algorithms: {', '.join(ALGORITHMS)}")
+        if spec != settings.algorithm:
+            settings = SyncSettings(algorithm=spec)
+    if settings.algorithm == "fsa":
+        return None
+    from geomx.sync.averaging import ALGORITHMS as CLASSES
+    return CLASSES[settings.algorithm](**settings.options())
+
+
+def __getattr__(name):
+    if name in ("HFA", "DiLoCo"):
+        from geomx.sync import averaging
+        return getattr(averaging, name)
+    raise AttributeError(f"module 'geomx.sync' has no attribute {name!r}")
