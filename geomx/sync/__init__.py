@@ -4,6 +4,7 @@ table, ``GEOMX_SYNC`` / GeoMX's ``MXNET_KVSTORE_USE_HFA``), never a branch sprea
 * ``fsa`` (default) and MixedSync (``--mode dist_async``): gradients, the servers' update policies
   (geomx.cluster.global_update); ``geomx.optim.DCASGD`` compensates MixedSync's delays there;
 * ``hfa``, ``diloco``: model averaging run by each worker (:mod:`geomx.sync.averaging`);
+* ``dga``: delayed gradient averaging, run by each worker (:mod:`geomx.sync.dga`);
 * ``--slowdown``: emulated slow workers (:mod:`geomx.sync.slowdown`).
 
 Importing this package does not import torch (the launcher validates configurations with it).
@@ -13,16 +14,17 @@ from __future__ import annotations
 from geomx.errors import ConfigError
 from geomx.sync.settings import ALGORITHMS, SyncSettings, launch_env, settings_from_env
 
-__all__ = ["ALGORITHMS", "HFA", "DiLoCo", "SyncSettings", "create", "launch_env", "settings_from_env"]
+__all__ = ["ALGORITHMS", "DGA", "HFA", "DiLoCo", "SyncSettings", "create", "launch_env", "settings_from_env"]
 
 
 def create(spec=None):
     """The worker-side algorithm for ``DistributedOptimizer``: ``spec`` is None (read the environment), a name
-    (options from the environment), or an object with ``setup`` and ``after_step`` (used as is). Returns None
-    for FSA/MixedSync, where workers push gradients."""
+    (options from the environment), or an object with ``setup(kv, params, num_samples=)`` and
+    ``step(optimizer) -> seconds waited`` (used as is). Returns None for FSA/MixedSync, where workers push
+    gradients from backward hooks."""
     if spec is not None and not isinstance(spec, str):
-        if not (callable(getattr(spec, "setup", None)) and callable(getattr(spec, "after_step", None))):
-            raise ConfigError(f"sync must be an algorithm name or an object with setup() and after_step(), not "
+        if not (callable(getattr(spec, "setup", None)) and callable(getattr(spec, "step", None))):
+            raise ConfigError(f"sync must be an algorithm name or an object with setup() and step(), not "
                               f"{type(spec).__name__}")
         return spec
     settings = settings_from_env()
@@ -33,12 +35,19 @@ def create(spec=None):
             settings = SyncSettings(algorithm=spec)
     if settings.algorithm == "fsa":
         return None
-    from geomx.sync.averaging import ALGORITHMS as CLASSES
-    return CLASSES[settings.algorithm](**settings.options())
+    return getattr(_module(settings.algorithm), _CLASSES[settings.algorithm])(**settings.options())
+
+
+_CLASSES = {"hfa": "HFA", "diloco": "DiLoCo", "dga": "DGA"}
+
+
+def _module(algorithm: str):
+    import importlib
+    return importlib.import_module("geomx.sync.dga" if algorithm == "dga" else "geomx.sync.averaging")
 
 
 def __getattr__(name):
-    if name in ("HFA", "DiLoCo"):
-        from geomx.sync import averaging
-        return getattr(averaging, name)
+    for algorithm, cls in _CLASSES.items():
+        if cls == name:
+            return getattr(_module(algorithm), name)
     raise AttributeError(f"module 'geomx.sync' has no attribute {name!r}")

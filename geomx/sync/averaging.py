@@ -77,6 +77,12 @@ class HFA:
         """Hook for subclasses: the model is the global initial model."""
 
     # every step -----------------------------------------------------------------------------------------------
+    def step(self, optimizer: torch.optim.Optimizer) -> float:
+        """One training step: the local step, then an average when one is due. Returns the seconds spent
+        waiting for the network."""
+        optimizer.step()
+        return self.after_step()
+
     def after_step(self) -> float:
         """Called after each local optimizer step; returns the seconds spent waiting for the network."""
         self.steps += 1

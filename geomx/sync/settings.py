@@ -8,6 +8,7 @@ algorithm   what a worker does
 ``fsa``     push every gradient, step on the mean over all workers (default; MixedSync is ``--mode dist_async``)
 ``hfa``     K1 local steps, then a DC-wide model average; every K2 DC averages a global model average
 ``diloco``  as hfa, but the global average feeds an outer optimizer (Nesterov SGD) instead of replacing the model
+``dga``     push every gradient but step on the average from D steps ago, corrected (communication overlaps D steps)
 ==========  ==================================================================================================
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Mapping
 
 from geomx.errors import ConfigError
 
-ALGORITHMS = ("fsa", "hfa", "diloco")
+ALGORITHMS = ("fsa", "hfa", "diloco", "dga")
 WEIGHTINGS = ("samples", "equal")
 
 # option -> (environment variable, type, default); GeoMX's names where GeoMX has the option
@@ -28,9 +29,10 @@ OPTIONS = {
     "weights": ("GEOMX_HFA_WEIGHTS", str, "samples"),
     "outer_lr": ("GEOMX_DILOCO_LR", float, 0.7),
     "outer_momentum": ("GEOMX_DILOCO_MOMENTUM", float, 0.9),
+    "delay": ("GEOMX_DGA_DELAY", int, 1),
 }
 ALGORITHM_OPTIONS = {"fsa": (), "hfa": ("k1", "k2", "weights"),
-                     "diloco": ("k1", "k2", "weights", "outer_lr", "outer_momentum")}
+                     "diloco": ("k1", "k2", "weights", "outer_lr", "outer_momentum"), "dga": ("delay",)}
 SYNC_ENV = "GEOMX_SYNC"
 GEOMX_HFA_ENV = "MXNET_KVSTORE_USE_HFA"
 
@@ -43,6 +45,7 @@ class SyncSettings:
     weights: str = "samples"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    delay: int = 1
 
     def options(self) -> dict:
         return {k: getattr(self, k) for k in ALGORITHM_OPTIONS[self.algorithm]}
@@ -66,6 +69,8 @@ def check(algorithm: str, options: Mapping, where: str = "") -> SyncSettings:
         if getattr(s, name) < 1:
             raise ConfigError(f"{algorithm} {name.upper()} ({OPTIONS[name][0]}){where} must be >= 1 (local steps "
                               f"per DC average / DC averages per global average), got {getattr(s, name)}")
+    if s.delay < 0:
+        raise ConfigError(f"dga delay D ({OPTIONS['delay'][0]}){where} must be >= 0 steps, got {s.delay}")
     if s.weights not in WEIGHTINGS:
         raise ConfigError(f"{algorithm} weights ({OPTIONS['weights'][0]}){where} must be one of "
                           f"{', '.join(WEIGHTINGS)}, got {s.weights!r}")

@@ -55,9 +55,9 @@ class DistributedOptimizer:
         self._handles: dict[int, object] = {}
         self._passes: dict[int, int] = {}
         self.comm_wait_s = 0.0      # time step() spent waiting for the network (cumulative)
-        self.sync = create_sync(sync)    # None: FSA / MixedSync (gradients); else a model-averaging algorithm
+        self.sync = create_sync(sync)    # None: FSA / MixedSync (gradients pushed from hooks); else a policy
         if self.sync is not None and update_on_server:
-            raise ConfigError(f"{self.sync!r} averages models on the workers; it cannot run with update_on_server")
+            raise ConfigError(f"{self.sync!r} updates on the workers; it cannot run with update_on_server")
         self.slowdown = Slowdown.from_env()
         if update_on_server and kvstore.is_master_worker:
             kvstore.set_optimizer(optimizer)
@@ -102,8 +102,7 @@ class DistributedOptimizer:
             raise ConfigError("DistributedOptimizer.step does not take a closure")
         self.slowdown.pause()
         if self.sync is not None:
-            self.optimizer.step()
-            waited = self.sync.after_step()
+            waited = self.sync.step(self.optimizer)
             self.comm_wait_s += waited
             metrics.add_comm_wait(waited)
             self.slowdown.compute_starts()
