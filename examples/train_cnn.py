@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed + 1000 + index)
     step, start, history = 0, time.perf_counter(), []
     total_steps = args.steps or args.epochs * steps_per_epoch
-    for epoch in range(args.epochs if not args.steps else 10 ** 9):
+    for epoch in range(10 ** 9):          # until total_steps (ESync: fast workers run through more epochs)
         order = torch.from_numpy(rng.permutation(len(idx)))
         for b in range(steps_per_epoch):
             batch = order[b * args.batch_size:(b + 1) * args.batch_size]
@@ -179,8 +179,10 @@ def main(argv=None) -> int:
             loss = F.cross_entropy(model(xs[batch]), ys[batch])
             loss.backward()
             opt.step()
-            step += 1
-            last = step == total_steps
+            if opt.progress == step:
+                continue        # ESync: a faster worker's extra local step inside a round
+            step = opt.progress
+            last = step >= total_steps
             if (args.eval_every and step % args.eval_every == 0) or (
                     not args.eval_every and b == steps_per_epoch - 1) or last:
                 acc = evaluate(model, xt, yt)

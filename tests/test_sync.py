@@ -256,3 +256,57 @@ def test_dcasgd_on_the_global_server_compensates_each_dc_against_its_own_backup(
         np.testing.assert_allclose(reads[me], np.stack(paper[me]), rtol=0, atol=1e-5)
     # the test tells the two rules apart
     assert max(np.abs(np.stack(paper[me]) - np.stack(mxnet[me])).max() for me in (0, 1)) > 1e-3
+
+
+ESYNC_SCRIPT = f"""
+import time
+import torch
+import geomx, kvhelp as h
+from geomx.torch import DistributedOptimizer
+
+torch.set_num_threads(1)
+SEED, KEYS, LR, ROUNDS = {SEED}, {KEYS!r}, {LR}, 6
+kv = geomx.kvstore.create()
+me = h.worker_index()
+params = {{k: torch.nn.Parameter(torch.from_numpy(h.value(0 if me < 0 else me + 1, k, s))) for k, s in KEYS.items()}}
+opt = DistributedOptimizer(torch.optim.SGD(params.values(), lr=LR), list(params.items()), kvstore=kv)
+if kv.is_master_worker:
+    raise SystemExit(0)
+out, local = {{}}, 0
+while opt.progress < ROUNDS:
+    opt.zero_grad()
+    time.sleep(0.03)                                   # "compute"; DC b's worker is slowed 3x
+    for k, p in params.items():
+        p.grad = torch.from_numpy(h.grad(SEED, me, local, k, KEYS[k]))
+    local += 1
+    before = opt.progress
+    opt.step()
+    if opt.progress != before:
+        for k, p in params.items():
+            out[f"{{k}}@{{opt.progress - 1}}"] = p.detach().numpy().copy()
+h.save(f"models-{{me}}", out)
+h.dump(f"esync-{{me}}", {{"schedule": opt.sync.schedule, "local": local}})
+"""
+
+
+def test_esync_gives_the_slowed_worker_fewer_local_steps_and_averages_model_deltas(tmp_path):
+    run_dir = check_ok(launch(tmp_path, ESYNC_SCRIPT, dcs=2, workers_per_dc=1, sync="esync", slowdown=["b=3"]))
+    fast, slow = (load_json(run_dir, f"esync-{i}")["schedule"] for i in (0, 1))
+    assert slow == [1] * 6, slow                        # the slowest worker takes `steps` (1) per round
+    assert fast[0] == 1 and all(2 <= k <= 4 for k in fast[1:]), fast   # ~3x faster: ~3 local steps per round
+    models = [load_npz(run_dir, f"models-{i}") for i in (0, 1)]
+    for key, shape in KEYS.items():
+        start = kvhelp.value(0, key, shape).astype(np.float64)
+        taken = [0, 0]
+        for r in range(6):
+            deltas = []
+            for i, schedule in enumerate((fast, slow)):
+                w = start.copy()
+                for _ in range(schedule[r]):
+                    w -= LR * kvhelp.grad(SEED, i, taken[i], key, shape)
+                    taken[i] += 1
+                deltas.append(w - start)
+            start = start + (deltas[0] + deltas[1]) / 2
+            for i in (0, 1):
+                np.testing.assert_allclose(models[i][f"{key}@{r}"], start, rtol=0, atol=2e-5,
+                                           err_msg=f"worker {i}, key {key}, round {r}")

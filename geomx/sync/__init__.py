@@ -5,6 +5,7 @@ table, ``GEOMX_SYNC`` / GeoMX's ``MXNET_KVSTORE_USE_HFA``), never a branch sprea
   (geomx.cluster.global_update); ``geomx.optim.DCASGD`` compensates MixedSync's delays there;
 * ``hfa``, ``diloco``: model averaging run by each worker (:mod:`geomx.sync.averaging`);
 * ``dga``: delayed gradient averaging, run by each worker (:mod:`geomx.sync.dga`);
+* ``esync``: per-worker local steps from measured step times (:mod:`geomx.sync.esync`);
 * ``--slowdown``: emulated slow workers (:mod:`geomx.sync.slowdown`).
 
 Importing this package does not import torch (the launcher validates configurations with it).
@@ -14,13 +15,13 @@ from __future__ import annotations
 from geomx.errors import ConfigError
 from geomx.sync.settings import ALGORITHMS, SyncSettings, launch_env, settings_from_env
 
-__all__ = ["ALGORITHMS", "DGA", "HFA", "DiLoCo", "SyncSettings", "create", "launch_env", "settings_from_env"]
+__all__ = ["ALGORITHMS", "DGA", "ESync", "HFA", "DiLoCo", "SyncSettings", "create", "launch_env", "settings_from_env"]
 
 
 def create(spec=None):
     """The worker-side algorithm for ``DistributedOptimizer``: ``spec`` is None (read the environment), a name
     (options from the environment), or an object with ``setup(kv, params, num_samples=)`` and
-    ``step(optimizer) -> seconds waited`` (used as is). Returns None for FSA/MixedSync, where workers push
+    ``step(optimizer, compute_s=) -> seconds waited`` (used as is). Returns None for FSA/MixedSync, where workers push
     gradients from backward hooks."""
     if spec is not None and not isinstance(spec, str):
         if not (callable(getattr(spec, "setup", None)) and callable(getattr(spec, "step", None))):
@@ -38,12 +39,13 @@ def create(spec=None):
     return getattr(_module(settings.algorithm), _CLASSES[settings.algorithm])(**settings.options())
 
 
-_CLASSES = {"hfa": "HFA", "diloco": "DiLoCo", "dga": "DGA"}
+_CLASSES = {"hfa": "HFA", "diloco": "DiLoCo", "dga": "DGA", "esync": "ESync"}
 
 
 def _module(algorithm: str):
     import importlib
-    return importlib.import_module("geomx.sync.dga" if algorithm == "dga" else "geomx.sync.averaging")
+    return importlib.import_module({"dga": "geomx.sync.dga", "esync": "geomx.sync.esync"}.get(
+        algorithm, "geomx.sync.averaging"))
 
 
 def __getattr__(name):

@@ -77,7 +77,7 @@ class HFA:
         """Hook for subclasses: the model is the global initial model."""
 
     # every step -----------------------------------------------------------------------------------------------
-    def step(self, optimizer: torch.optim.Optimizer) -> float:
+    def step(self, optimizer: torch.optim.Optimizer, *, compute_s: float = 0.0) -> float:
         """One training step: the local step, then an average when one is due. Returns the seconds spent
         waiting for the network."""
         optimizer.step()

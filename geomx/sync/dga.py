@@ -38,7 +38,7 @@ class DGA:
         self.kv = kv
         self.params = [(n, p) for n, p in params if p.requires_grad]
 
-    def step(self, optimizer: torch.optim.Optimizer) -> float:
+    def step(self, optimizer: torch.optim.Optimizer, *, compute_s: float = 0.0) -> float:
         sent = []
         for i, (name, p) in enumerate(self.params):
             own = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)

@@ -9,6 +9,7 @@ algorithm   what a worker does
 ``hfa``     K1 local steps, then a DC-wide model average; every K2 DC averages a global model average
 ``diloco``  as hfa, but the global average feeds an outer optimizer (Nesterov SGD) instead of replacing the model
 ``dga``     push every gradient but step on the average from D steps ago, corrected (communication overlaps D steps)
+``esync``   faster workers take more local steps per round, so all reach the global average together
 ==========  ==================================================================================================
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Mapping
 
 from geomx.errors import ConfigError
 
-ALGORITHMS = ("fsa", "hfa", "diloco", "dga")
+ALGORITHMS = ("fsa", "hfa", "diloco", "dga", "esync")
 WEIGHTINGS = ("samples", "equal")
 
 # option -> (environment variable, type, default); GeoMX's names where GeoMX has the option
@@ -30,9 +31,11 @@ OPTIONS = {
     "outer_lr": ("GEOMX_DILOCO_LR", float, 0.7),
     "outer_momentum": ("GEOMX_DILOCO_MOMENTUM", float, 0.9),
     "delay": ("GEOMX_DGA_DELAY", int, 1),
+    "steps": ("GEOMX_ESYNC_STEPS", int, 1),
 }
 ALGORITHM_OPTIONS = {"fsa": (), "hfa": ("k1", "k2", "weights"),
-                     "diloco": ("k1", "k2", "weights", "outer_lr", "outer_momentum"), "dga": ("delay",)}
+                     "diloco": ("k1", "k2", "weights", "outer_lr", "outer_momentum"), "dga": ("delay",),
+                     "esync": ("steps",)}
 SYNC_ENV = "GEOMX_SYNC"
 GEOMX_HFA_ENV = "MXNET_KVSTORE_USE_HFA"
 
@@ -46,6 +49,7 @@ class SyncSettings:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     delay: int = 1
+    steps: int = 1
 
     def options(self) -> dict:
         return {k: getattr(self, k) for k in ALGORITHM_OPTIONS[self.algorithm]}
@@ -69,6 +73,9 @@ def check(algorithm: str, options: Mapping, where: str = "") -> SyncSettings:
         if getattr(s, name) < 1:
             raise ConfigError(f"{algorithm} {name.upper()} ({OPTIONS[name][0]}){where} must be >= 1 (local steps "
                               f"per DC average / DC averages per global average), got {getattr(s, name)}")
+    if s.steps < 1:
+        raise ConfigError(f"esync steps ({OPTIONS['steps'][0]}){where}: local steps of the slowest worker per round "
+                          f"must be >= 1, got {s.steps}")
     if s.delay < 0:
         raise ConfigError(f"dga delay D ({OPTIONS['delay'][0]}){where} must be >= 0 steps, got {s.delay}")
     if s.weights not in WEIGHTINGS:

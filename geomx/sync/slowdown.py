@@ -43,9 +43,13 @@ class Slowdown:
     def compute_starts(self) -> None:
         self._since = time.perf_counter()
 
-    def pause(self) -> None:
-        """Called when the step's compute is done: sleep so that it took ``factor`` times as long."""
+    def pause(self) -> float:
+        """Called when the step's compute is done: sleep so that it took ``factor`` times as long. Returns the
+        step's compute time, the sleep included."""
+        compute = time.perf_counter() - self._since
         if self.factor > 1.0:
-            extra = (self.factor - 1.0) * (time.perf_counter() - self._since)
+            extra = (self.factor - 1.0) * compute
             time.sleep(extra)
             self.slept_s += extra
+            compute += extra
+        return compute

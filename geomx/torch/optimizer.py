@@ -59,6 +59,7 @@ class DistributedOptimizer:
         if self.sync is not None and update_on_server:
             raise ConfigError(f"{self.sync!r} updates on the workers; it cannot run with update_on_server")
         self.slowdown = Slowdown.from_env()
+        self.steps_taken = 0        # step() calls
         if update_on_server and kvstore.is_master_worker:
             kvstore.set_optimizer(optimizer)
         names = [n for n, _ in self.params]
@@ -76,6 +77,13 @@ class DistributedOptimizer:
                     p.register_post_accumulate_grad_hook(self._on_grad)
         metrics.ready()
         self.slowdown.compute_starts()
+
+    @property
+    def progress(self) -> int:
+        """Training progress in steps, to measure a run's length by: step() calls, except with ESync, where
+        workers take different numbers of local steps per round and a round counts as the slowest worker's."""
+        progress = getattr(self.sync, "progress", None)
+        return self.steps_taken if progress is None else progress
 
     # the wrapped optimizer's API ---------------------------------------------------------------------------
     @property
@@ -100,9 +108,10 @@ class DistributedOptimizer:
         """Wait for every parameter's result, then update (locally, or by copying the servers' weights)."""
         if closure is not None:
             raise ConfigError("DistributedOptimizer.step does not take a closure")
-        self.slowdown.pause()
+        compute = self.slowdown.pause()
+        self.steps_taken += 1
         if self.sync is not None:
-            waited = self.sync.step(self.optimizer)
+            waited = self.sync.step(self.optimizer, compute_s=compute)
             self.comm_wait_s += waited
             metrics.add_comm_wait(waited)
             self.slowdown.compute_starts()
