@@ -131,9 +131,7 @@ def test_hfa_reaches_the_accuracy_of_fsa_within_one_point(default_run, tmp_path)
 
 
 def test_dcasgd_on_the_global_server_trains_the_example_in_dist_async(tmp_path):
-    # the global server imports torch when the optimizer arrives: on a loaded machine that can outlast the default
-    # heartbeat timeout
     results = run_example(tmp_path, ["--optimizer", "dcasgd", "--update-on", "server", "--lr", "0.05", "--epochs",
-                                     "25"], mode="dist_async", wan="lan", env={"GEOMX_HEARTBEAT_TIMEOUT": "60"})
+                                     "25"], mode="dist_async", wan="lan")
     finals = [r["final_test_acc"] for r in results]
     assert min(finals) >= 0.93, finals

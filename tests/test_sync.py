@@ -232,10 +232,7 @@ h.save(f"reads-{{me}}", {{"reads": np.stack(reads)}})
 
 
 def test_dcasgd_on_the_global_server_compensates_each_dc_against_its_own_backup(tmp_path):
-    # the global server imports torch when the optimizer arrives: on a loaded machine that can outlast the
-    # default heartbeat timeout
-    run_dir = check_ok(launch(tmp_path, DCASGD_SCRIPT, dcs=2, workers_per_dc=1, mode="dist_async",
-                              env={"GEOMX_HEARTBEAT_TIMEOUT": "60"}))
+    run_dir = check_ok(launch(tmp_path, DCASGD_SCRIPT, dcs=2, workers_per_dc=1, mode="dist_async"))
     reads = {me: load_npz(run_dir, f"reads-{me}")["reads"] for me in (0, 1)}
 
     def replay(per_dc: bool) -> dict:

@@ -127,6 +127,9 @@ class GlobalServer(KVServer):
 
 
 def run_global_server(cfg: NodeConfig) -> int:
+    # a server optimizer (DCASGD, SGD...) may arrive once the tiers are up, and importing torch then, on the
+    # receive thread, stalls heartbeats: on a loaded machine for longer than their timeout. Import it first.
+    import torch  # noqa: F401
     done = threading.Event()
     po = Postoffice(cfg)
     server = GlobalServer(po, cfg.num_all_workers)

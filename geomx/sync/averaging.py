@@ -50,9 +50,9 @@ class HFA:
         if kv.server_updates:
             raise ConfigError(f"{self.name} averages models: the global servers must not run an optimizer "
                               f"(no update_on_server / kv.set_optimizer)")
-        if kv.cfg.topology != "hips" and self.k2 > 1:
-            raise ConfigError(f"{self.name} with K2 = {self.k2} needs DC averages, i.e. the hips topology (the flat "
-                              f"topology has no local servers); use K2 = 1")
+        if kv.cfg.topology != "hips" and (self.k2 > 1 or self.weights == "equal"):
+            raise ConfigError(f"{self.name} with K2 = {self.k2} and {self.weights!r} weights needs DC rounds, i.e. the "
+                              f"hips topology (the flat topology has no local servers); use K2 = 1 and samples")
         self.kv = kv
         self.params = [(n, p) for n, p in params if p.requires_grad]
         kv.init(WEIGHTS_KEY, np.zeros(2, np.float64))
@@ -66,7 +66,7 @@ class HFA:
         mean = kv.pushpull(WEIGHTS_KEY, np.array([samples, 1.0 / kv.num_workers])).wait()
         total, dcs = mean[0] * n_all, int(round(mean[1] * n_all))
         dc_total = samples
-        if kv.num_workers > 1:
+        if kv.num_workers > 1 and kv.cfg.topology == "hips":
             dc_total = float(kv.pushpull(WEIGHTS_KEY, np.array([samples, 0.0]), scope="dc").wait()[0])
         self.dc_scale = samples / dc_total
         share = samples / total if self.weights == "samples" else self.dc_scale / dcs

@@ -58,6 +58,9 @@ class DistributedOptimizer:
         self.sync = create_sync(sync)    # None: FSA / MixedSync (gradients pushed from hooks); else a policy
         if self.sync is not None and update_on_server:
             raise ConfigError(f"{self.sync!r} updates on the workers; it cannot run with update_on_server")
+        if self.sync is not None and backward_passes_per_step != 1:
+            raise ConfigError(f"{self.sync!r} steps on every step() call; accumulate gradients yourself instead of "
+                              f"backward_passes_per_step={backward_passes_per_step}")
         self.slowdown = Slowdown.from_env()
         self.steps_taken = 0        # step() calls
         if update_on_server and kvstore.is_master_worker:
