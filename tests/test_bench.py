@@ -46,11 +46,13 @@ def test_intra_smoke(tmp_path):
 def test_wan_matrix_smoke_rows_are_consistent_and_flat_moves_more_wan_bytes(tmp_path):
     js, out, runs = tmp_path / "w.json", tmp_path / "bench-out", tmp_path / "runs"
     assert main(["bench", "wan", "--wan-rate", "1gbit", "--wan-rtt", "2ms", "--steps", "4", "--eval-every", "2",
-                 "--model", "cnn", "--target-acc", "0.15", "--configs", "hips-fsa,hips-mixedsync,hips-bsc-0.1",
+                 "--model", "cnn", "--target-acc", "0.15", "--configs",
+                 "hips-fsa,hips-mixedsync,hips-bsc-0.1,hips-esync-slow",
                  "--json", str(js), "--out-dir", str(out), "--run-dir", str(runs)]) == 0
     r = json.loads(js.read_text())
     rows = {x["config"]: x for x in r["rows"]}
-    assert [x["config"] for x in r["rows"]] == ["flat", "hips-fsa", "hips-mixedsync", "hips-bsc-0.1"]   # baseline 1st
+    assert [x["config"] for x in r["rows"]] == ["flat", "hips-fsa", "hips-mixedsync", "hips-bsc-0.1",
+                                                "hips-esync-slow"]   # baseline first
     for x in r["rows"]:
         roles, links = x["bytes_roles_vs_links"]
         # what the roles handed to the network across DCs is what the emulated links carried

@@ -151,3 +151,22 @@ def test_example_reads_mnist_idx_files_plain_or_gzipped(tmp_path):
     import torch
 
     assert mod.CNN(28)(torch.from_numpy(x_test)).shape == (5, 10)
+
+
+def test_hfa_reaches_the_accuracy_of_fsa_within_one_point(default_run, tmp_path):
+    """Same example, same defaults (2 DCs x 2 workers, regional WAN, Adam): K1 = 5 local steps per DC average,
+    K2 = 2 DC averages per global one; 220 steps end on a global average, so every worker holds the same model."""
+    _, fsa = default_run
+    results = run_example(tmp_path, [], sync="hfa", sync_k1=5, sync_k2=2)
+    finals = [r["final_test_acc"] for r in results]
+    assert len(set(finals)) == 1, finals
+    assert finals[0] >= fsa[0]["final_test_acc"] - 0.01, (finals, fsa[0]["final_test_acc"])
+    # one WAN round per 10 steps instead of one per step
+    assert all(r["steps"] == fsa[0]["steps"] for r in results)
+
+
+def test_dcasgd_on_the_global_server_trains_the_example_in_dist_async(tmp_path):
+    results = run_example(tmp_path, ["--optimizer", "dcasgd", "--update-on", "server", "--lr", "0.05", "--epochs",
+                                     "25"], mode="dist_async", wan="lan")
+    finals = [r["final_test_acc"] for r in results]
+    assert min(finals) >= 0.93, finals

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 from geomx.errors import ConfigError
+from geomx.sync.settings import launch_env
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class BenchConfig:
     mode: str = "dist_sync"
     env: dict = field(default_factory=dict)          # extra environment of every process
     train_args: tuple[str, ...] = ()                 # extra arguments of examples/train_cnn.py
+    slowdown: tuple[str, ...] = ()                   # geomx launch --slowdown entries (DC[:RANK]=FACTOR)
 
 
 CONFIGS: dict[str, BenchConfig] = {}
@@ -47,6 +49,18 @@ def select(names: str | None) -> list[BenchConfig]:
 register(BenchConfig("flat", "flat PS (dense, dist_sync)", topology="flat"))
 register(BenchConfig("hips-fsa", "HiPS FSA (dense, dist_sync)"))
 register(BenchConfig("hips-mixedsync", "HiPS MixedSync (dense, dist_async)", mode="dist_async"))
+# synchronization algorithms (geomx.sync): GeoMX's HFA setting, DiLoCo on the same schedule, DGA hiding one step
+register(BenchConfig("hips-hfa", "HiPS HFA (K1=20, K2=10)", env=launch_env({"algorithm": "hfa", "k1": 20, "k2": 10})))
+register(BenchConfig("hips-hfa-short", "HiPS HFA (K1=5, K2=2)", env=launch_env({"algorithm": "hfa", "k1": 5, "k2": 2})))
+register(BenchConfig("hips-diloco", "HiPS DiLoCo (K1=20, K2=10, outer Nesterov 0.7/0.9)",
+                     env=launch_env({"algorithm": "diloco", "k1": 20, "k2": 10})))
+register(BenchConfig("hips-dga", "HiPS DGA (D=1)", env=launch_env({"algorithm": "dga", "delay": 1})))
+# heterogeneous DCs: DC b computes 3x slower
+SLOW = ("b=3",)
+register(BenchConfig("hips-fsa-slow", "HiPS FSA, DC b 3x slower", slowdown=SLOW))
+register(BenchConfig("hips-mixedsync-slow", "HiPS MixedSync, DC b 3x slower", mode="dist_async", slowdown=SLOW))
+register(BenchConfig("hips-esync-slow", "HiPS ESync, DC b 3x slower", env=launch_env({"algorithm": "esync"}),
+                     slowdown=SLOW))
 
 
 def _compressed(name: str, label: str, spec: dict) -> BenchConfig:

@@ -209,11 +209,14 @@ class KVClient:
                              self._value_of(key), out)
 
     def pushpull(self, key, value: np.ndarray, priority: int = 0, *, out: np.ndarray | None = None,
-                 count: int | None = None) -> Handle:
+                 count: int | None = None, scope: str | None = None) -> Handle:
         """``value`` is sent without a copy: leave it unchanged until the handle finishes. ``out`` as in
         :meth:`pull` (it may be ``value`` itself: the reply arrives only after the push was received).
-        ``count`` as in :meth:`push`."""
+        ``count`` as in :meth:`push`. ``scope="dc"``: a DC-only round (geomx.cluster.dc_rounds), apart from
+        the key's ordinary rounds (LAN only, never compressed)."""
         rank = self._owner_of(key)
+        if scope == "dc":
+            return self._request("dc_pushpull", key, rank, {}, [value], priority, lambda m: m.tensors[0], out)
         tensors, fields = self._encode(key, value, count)
         self._pushes[key] = self._pushes.get(key, 0) + 1
         return self._request("pushpull", key, rank, fields, tensors, priority, self._value_of(key), out)

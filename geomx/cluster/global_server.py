@@ -5,7 +5,6 @@ the central party's tier, whose worker is the master worker that initializes and
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 
@@ -142,9 +141,9 @@ class GlobalServer(KVServer):
 
 
 def run_global_server(cfg: NodeConfig) -> int:
-    # a server optimizer needs torch; importing it takes seconds (tens on a loaded machine), which must not
-    # happen on the receive thread when set_optimizer arrives: start it now, beside the rendezvous
-    threading.Thread(target=importlib.import_module, args=("torch.optim",), name="import-torch", daemon=True).start()
+    # a server optimizer (DCASGD, SGD...) may arrive once the tiers are up, and importing torch then, on the
+    # receive thread, stalls heartbeats: on a loaded machine for longer than their timeout. Import it first.
+    import torch  # noqa: F401
     done = threading.Event()
     po = Postoffice(cfg)
     server = GlobalServer(po, cfg.num_all_workers)

@@ -11,6 +11,7 @@ import logging
 import threading
 
 
+from geomx.cluster import dc_rounds
 from geomx.cluster.client import Handle, KVClient, check_key
 from geomx.cluster.compressed import ServerWire
 from geomx.cluster.kvserver import KeyState, KVServer, Refused, Round, init_layout
@@ -30,6 +31,7 @@ class LocalServer(KVServer):
         self.dc_tier: Tier | None = None
         self.global_tier: Tier | None = None
         self.upstream: KVClient | None = None
+        self.dc_rounds = dc_rounds.DCRounds(self)
 
     def attach_global(self, tier: Tier) -> None:
         self.global_tier = tier
@@ -112,6 +114,15 @@ class LocalServer(KVServer):
             applied += 1
             st.state["applied_rounds"] = applied
             self.set_value(st, value, who)
+
+    def handle_other(self, msg: Message, client: NodeInfo) -> None:
+        if msg.op != dc_rounds.OP:
+            super().handle_other(msg, client)
+            return
+        try:
+            self.dc_rounds.on_push(msg, client)
+        except Refused as exc:
+            self.reply(msg, error=str(exc))
 
     # commands ---------------------------------------------------------------------------------------------
     def on_command(self, msg: Message, client: NodeInfo) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -207,11 +207,18 @@ class KVStore:
         hs = [self._track(self._request("pull", k, None, o, priority)) for k, o in zip(keys, outs)]
         return hs if isinstance(key, (list, tuple)) else hs[0]
 
-    def pushpull(self, key, value, out=None, priority: int = 0) -> Handle | list[Handle]:
-        """Push then pull in one message (one round trip). ``out`` may be ``value`` itself."""
+    def pushpull(self, key, value, out=None, priority: int = 0, *, scope: str | None = None) -> Handle | list[Handle]:
+        """Push then pull in one message (one round trip). ``out`` may be ``value`` itself. ``scope="dc"``:
+        the reply is the sum over this DC's workers' values, nothing crosses the WAN (HFA's DC rounds)."""
+        if scope not in (None, "dc"):
+            raise ConfigError(f"pushpull scope must be None or 'dc', got {scope!r}")
+        if scope == "dc" and (self.cfg.topology != "hips" or self.is_master_worker):
+            raise ConfigError("DC-only rounds (scope='dc') need a DC's local server: training workers of the "
+                              "hips topology")
+        op = "dc_pushpull" if scope == "dc" else "pushpull"
         keys, values = _pairs(key, value)
         outs = _pairs(key, out)[1] if out is not None else [None] * len(keys)
-        hs = [self._track(self._request("pushpull", k, v, o, priority)) for k, v, o in zip(keys, values, outs)]
+        hs = [self._track(self._request(op, k, v, o, priority)) for k, v, o in zip(keys, values, outs)]
         return hs if isinstance(key, (list, tuple)) else hs[0]
 
     def waitall(self, timeout: float | None = None) -> None:
@@ -278,7 +285,7 @@ class KVStore:
             return self._client.push(key, value, priority)
         if op == "pull":
             return self._client.pull(key, priority, out=out)
-        return self._client.pushpull(key, value, priority, out=out)
+        return self._client.pushpull(key, value, priority, out=out, scope="dc" if op == "dc_pushpull" else None)
 
     def _track(self, h: Handle) -> Handle:
         # keep what waitall must still wait for or report; a finished handle would pin its reply in memory
