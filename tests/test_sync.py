@@ -26,6 +26,8 @@ from geomx.torch import DistributedOptimizer
 torch.set_num_threads(1)
 SEED, KEYS, LR, STEPS = {SEED}, {KEYS!r}, {LR}, int(os.environ["TEST_STEPS"])
 kv = geomx.kvstore.create()
+if os.environ.get("TEST_COMPRESSION"):
+    kv.set_gradient_compression(json.loads(os.environ["TEST_COMPRESSION"]))
 me = h.worker_index()
 tag = 0 if kv.is_master_worker else me + 1          # workers start from their own values: the master's must win
 params = {{k: torch.nn.Parameter(torch.from_numpy(h.value(tag, k, s))) for k, s in KEYS.items()}}
@@ -100,9 +102,9 @@ CASES = {
 }
 
 
-def _run_case(tmp_path, case: dict, name: str):
+def _run_case(tmp_path, case: dict, name: str, compression: str | None = None):
     env = {"TEST_STEPS": str(case["steps"]), "TEST_SAMPLES": str(case["samples"]),
-           "GEOMX_HFA_WEIGHTS": case["weights"]}
+           "GEOMX_HFA_WEIGHTS": case["weights"], **({"TEST_COMPRESSION": compression} if compression else {})}
     return check_ok(launch(tmp_path, AVERAGING_SCRIPT, dcs=2, workers_per_dc=case["per_dc"], env=env, name=name,
                            sync={"algorithm": case["algorithm"], "k1": case["k1"], "k2": case["k2"]},
                            slowdown=case["slowdown"]))
@@ -139,6 +141,21 @@ def test_model_averaging_matches_the_reference_at_every_step(tmp_path, name):
         # the outer step is not a plain average: HFA's reference differs
         hfa = simulate(algorithm="hfa", k1=1, k2=2, weights="equal", samples=[5.0, 7.0, 9.0], dcs=dcs, steps=6)
         assert np.abs(hfa[(0, "w", last)] - ref[(0, "w", last)]).max() > 1e-3
+
+
+def test_hfa_composes_with_compression_its_global_averages_travel_as_compressed_model_changes(tmp_path):
+    """fp16 on both tiers: the global average moves each worker's change since the last global average in 16
+    bits (a model itself would lose its low bits for good), so the run tracks the exact reference within
+    fp16's rounding of those changes, and not exactly (the compression did act)."""
+    case = CASES["hfa-weighted"]
+    run_dir = _run_case(tmp_path, case, "hfa-fp16", compression='{"type": "fp16"}')
+    dcs = [[0, 1], [2, 3]]
+    ref = simulate(algorithm="hfa", k1=case["k1"], k2=case["k2"], weights=case["weights"],
+                   samples=[float(s) for s in case["samples"]], dcs=dcs, steps=case["steps"])
+    models = [load_npz(run_dir, f"models-{i}") for i in range(4)]
+    worst = max(np.abs(models[i][f"{key}@{step}"] - expected).max() for (i, key, step), expected in ref.items())
+    assert 1e-6 < worst < 2e-3, worst
+    assert all(np.array_equal(models[i]["w@3"], models[0]["w@3"]) for i in range(4))   # the global average agrees
 
 
 def _fsa_reference(key, shape, steps: int) -> list[np.ndarray]:

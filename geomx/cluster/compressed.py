@@ -23,7 +23,7 @@ What travels where (docs/compression.md has the user's view):
   A value the client already holds (the init value, a pull before any push) travels dense.
 
 Compressed messages carry ``cm = {"c": codec name, "m": codec meta, "n": count}`` in their fields and the
-payload's arrays as tensors; uncompressed ones are unchanged (zero-copy). Only floating-point keys are
+payload's arrays as tensors; uncompressed ones are unchanged (zero-copy). Only float32 and float16 keys are
 compressed.
 """
 from __future__ import annotations
@@ -43,7 +43,9 @@ class WireError(ValueError):
 
 
 def compressible(dtype: np.dtype) -> bool:
-    return np.issubdtype(dtype, np.floating)
+    """float32 and float16 keys; float64 is a user's request for precision (and carries the bookkeeping of
+    geomx.sync), integers are counts: both travel as they are."""
+    return np.dtype(dtype) in (np.dtype(np.float32), np.dtype(np.float16))
 
 
 def _seed(key: Hashable, salt: str) -> int:

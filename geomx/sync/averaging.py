@@ -74,7 +74,8 @@ class HFA:
         self.start()
 
     def start(self) -> None:
-        """Hook for subclasses: the model is the global initial model."""
+        """The model is the global initial model: the base of the next global average's deltas."""
+        self.base = [p.detach().clone() for _, p in self.params]
 
     # every step -----------------------------------------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, *, compute_s: float = 0.0) -> float:
@@ -92,22 +93,40 @@ class HFA:
         started = time.perf_counter()
         if self.dc_averages % self.k2:
             if self.kv.num_workers > 1:       # a DC of one worker is its own average
-                self.average("dc", self.dc_scale, [p.data for _, p in self.params])
+                models = [p.data for _, p in self.params]
+                self.average("dc", self.dc_scale, models, models)
         else:
             self.global_averages += 1
             self.global_average()
         return time.perf_counter() - started
 
     def global_average(self) -> None:
-        self.average(None, self.global_scale, [p.data for _, p in self.params])
+        self.global_mean([p.data for _, p in self.params])
 
-    def average(self, scope: str | None, scale: float, into: list[torch.Tensor]) -> None:
-        """Push every model tensor times ``scale``; the sum over the DC (scope "dc") or the mean over all
-        workers (the global servers divide by them) lands in ``into``."""
+    def global_mean(self, into: list[torch.Tensor]) -> None:
+        """The weighted mean of every worker's model, into ``into``. Under gradient compression the models
+        travel as their change since the last global average (identical on every worker): a codec built
+        for gradients, with its residual, compresses a change, not a model."""
+        if not compressed(self.kv):
+            self.average(None, self.global_scale, [p.data for _, p in self.params], into)
+        else:
+            with torch.no_grad():
+                deltas = [p.detach() - b for (_, p), b in zip(self.params, self.base)]
+            self.average(None, self.global_scale, deltas, deltas)
+            with torch.no_grad():
+                for b, d, out in zip(self.base, deltas, into):
+                    out.copy_(b + d)
+        with torch.no_grad():
+            self.base = [t.detach().clone() for t in into]
+
+    def average(self, scope: str | None, scale: float, tensors: list[torch.Tensor],
+                into: list[torch.Tensor]) -> None:
+        """Push every one of ``tensors`` (a model, or its change) times ``scale``; the sum over the DC (scope
+        "dc") or the mean over all workers (the global servers divide by them) lands in ``into``."""
         names = [n for n, _ in self.params]
         with torch.no_grad():
-            # scale 1 (equal shares): the parameter itself is sent, zero-copy (we wait before touching it)
-            values = [p.data if scale == 1.0 else p.data * scale for _, p in self.params]
+            # scale 1 (equal shares): the tensor itself is sent, zero-copy (we wait before touching it)
+            values = [t if scale == 1.0 else t * scale for t in tensors]
         handles = self.kv.pushpull(names, values, out=into, scope=scope)
         for h in handles:
             h.wait()
@@ -128,6 +147,7 @@ class DiLoCo(HFA):
                 f"outer_momentum={self.outer_momentum})")
 
     def start(self) -> None:
+        super().start()
         # the global model, kept apart from the parameters the inner optimizer moves
         self.anchor = [torch.nn.Parameter(p.detach().clone()) for _, p in self.params]
         m = self.outer_momentum
@@ -135,13 +155,20 @@ class DiLoCo(HFA):
 
     def global_average(self) -> None:
         averaged = [torch.empty_like(p) for _, p in self.params]
-        self.average(None, self.global_scale, averaged)
+        self.global_mean(averaged)
         with torch.no_grad():
             for a, avg, (_, p) in zip(self.anchor, averaged, self.params):
                 a.grad = a.detach() - avg           # the pseudo-gradient
             self.outer.step()
             for a, (_, p) in zip(self.anchor, self.params):
                 p.copy_(a)
+            self.base = [a.detach().clone() for a in self.anchor]    # the next round's deltas start here
+
+
+def compressed(kv) -> bool:
+    """Whether the deployment compresses gradients on some tier (the master worker's setting)."""
+    policy = kv.compression or {}
+    return any((policy.get(tier) or {}).get("type", "none") != "none" for tier in ("lan", "wan", "small"))
 
 
 ALGORITHMS = {"hfa": HFA, "diloco": DiLoCo}
