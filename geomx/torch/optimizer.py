@@ -19,8 +19,9 @@ Synchronization (``sync=``, or ``geomx launch --sync``, see geomx.sync): ``"fsa"
 gradient as above; ``"hfa"`` and ``"diloco"`` step locally with the wrapped optimizer and average models
 every K1 steps in the DC and every K1 x K2 steps across DCs (``num_samples``: this worker's training
 samples, its weight in the averages); ``"dga"`` steps on the average of D steps ago, corrected; ``"esync"``
-lets faster workers take more local steps per round (count the run's length in :attr:`progress`). A worker started with ``GEOMX_SLOWDOWN=F`` (``geomx launch
---slowdown``) makes every step take F times its compute time (geomx.sync.slowdown).
+lets faster workers take more local steps per round (count the run's length in :attr:`progress`). A worker
+started with ``GEOMX_SLOWDOWN=F`` (``geomx launch --slowdown``) makes every step take F times its compute time
+(geomx.sync.slowdown).
 
 Tuning: gradients are pushed with priority ``-index`` (first layers first), so the tensors the next forward
 pass needs first travel first on a congested link. ``backward_passes_per_step`` > 1 accumulates several
