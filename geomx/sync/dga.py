@@ -16,8 +16,7 @@ from collections import deque
 
 import torch
 
-from geomx.errors import ConfigError
-from geomx.sync.settings import check
+from geomx.sync.settings import check, require_worker_side_sync
 
 
 class DGA:
@@ -32,9 +31,7 @@ class DGA:
         return f"DGA(delay={self.delay})"
 
     def setup(self, kv, params: list[tuple[str, torch.nn.Parameter]], *, num_samples: float | None = None) -> None:
-        if kv.type != "dist_sync" or kv.server_updates:
-            raise ConfigError("dga averages gradients synchronously on the workers: it needs a dist_sync kvstore "
-                              "without a server optimizer")
+        require_worker_side_sync(kv, "dga", "averages gradients")
         self.kv = kv
         self.params = [(n, p) for n, p in params if p.requires_grad]
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from geomx.errors import ConfigError
-from geomx.sync.settings import check
+from geomx.sync.settings import check, require_worker_side_sync
 
 STATE_KEY = "__geomx.esync.state"
 MAX_RATIO = 64          # a worker never takes more than this many times the slowest one's steps
@@ -46,9 +46,7 @@ class ESync:
         return self.rounds * self.steps
 
     def setup(self, kv, params: list[tuple[str, torch.nn.Parameter]], *, num_samples: float | None = None) -> None:
-        if kv.type != "dist_sync" or kv.server_updates:
-            raise ConfigError("esync averages model deltas synchronously on the workers: it needs a dist_sync "
-                              "kvstore without a server optimizer")
+        require_worker_side_sync(kv, "esync", "averages model deltas")
         self.kv = kv
         self.params = [(n, p) for n, p in params if p.requires_grad]
         kv.init(STATE_KEY, np.zeros(kv.num_all_workers, np.float64))

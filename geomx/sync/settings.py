@@ -128,3 +128,10 @@ def _convert(raw, kind, what: str):
         except (TypeError, ValueError):
             raise ConfigError(f"{what} must be a number, got {raw!r}") from None
     return str(raw)
+
+
+def require_worker_side_sync(kv, name: str, what: str) -> None:
+    """Worker-side policies need synchronous rounds and gradients (or models) back, not server weights."""
+    if kv.type != "dist_sync" or kv.server_updates:
+        raise ConfigError(f"{name} {what} synchronously on the workers: it needs a dist_sync kvstore without a "
+                          f"server optimizer")
