@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import geomx.kvstore
+import geomx.optim
 from geomx.torch import DistributedOptimizer
 
 
@@ -115,6 +116,17 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return acc
 
 
+def parse_compression(text: str):
+    """``fp16`` or a JSON object such as ``{"type": "bsc", "threshold": 0.01}``."""
+    text = text.strip()
+    if not text.startswith("{"):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--compression is not valid JSON: {exc}") from None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", choices=["digits", "mnist", "fashion-mnist"], default="digits")
@@ -123,9 +135,10 @@ def main(argv=None) -> int:
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: run every epoch)")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    p.add_argument("--optimizer", choices=["adam", "sgd", "dcasgd"], default="adam",
+                   help="dcasgd: geomx.optim.DCASGD, for --update-on server in dist_async (MixedSync)")
     p.add_argument("--lr", type=float, default=0.003)
-    p.add_argument("--momentum", type=float, default=0.9, help="for --optimizer sgd")
+    p.add_argument("--momentum", type=float, default=0.9, help="for --optimizer sgd and dcasgd")
     p.add_argument("--update-on", choices=["worker", "server"], default="worker",
                    help="where the optimizer runs: on every worker, or on the global servers")
     p.add_argument("--split-by-class", action="store_true", help="non-iid slices (sorted by label)")
@@ -133,11 +146,16 @@ def main(argv=None) -> int:
                    help="this worker's slice (default: GEOMX_WORKER_INDEX set by geomx launch)")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: every epoch)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compression", default=None, type=parse_compression,
+                   help='gradient compression: a codec name (fp16) or a JSON dict, e.g. \'{"type": "bsc", '
+                        '"threshold": 0.01}\' (docs/compression.md)')
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     kv = geomx.kvstore.create()
+    if args.compression is not None:
+        kv.set_gradient_compression(args.compression)
     if args.data == "digits":
         x_train, x_test, y_train, y_test = load_digits()
     else:
@@ -146,24 +164,30 @@ def main(argv=None) -> int:
         x_train, x_test, y_train, y_test = load_idx(args.data_dir)
     side = x_train.shape[-1]
     model = CNN(side) if args.model == "cnn" else WideMLP(side)
-    inner = (torch.optim.Adam(model.parameters(), lr=args.lr) if args.optimizer == "adam"
-             else torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum))
-    opt = DistributedOptimizer(inner, model, kvstore=kv, update_on_server=args.update_on == "server")
+    if args.optimizer == "adam":
+        inner = torch.optim.Adam(model.parameters(), lr=args.lr)
+    elif args.optimizer == "sgd":
+        inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    else:
+        inner = geomx.optim.DCASGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    index = args.data_slice_idx if args.data_slice_idx is not None else int(os.environ.get("GEOMX_WORKER_INDEX", 0))
+    idx = worker_slice(y_train, index, kv.num_all_workers, args.split_by_class, args.seed)
+    # the synchronization algorithm comes from geomx launch --sync (GEOMX_SYNC); HFA weighs models by samples
+    opt = DistributedOptimizer(inner, model, kvstore=kv, update_on_server=args.update_on == "server",
+                               num_samples=len(idx))
     if kv.is_master_worker:
         print(f"master worker: initialized {sum(p.numel() for p in model.parameters()):,} parameters "
               f"({args.model}); training runs on {kv.num_all_workers} workers", flush=True)
         kv.close()
         return 0
 
-    index = args.data_slice_idx if args.data_slice_idx is not None else int(os.environ.get("GEOMX_WORKER_INDEX", 0))
-    idx = worker_slice(y_train, index, kv.num_all_workers, args.split_by_class, args.seed)
     xs, ys = torch.from_numpy(x_train[idx]), torch.from_numpy(y_train[idx])
     xt, yt = torch.from_numpy(x_test), torch.from_numpy(y_test)
     steps_per_epoch = len(idx) // args.batch_size
     rng = np.random.default_rng(args.seed + 1000 + index)
     step, start, history = 0, time.perf_counter(), []
     total_steps = args.steps or args.epochs * steps_per_epoch
-    for epoch in range(args.epochs if not args.steps else 10 ** 9):
+    for epoch in range(10 ** 9):          # until total_steps (ESync: fast workers run through more epochs)
         order = torch.from_numpy(rng.permutation(len(idx)))
         for b in range(steps_per_epoch):
             batch = order[b * args.batch_size:(b + 1) * args.batch_size]
@@ -171,8 +195,10 @@ def main(argv=None) -> int:
             loss = F.cross_entropy(model(xs[batch]), ys[batch])
             loss.backward()
             opt.step()
-            step += 1
-            last = step == total_steps
+            if opt.progress == step:
+                continue        # ESync: a faster worker's extra local step inside a round
+            step = opt.progress
+            last = step >= total_steps
             if (args.eval_every and step % args.eval_every == 0) or (
                     not args.eval_every and b == steps_per_epoch - 1) or last:
                 acc = evaluate(model, xt, yt)

@@ -9,13 +9,19 @@ from geomx.profiles import PROFILES, WanProfile, get_profile
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "DeadlineError", "GeomxError", "KVError", "PeerLostError", "ProtocolError", "PROFILES",
-           "WanProfile", "get_profile", "kvstore", "metrics", "__version__"]
+__all__ = ["ConfigError", "DCASGD", "DeadlineError", "DiLoCo", "GeomxError", "HFA", "KVError", "PeerLostError",
+           "ProtocolError", "PROFILES", "WanProfile", "get_profile", "kvstore", "metrics", "optim", "sync",
+           "__version__"]
+
+# public classes of submodules that import torch, loaded on first use
+_LAZY = {"DCASGD": "geomx.optim", "HFA": "geomx.sync.averaging", "DiLoCo": "geomx.sync.averaging"}
 
 
 def __getattr__(name):
     # submodules that import torch or zmq load on first use, so `import geomx` stays cheap
-    if name in ("kvstore", "torch", "optim"):
-        import importlib
+    import importlib
+    if name in ("kvstore", "torch", "optim", "sync"):
         return importlib.import_module(f"geomx.{name}")
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'geomx' has no attribute {name!r}")

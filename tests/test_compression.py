@@ -374,3 +374,13 @@ def test_codec_bench_on_a_small_tensor_reports_finite_figures_and_ratios_from_wi
     for key in ("torch_topk_s", "bsc_vs_torch_topk"):
         assert math.isfinite(r[key]) and r[key] > 0
     assert "torch.topk" in format_codec_report(r)
+
+
+def test_geomx_bsc_with_momentum_is_dgc_momentum_correction_at_the_threshold_ratio():
+    p = parse_policy({"type": "bsc", "threshold": 0.001, "momentum": 0.9}, env={})
+    assert p.wan["type"] == "dgc" and p.wan["ratio"] == 0.001 and p.wan["momentum"] == 0.9
+    assert p.wan["clip_norm"] is None and p.wan["warmup_steps_per_stage"] == 0 and p.lan["type"] == "none"
+    assert parse_policy({"type": "mpq", "threshold": 0.01, "momentum": 0.9}, env={}).wan["type"] == "dgc"
+    assert parse_policy({"type": "bsc", "threshold": 0.01}, env={}).wan["type"] == "bsc"
+    with pytest.raises(ConfigError, match="momentum must be a number in"):
+        parse_policy({"type": "bsc", "momentum": 1.5}, env={})

@@ -262,11 +262,22 @@ def test_bad_partition_bytes_is_refused_naming_the_variable(text, error):
 
 
 def test_plan_parts_cuts_flat_ranges_of_at_most_partition_bytes_covering_every_element():
-    parts = plan_parts("w", 1001, 4, 400)
+    parts = plan_parts("w", (1001,), 4, 400)
     assert [p.key for p in parts] == [f"w#{i}/11" for i in range(11)]
     assert [(p.start, p.stop) for p in parts][:2] == [(0, 100), (100, 200)] and parts[-1].stop == 1001
     assert all(p.stop - p.start <= 100 for p in parts)
-    assert plan_parts("w", 100, 4, 400) is None and plan_parts("w", 10**6, 4, 0) is None
+    assert all(p.shape == (p.stop - p.start,) for p in parts)
+    assert plan_parts("w", (100,), 4, 400) is None and plan_parts("w", (10**6,), 4, 0) is None
+    wide_rows = plan_parts("w", (3, 200), 4, 400)          # a row (800 bytes) exceeds a part: cut flat
+    assert [p.shape for p in wide_rows] == [(100,)] * 6
+
+
+def test_plan_parts_cuts_matrices_into_blocks_of_whole_rows_so_parts_stay_matrices():
+    parts = plan_parts("w", (7, 30), 4, 400)               # 120 bytes a row: 3 rows a part
+    assert [p.shape for p in parts] == [(3, 30), (3, 30), (1, 30)]
+    assert [(p.start, p.stop) for p in parts] == [(0, 90), (90, 180), (180, 210)]
+    conv = plan_parts("c", (8, 2, 3, 3), 4, 200)           # conv weights: blocks of output channels
+    assert [p.shape for p in conv] == [(2, 2, 3, 3)] * 4
 
 
 def test_user_keys_shaped_like_partition_keys_are_refused():

@@ -82,6 +82,41 @@ def test_server_side_optimizer_trains_the_example_in_the_flat_topology(tmp_path,
     assert min(finals) >= 0.93, finals
 
 
+# GeoMX's scripts set the size bound to 1000 elements: every weight of the CNN is then compressed (with the
+# default 200,000 the digits CNN would travel dense and the test would prove nothing)
+COMPRESSIONS = {      # name: (setting, least and most WAN compression against dense fp32, headers included)
+    "bsc-1%": ({"type": "bsc", "threshold": 0.01, "size_lower_bound": 1000}, 10, 60),
+    "fp16": ({"type": "fp16"}, 1.8, 2.0),
+    "mpq-1%": ({"type": "mpq", "threshold": 0.01, "size_lower_bound": 1000}, 10, 60),
+}
+# Momentum SGD, as DGC and GeoMX train with sparse gradients: a sparsifier delivers a coordinate rarely but
+# with everything accumulated since, which SGD applies in full and Adam would shrink to one normal-sized step.
+# 40 epochs: at 1% a weight of this 80k-parameter CNN is sent about once every 100 steps, so both runs are
+# compared once converged rather than 220 steps in.
+SGD_ARGS = ["--optimizer", "sgd", "--lr", "0.05", "--epochs", "40"]
+
+
+@pytest.fixture(scope="module")
+def dense_sgd_accuracy(tmp_path_factory):
+    results = run_example(tmp_path_factory.mktemp("dense-sgd"), SGD_ARGS, wan="lan")
+    return results[0]["final_test_acc"]
+
+
+@pytest.mark.parametrize("name", list(COMPRESSIONS))
+def test_compressed_training_reaches_within_one_point_of_dense_accuracy(name, dense_sgd_accuracy, tmp_path):
+    """Synchronous training is deterministic, so the two runs differ only in the compression."""
+    from geomx.report.run import load_run
+    from geomx.report.summary import summarize
+
+    spec, least, most = COMPRESSIONS[name]
+    results = run_example(tmp_path, [*SGD_ARGS, "--compression", json.dumps(spec)], wan="lan")
+    finals = [r["final_test_acc"] for r in results]
+    assert len(set(finals)) == 1, f"compressed FSA must keep the workers identical: {finals}"
+    assert finals[0] >= dense_sgd_accuracy - 0.01, (name, finals[0], dense_sgd_accuracy)
+    ratio = summarize(load_run(tmp_path), target_acc=None)["compression_ratio"]
+    assert least <= ratio <= most, f"{name}: WAN bytes are 1/{ratio:.1f} of dense fp32"
+
+
 def _write_idx(path: Path, array, gz: bool) -> None:
     import gzip
     import struct
@@ -116,3 +151,22 @@ def test_example_reads_mnist_idx_files_plain_or_gzipped(tmp_path):
     import torch
 
     assert mod.CNN(28)(torch.from_numpy(x_test)).shape == (5, 10)
+
+
+def test_hfa_reaches_the_accuracy_of_fsa_within_one_point(default_run, tmp_path):
+    """Same example, same defaults (2 DCs x 2 workers, regional WAN, Adam): K1 = 5 local steps per DC average,
+    K2 = 2 DC averages per global one; 220 steps end on a global average, so every worker holds the same model."""
+    _, fsa = default_run
+    results = run_example(tmp_path, [], sync="hfa", sync_k1=5, sync_k2=2)
+    finals = [r["final_test_acc"] for r in results]
+    assert len(set(finals)) == 1, finals
+    assert finals[0] >= fsa[0]["final_test_acc"] - 0.01, (finals, fsa[0]["final_test_acc"])
+    # one WAN round per 10 steps instead of one per step
+    assert all(r["steps"] == fsa[0]["steps"] for r in results)
+
+
+def test_dcasgd_on_the_global_server_trains_the_example_in_dist_async(tmp_path):
+    results = run_example(tmp_path, ["--optimizer", "dcasgd", "--update-on", "server", "--lr", "0.05", "--epochs",
+                                     "25"], mode="dist_async", wan="lan")
+    finals = [r["final_test_acc"] for r in results]
+    assert min(finals) >= 0.93, finals

@@ -6,7 +6,6 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 

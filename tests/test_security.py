@@ -1,5 +1,4 @@
 """With GEOMX_SECRET set, only holders of the secret can talk to a node (CurveZMQ on every link)."""
-import threading
 import time
 
 import numpy as np

@@ -121,3 +121,38 @@ def test_messages_from_several_threads_arrive_in_each_threads_sending_order(pair
     for t in range(threads):
         order = [m.fields["i"] for m in inbox.messages if m.fields["t"] == t]
         assert order == list(range(per_thread)), f"thread {t} out of order"
+
+
+def test_a_handler_that_holds_the_receive_thread_is_recorded_as_a_stall_and_quick_ones_are_not():
+    """Heartbeat acks wait unread while a handler runs; the postoffice forgives silence up to a stall's end."""
+    from geomx.transport.van import STALL_S
+
+    seen = threading.Event()
+
+    def slow(msg):
+        if msg.op == "slow":
+            time.sleep(STALL_S + 0.3)
+        seen.set()
+
+    receiver = Van(node_id="receiver", dc="a", on_message=slow)
+    sender = Van(node_id="sender", dc="a", on_message=lambda m: None)
+    receiver.start()
+    sender.start()
+    try:
+        sender.send(receiver.address, Message("quick"))
+        assert seen.wait(10)
+        time.sleep(0.05)
+        assert receiver.last_stall_end == 0.0 and receiver.handling_since is None
+        seen.clear()
+        before = time.monotonic()
+        sender.send(receiver.address, Message("slow"))
+        deadline = time.monotonic() + 10
+        while receiver.handling_since is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert receiver.handling_since is not None and receiver.handling_since >= before
+        assert seen.wait(10)
+        time.sleep(0.05)
+        assert receiver.handling_since is None and receiver.last_stall_end > before + STALL_S
+    finally:
+        sender.stop()
+        receiver.stop()

@@ -104,8 +104,8 @@ def format_codec_report(r: dict) -> str:
         f"One float32 gaussian tensor of {n:,} elements ({r['shape'][0]} x {r['shape'][1]}, "
         f"{n * 4 / 1e6:.0f} MB); fastest of {r['repeats']} timed steps after a warm-up step.",
         "", table, "",
-        f"GB/s = input bytes / (compress + decompress time); compression ratio = input bytes / wire bytes "
-        f"(tensor frames; the header bytes travel in the message header).",
+        "GB/s = input bytes / (compress + decompress time); compression ratio = input bytes / wire bytes "
+        "(tensor frames; the header bytes travel in the message header).",
         "",
         f"Exact `torch.topk(x.abs(), k={r['k']:,}, sorted=False)` with {r['torch_threads']} torch thread(s): "
         f"{r['torch_topk_s'] * 1e3:.1f} ms. Sampled-threshold top-k (`bsc` compress, 1 thread): "

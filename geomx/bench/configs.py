@@ -6,9 +6,11 @@ and number of steps; a row differs only in topology, mode, environment and extra
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from geomx.errors import ConfigError
+from geomx.sync.settings import launch_env
 
 
 @dataclass(frozen=True)
@@ -19,6 +21,7 @@ class BenchConfig:
     mode: str = "dist_sync"
     env: dict = field(default_factory=dict)          # extra environment of every process
     train_args: tuple[str, ...] = ()                 # extra arguments of examples/train_cnn.py
+    slowdown: tuple[str, ...] = ()                   # geomx launch --slowdown entries (DC[:RANK]=FACTOR)
 
 
 CONFIGS: dict[str, BenchConfig] = {}
@@ -46,3 +49,30 @@ def select(names: str | None) -> list[BenchConfig]:
 register(BenchConfig("flat", "flat PS (dense, dist_sync)", topology="flat"))
 register(BenchConfig("hips-fsa", "HiPS FSA (dense, dist_sync)"))
 register(BenchConfig("hips-mixedsync", "HiPS MixedSync (dense, dist_async)", mode="dist_async"))
+# synchronization algorithms (geomx.sync): GeoMX's HFA setting, DiLoCo on the same schedule, DGA hiding one step
+register(BenchConfig("hips-hfa", "HiPS HFA (K1=20, K2=10)", env=launch_env({"algorithm": "hfa", "k1": 20, "k2": 10})))
+register(BenchConfig("hips-hfa-short", "HiPS HFA (K1=5, K2=2)", env=launch_env({"algorithm": "hfa", "k1": 5, "k2": 2})))
+register(BenchConfig("hips-diloco", "HiPS DiLoCo (K1=20, K2=10, outer Nesterov 0.7/0.9)",
+                     env=launch_env({"algorithm": "diloco", "k1": 20, "k2": 10})))
+register(BenchConfig("hips-dga", "HiPS DGA (D=1)", env=launch_env({"algorithm": "dga", "delay": 1})))
+# heterogeneous DCs: DC b computes 3x slower
+SLOW = ("b=3",)
+register(BenchConfig("hips-fsa-slow", "HiPS FSA, DC b 3x slower", slowdown=SLOW))
+register(BenchConfig("hips-mixedsync-slow", "HiPS MixedSync, DC b 3x slower", mode="dist_async", slowdown=SLOW))
+register(BenchConfig("hips-esync-slow", "HiPS ESync, DC b 3x slower", env=launch_env({"algorithm": "esync"}),
+                     slowdown=SLOW))
+
+
+def _compressed(name: str, label: str, spec: dict) -> BenchConfig:
+    return register(BenchConfig(name, label, train_args=("--compression", json.dumps(spec))))
+
+
+# Bi-Sparse as GeoMX ships it (tensors below 200,000 elements travel dense), and with GeoMX's scripts' bound
+# of 1000 elements, where every weight matrix is sparsified (the byte-reduction row)
+_compressed("hips-bsc", "HiPS + Bi-Sparse 1% (dist_sync)", {"type": "bsc", "threshold": 0.01})
+_compressed("hips-bsc-0.1", "HiPS + Bi-Sparse 0.1%, bound 1000 (dist_sync)",
+            {"type": "bsc", "threshold": 0.001, "size_lower_bound": 1000})
+_compressed("hips-fp16", "HiPS + FP16 (dist_sync)", {"type": "fp16"})
+_compressed("hips-mpq", "HiPS + MPQ 1% (dist_sync)", {"type": "mpq", "threshold": 0.01})
+_compressed("hips-powersgd", "HiPS + PowerSGD rank 4 on the WAN (dist_sync)",
+            {"wan": {"type": "powersgd", "rank": 4}, "size_lower_bound": 1000})

@@ -16,12 +16,13 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 from geomx.cli.topology import Topology
 from geomx.profiles import CENTRAL_DC
+from geomx.sync.slowdown import ENV as SLOWDOWN_ENV
 
 INFRA_EXIT_GRACE_S = 30.0
 
@@ -76,8 +77,8 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
     ports = ports or free_ports(3 + n_dcs, h)
     p_global, p_central, p_emu, dc_ports = ports[0], ports[1], ports[2], ports[3:]
     global_workers = N if flat else n_dcs
-    base = {**({"GEOMX_SECRET": secret} if secret else {}), "PYTHONUNBUFFERED": "1", "GEOMX_RUN_DIR": str(run_dir), "GEOMX_TOPOLOGY": topo.topology,
-            "GEOMX_MODE": topo.mode, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **topo.env}
+    base = {**({"GEOMX_SECRET": secret} if secret else {}), "PYTHONUNBUFFERED": "1", "GEOMX_RUN_DIR": str(run_dir),
+            "GEOMX_TOPOLOGY": topo.topology, "GEOMX_MODE": topo.mode, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **topo.env}
     specs: list[RoleSpec] = []
     if topo.profile.emulated:
         base["GEOMX_WAN_EMULATOR"] = f"tcp://{h}:{p_emu}"
@@ -113,6 +114,8 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
                    "GEOMX_WORKER_INDEX": str(index)}
             if flat:
                 env.update(glob)
+            if (dc, r) in topo.slowdown:
+                env[SLOWDOWN_ENV] = str(topo.slowdown[(dc, r)])
             specs.append(RoleSpec(f"{dc}-worker-{r}", "worker", list(command), env, echo=True))
             index += 1
     return specs
@@ -173,7 +176,8 @@ class Launcher:
                     "workers_per_dc": self.topo.workers_per_dc, "global_servers": self.topo.global_servers,
                     "wan": {"profile": p.name, "uplink_bps": p.uplink_bps, "downlink_bps": p.downlink_bps,
                             "rtt_s": p.rtt_s, "jitter_s": p.jitter_s},
-                    "command": self.command, "roles": [s.name for s in specs], "started": time.time()}
+                    "command": self.command, "roles": [s.name for s in specs], "started": time.time(),
+                    "slowdown": {f"{dc}:{r}": f for (dc, r), f in sorted(self.topo.slowdown.items())}}
         (self.run_dir / "launch.json").write_text(json.dumps(manifest, indent=2))
 
     def _start(self, spec: RoleSpec) -> None:

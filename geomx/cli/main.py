@@ -20,6 +20,15 @@ def _add_topology_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wan-rtt", help="custom WAN round-trip time, e.g. 180ms (with --wan-rate)")
     p.add_argument("--mode", choices=["dist_sync", "dist_async"], help="FSA (dist_sync, default) or MixedSync")
     p.add_argument("--topology", choices=["hips", "flat"], help="hierarchical (default) or flat parameter server")
+    p.add_argument("--sync", choices=["fsa", "hfa", "diloco", "dga", "esync"],
+                   help="synchronization algorithm (default fsa; see geomx.sync)")
+    p.add_argument("--hfa-k1", type=int, help="hfa/diloco: local steps between DC averages (default 1)")
+    p.add_argument("--hfa-k2", type=int, help="hfa/diloco: DC averages between global averages (default 1)")
+    p.add_argument("--dga-delay", type=int, help="dga: steps between pushing a gradient and applying its average "
+                                                  "(default 1)")
+    p.add_argument("--esync-steps", type=int, help="esync: local steps of the slowest worker per round (default 1)")
+    p.add_argument("--slowdown", action="append", metavar="DC[:RANK]=FACTOR",
+                   help="make these workers compute FACTOR times slower (repeatable), e.g. b=3 or a:1=2")
 
 
 def topology_from_args(args: argparse.Namespace):
@@ -27,7 +36,10 @@ def topology_from_args(args: argparse.Namespace):
 
     return load_topology(args.config, dcs=args.dcs, workers_per_dc=args.workers_per_dc,
                          global_servers=args.global_servers, wan=args.wan, wan_rate=args.wan_rate,
-                         wan_rtt=args.wan_rtt, mode=args.mode, topology=args.topology)
+                         wan_rtt=args.wan_rtt, mode=args.mode, topology=args.topology, sync=args.sync,
+                         sync_k1=args.hfa_k1, sync_k2=args.hfa_k2, sync_delay=args.dga_delay,
+                         sync_steps=args.esync_steps,
+                         slowdown=args.slowdown)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

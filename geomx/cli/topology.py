@@ -8,6 +8,8 @@ Read from a TOML file and/or command-line flags (flags win). Example topo.toml:
     mode = "dist_sync"           # or "dist_async"
     topology = "hips"            # or "flat"
     wan = "transpacific"         # a profile name, or a table: wan = { rate = "100mbit", rtt = "180ms" }
+    slowdown = ["b=3", "a:1=2"]  # DC[:RANK]=FACTOR: those workers compute FACTOR times slower
+    sync = "hfa"                 # or a table: sync = { algorithm = "hfa", k1 = 20, k2 = 10 } (geomx.sync)
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from geomx.config import MODES, TOPOLOGIES
 from geomx.errors import ConfigError
 from geomx.profiles import WanProfile, custom_profile, get_profile, parse_duration, parse_rate
+from geomx.sync.slowdown import parse_factor
 
 
 @dataclass
@@ -30,6 +33,7 @@ class Topology:
     profile: WanProfile = field(default_factory=lambda: get_profile("regional"))
     host: str = "127.0.0.1"
     env: dict[str, str] = field(default_factory=dict)   # extra variables for every role
+    slowdown: dict[tuple[str, int], float] = field(default_factory=dict)   # (dc, rank) -> factor
 
     @property
     def dc_names(self) -> list[str]:
@@ -83,7 +87,8 @@ def load_topology(path: str | None = None, **flags) -> Topology:
             raise ConfigError(f"topology file {path} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"topology file {path} is not valid TOML: {exc}") from None
-        known = {"dcs", "workers_per_dc", "global_servers", "mode", "topology", "wan", "env", "host"}
+        known = {"dcs", "workers_per_dc", "global_servers", "mode", "topology", "wan", "env", "host", "slowdown",
+                 "sync"}
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"topology file {path}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
@@ -108,7 +113,50 @@ def load_topology(path: str | None = None, **flags) -> Topology:
     if not isinstance(env, dict):
         raise ConfigError(f"env{where} must be a table of variables, got {env!r}")
     topo.env = {str(k): str(v) for k, v in env.items()}
-    return topo.validate()
+    topo.validate()
+    topo.slowdown = parse_slowdown(data.get("slowdown"), topo.dc_names, topo.workers_per_dc, where)
+    sync = data.get("sync")
+    if sync is not None and not isinstance(sync, (str, dict)):
+        raise ConfigError(f"sync{where} must be an algorithm name or a table, got {sync!r}")
+    sync = dict(sync) if isinstance(sync, dict) else ({"algorithm": sync} if sync is not None else {})
+    sync.update({k: data[f"sync_{k}"] for k in ("k1", "k2", "delay", "steps")
+                 if data.get(f"sync_{k}") is not None})
+    if sync:
+        from geomx.sync import launch_env
+        topo.env.update(launch_env(sync, where))
+    return topo
+
+
+def parse_slowdown(entries, dc_names: list[str], workers_per_dc: list[int],
+                   where: str = "") -> dict[tuple[str, int], float]:
+    """``["b=3", "a:1=2"]`` (or a table ``{b = 3, "a:1" = 2}``) -> {(dc, rank): factor} for every chosen worker;
+    a DC without a rank slows all of its workers. A later entry for the same worker wins."""
+    if entries is None:
+        return {}
+    if isinstance(entries, dict):
+        entries = [f"{k}={v}" for k, v in entries.items()]
+    if isinstance(entries, str) or not isinstance(entries, list):
+        raise ConfigError(f"slowdown{where} must be a list of DC[:RANK]=FACTOR strings, got {entries!r}")
+    out: dict[tuple[str, int], float] = {}
+    for entry in entries:
+        text = str(entry)
+        who, sep, factor_text = text.partition("=")
+        if not sep or not who:
+            raise ConfigError(f"slowdown {text!r}{where}: expected DC[:RANK]=FACTOR, e.g. b=3 or a:1=2")
+        dc, colon, rank_text = who.partition(":")
+        if dc not in dc_names:
+            raise ConfigError(f"slowdown {text!r}{where}: there is no DC {dc!r} (DCs: {', '.join(dc_names)})")
+        n = workers_per_dc[dc_names.index(dc)]
+        factor = parse_factor(factor_text, f"slowdown {text!r}{where}")
+        if colon:
+            if not rank_text.isdigit() or int(rank_text) >= n:
+                raise ConfigError(f"slowdown {text!r}{where}: DC {dc} has no worker of rank {rank_text!r} "
+                                  f"(ranks 0-{n - 1})")
+            ranks = [int(rank_text)]
+        else:
+            ranks = list(range(n))
+        out.update({(dc, r): factor for r in ranks})
+    return out
 
 
 def _whole(value, name: str, where: str) -> int:

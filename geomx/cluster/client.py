@@ -18,7 +18,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from geomx.cluster.compressed import CODEC_FIELD, ClientWire, dense_push
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
+from geomx.compression import CompressionPolicy
 from geomx.errors import DeadlineError, GeomxError, KVError, PeerLostError
 from geomx.transport.message import Message
 
@@ -144,7 +146,9 @@ class KVClient:
         self._owner: dict[Any, int] = {}
         self._pushes: dict[Any, int] = {}
         self._placed_bytes = [0] * len(self.servers)
+        self._layout: dict[Any, tuple[tuple, np.dtype]] = {}   # key -> shape, dtype (from its init reply)
         self.info: dict = {}
+        self.wire: ClientWire | None = None      # gradient compression, from the servers' info
         po.add_abort_listener(self._fail_all)
         po.van.receive_into = self.receive_into
 
@@ -159,11 +163,18 @@ class KVClient:
             for other in self.servers:
                 if other.rank != rank:
                     self._send(other, Message("key_owner", fields={"key": key, "owner": rank}))
-            return self._request("init", key, rank, {"master": True}, [value], priority, _init_result)
+            return self._request("init", key, rank, {"master": True}, [value], priority,
+                                 lambda m: self._init_result(key, m))
+        return self.init_layout(key, value.shape, value.dtype, priority)
+
+    def init_layout(self, key, shape, dtype, priority: int = 0) -> Handle:
+        """Register ``key`` as a client that does not provide the value: only its shape and dtype travel."""
+        check_key(key)
         handle = Handle(self.po, f"init of key {key!r}", None)
+        layout = {"layout": [[int(n) for n in shape], np.dtype(dtype).name]}
 
         def ask(rank: int) -> None:
-            inner = self._request("init", key, rank, {}, [value], priority, lambda m: m)
+            inner = self._request("init", key, rank, layout, [], priority, lambda m: m)
             inner.add_done_callback(lambda h: on_answer(h, rank))
 
         def on_answer(h: Handle, rank: int) -> None:
@@ -173,29 +184,42 @@ class KVClient:
                 ask(int(h.result["redirect"]))
             else:
                 self._owner[key] = rank
-                handle._finish(_init_result(h.result))
+                try:
+                    handle._finish(self._init_result(key, h.result))
+                except Exception as exc:
+                    handle._finish(error=exc)
 
         ask(self._owner.get(key, home_server(key, len(self.servers))))
         return handle
 
-    def push(self, key, value: np.ndarray, priority: int = 0) -> Handle:
+    def push(self, key, value: np.ndarray, priority: int = 0, *, count: int | None = None) -> Handle:
+        """``count``: set by servers that push an fp32 sum of ``count`` workers' gradients (it travels in the
+        key's dtype, as a mean where that is 16 bits or compressed); a worker's own push leaves it None and
+        goes as it is (a wrong dtype is the server's to refuse)."""
         rank = self._owner_of(key)
+        tensors, fields = self._encode(key, value, count)
         self._pushes[key] = self._pushes.get(key, 0) + 1
-        return self._request("push", key, rank, {}, [value], priority, None)
+        return self._request("push", key, rank, fields, tensors, priority, None)
 
     def pull(self, key, priority: int = 0, *, out: np.ndarray | None = None) -> Handle:
         """The result is the value; with ``out`` (a writable C-contiguous array of the key's shape and dtype)
         the reply is received straight into it and the result is ``out`` itself."""
         rank = self._owner_of(key)
-        return self._request("pull", key, rank, {"after": self._pushes.get(key, 0)}, [], priority, _first_tensor,
-                             out)
+        return self._request("pull", key, rank, {"after": self._pushes.get(key, 0)}, [], priority,
+                             self._value_of(key), out)
 
-    def pushpull(self, key, value: np.ndarray, priority: int = 0, *, out: np.ndarray | None = None) -> Handle:
+    def pushpull(self, key, value: np.ndarray, priority: int = 0, *, out: np.ndarray | None = None,
+                 count: int | None = None, scope: str | None = None) -> Handle:
         """``value`` is sent without a copy: leave it unchanged until the handle finishes. ``out`` as in
-        :meth:`pull` (it may be ``value`` itself: the reply arrives only after the push was received)."""
+        :meth:`pull` (it may be ``value`` itself: the reply arrives only after the push was received).
+        ``count`` as in :meth:`push`. ``scope="dc"``: a DC-only round (geomx.cluster.dc_rounds), apart from
+        the key's ordinary rounds (LAN only, never compressed)."""
         rank = self._owner_of(key)
+        if scope == "dc":
+            return self._request("dc_pushpull", key, rank, {}, [value], priority, lambda m: m.tensors[0], out)
+        tensors, fields = self._encode(key, value, count)
         self._pushes[key] = self._pushes.get(key, 0) + 1
-        return self._request("pushpull", key, rank, {}, [value], priority, _first_tensor, out)
+        return self._request("pushpull", key, rank, fields, tensors, priority, self._value_of(key), out)
 
     def command(self, name: str, **args) -> list[Handle]:
         """Send a configuration command to every server of the tier."""
@@ -205,7 +229,7 @@ class KVClient:
     # replies ------------------------------------------------------------------------------------------------
     def receive_into(self, header: dict) -> list[np.ndarray | None]:
         """Van hook: the ``out`` array of the request a reply answers, if it came from the server asked."""
-        if header["op"] != "reply" or len(header["t"]) != 1:
+        if header["op"] != "reply" or len(header["t"]) != 1 or CODEC_FIELD in header["f"]:
             return []
         with self._lock:
             entry = self._pending.get(header["f"].get("req"))
@@ -226,10 +250,40 @@ class KVClient:
             return
         if msg.get("info"):
             self.info.update(msg["info"])
+            self._configure_compression()
         try:
             handle._finish(convert(msg) if convert else None)
         except Exception as exc:
             handle._finish(error=exc)
+
+    # compression ----------------------------------------------------------------------------------------------
+    def _configure_compression(self) -> None:
+        wire = self.info.get("compression")
+        if wire is not None and self.wire is None:
+            self.wire = ClientWire(CompressionPolicy.from_wire(wire), "wan" if self.tier.name == "global" else "lan",
+                                   weights=bool(self.info.get("server_optimizer")), salt=self.po.cfg.label)
+
+    def _encode(self, key, value: np.ndarray, count: int | None) -> tuple[list, dict]:
+        dtype = self._layout[key][1] if count is not None and key in self._layout else value.dtype
+        if self.wire is None:
+            return dense_push(value, count or 1, dtype)
+        return self.wire.encode_push(key, value, dtype, count or 1)
+
+    def _init_result(self, key, msg: Message) -> tuple[np.ndarray, dict]:
+        value, info = msg.tensors[0], dict(msg.get("info") or {})
+        self._layout[key] = (tuple(value.shape), value.dtype)
+        if self.wire is not None:
+            self.wire.note_dense(key, value)
+        return value, info
+
+    def _value_of(self, key) -> Callable[[Message], np.ndarray]:
+        """Turns a reply into the key's value (decoding it where it came compressed)."""
+        def convert(msg: Message) -> np.ndarray:
+            if self.wire is None:
+                return msg.tensors[0]
+            shape, dtype = self._layout[key]
+            return self.wire.decode_reply(key, msg.fields, msg.tensors, shape, dtype)
+        return convert
 
     # internals ----------------------------------------------------------------------------------------------
     def _owner_of(self, key) -> int:
@@ -261,14 +315,6 @@ class KVClient:
             pending, self._pending = self._pending, {}
         for handle, _, _ in pending.values():
             handle._finish(error=PeerLostError(f"{handle.what} failed: {reason}"))
-
-
-def _first_tensor(msg: Message) -> np.ndarray:
-    return msg.tensors[0]
-
-
-def _init_result(msg: Message) -> tuple[np.ndarray, dict]:
-    return msg.tensors[0], dict(msg.get("info") or {})
 
 
 def check_key(key) -> None:

@@ -12,9 +12,12 @@ import numpy as np
 
 from geomx.cluster.global_update import (GradientRelay, MeanGradient, ServerOptimizer, UpdatePolicy,
                                          resolve_optimizer)
-from geomx.cluster.kvserver import KeyState, KVServer, Refused, accumulator_dtype
+from geomx.cluster.compressed import ServerWire
+from geomx.cluster.kvserver import KeyState, KVServer, Refused, accumulator_dtype, init_layout
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
+from geomx.compression import CompressionPolicy
 from geomx.config import MODES, NodeConfig
+from geomx.errors import ConfigError
 from geomx.profiles import CENTRAL_DC
 from geomx.transport.message import Message
 
@@ -29,6 +32,7 @@ class GlobalServer(KVServer):
         self.global_tier: Tier | None = None
         self.mode: str = "dist_sync"
         self.optimizer: tuple | None = None      # (class, kwargs)
+        self.compression: CompressionPolicy | None = None
         self.policy: UpdatePolicy | None = None
         self.directory: dict = {}                  # key -> owning global server rank
         self.held_inits: dict = {}                 # key -> init requests waiting for the master's init
@@ -56,6 +60,11 @@ class GlobalServer(KVServer):
         elif name == "set_optimizer":
             kwargs = dict(args.get("kwargs") or {})
             self.optimizer = (resolve_optimizer(str(args.get("optimizer")), kwargs), kwargs)
+        elif name == "set_compression":
+            try:
+                self.compression = CompressionPolicy.from_wire(args.get("policy"))
+            except ConfigError as exc:
+                raise Refused(str(exc)) from None
         else:
             raise Refused(f"unknown command {name!r}")
         log.info("global server %d: %s %s", self.rank, name, args)
@@ -71,8 +80,9 @@ class GlobalServer(KVServer):
 
     # keys -----------------------------------------------------------------------------------------------------
     def on_init(self, msg: Message, client: NodeInfo) -> None:
-        key, value = msg.get("key"), self.single_tensor(msg)
+        key = msg.get("key")
         if msg.get("master"):
+            value = self.single_tensor(msg)
             if client.kind != "master":
                 raise Refused(f"{client.label} is not the master worker")
             if key in self.keys:
@@ -80,11 +90,15 @@ class GlobalServer(KVServer):
             if self.policy is None:
                 self.policy = self._choose_policy()
                 self.info = {"mode": self.mode, "server_optimizer": self.optimizer is not None,
-                             "num_all_workers": self.num_all_workers}
+                             "num_all_workers": self.num_all_workers,
+                             "compression": self.compression.to_wire() if self.compression else None}
+                if self.compression is not None:
+                    self.wire = ServerWire(self.compression, "wan", weights=self.optimizer is not None,
+                                           per_client=not self.policy.synchronous, salt=self.po.cfg.label)
             st = KeyState(key, tuple(value.shape), value.dtype, value=np.array(value))
             self.policy.init_key(st)
             self.keys[key] = st
-            self.reply(msg, tensors=[st.value], info=self.info)
+            self.reply_init(msg, st)
             for held in self.held_inits.pop(key, []):
                 self._answer_init(held, st)
             return
@@ -98,11 +112,11 @@ class GlobalServer(KVServer):
 
     def _answer_init(self, msg: Message, st: KeyState) -> None:
         try:
-            self.check_value(st, msg.tensors[0], "init")
+            self.check_layout(st, *init_layout(msg), "init")
         except Refused as exc:
             self.reply(msg, error=f"{exc} by the master worker")
             return
-        self.reply(msg, tensors=[st.value], info=self.info)
+        self.reply_init(msg, st)
 
     def handle_other(self, msg: Message, client: NodeInfo) -> None:
         if msg.op == "key_owner" and client.kind == "master":
@@ -127,6 +141,9 @@ class GlobalServer(KVServer):
 
 
 def run_global_server(cfg: NodeConfig) -> int:
+    # a server optimizer (DCASGD, SGD...) may arrive once the tiers are up, and importing torch then, on the
+    # receive thread, stalls heartbeats: on a loaded machine for longer than their timeout. Import it first.
+    import torch  # noqa: F401
     done = threading.Event()
     po = Postoffice(cfg)
     server = GlobalServer(po, cfg.num_all_workers)

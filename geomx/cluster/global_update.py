@@ -96,6 +96,10 @@ class ServerOptimizer(UpdatePolicy):
         import torch
 
         param, opt = st.state["param"], st.state["optimizer"]
+        if hasattr(opt, "set_sender"):
+            # optimizers that compensate delays (geomx.optim.DCASGD) keep a weight backup per sender; the clients
+            # of a synchronous round all read the same weights, so they count as one sender, "*"
+            opt.set_sender("*" if self.synchronous else contributors[0])
         param.grad = torch.from_numpy((total / self.divisor).astype(param.detach().numpy().dtype))
         opt.step()
         server.set_value(st, param.detach().numpy().astype(st.dtype, copy=True), contributors)

@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from geomx.cluster.compressed import ServerWire, WireError, scale_dense
 from geomx.cluster.postoffice import NodeInfo, Postoffice
-from geomx.transport.message import Message
+from geomx.transport.message import WIRE_DTYPES, Message
 
 log = logging.getLogger("geomx.kvserver")
 
@@ -66,12 +67,31 @@ class KeyState:
         return f"shape {tuple(self.shape)} {self.dtype.name}"
 
 
-def layout_mismatch(what: str, key, value: np.ndarray, shape, dtype) -> str | None:
+def layout_mismatch(what: str, key, value_shape, value_dtype, shape, dtype) -> str | None:
     """The error for a value whose shape or dtype is not the key's (servers, and workers for partitioned keys)."""
-    if tuple(value.shape) == tuple(shape) and value.dtype == dtype:
+    if tuple(value_shape) == tuple(shape) and np.dtype(value_dtype) == np.dtype(dtype):
         return None
-    return (f"{what} of key {key!r} has shape {tuple(value.shape)} {value.dtype.name}, but the key was initialized "
-            f"with shape {tuple(shape)} {np.dtype(dtype).name}")
+    return (f"{what} of key {key!r} has shape {tuple(value_shape)} {np.dtype(value_dtype).name}, but the key was "
+            f"initialized with shape {tuple(shape)} {np.dtype(dtype).name}")
+
+
+def init_layout(msg: Message) -> tuple[tuple, np.dtype]:
+    """Shape and dtype of an init. Only the master worker's init carries a value; the others carry
+    ``layout = [shape, dtype name]`` (the value they would send is thrown away: across the WAN it costs a
+    model's worth of bytes per DC)."""
+    layout = msg.get("layout")
+    if layout is None:
+        if len(msg.tensors) != 1:
+            raise Refused(f"init of key {msg.get('key')!r} carries neither a value nor a layout")
+        return tuple(msg.tensors[0].shape), msg.tensors[0].dtype
+    try:
+        shape, name = layout
+        if name not in WIRE_DTYPES or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                               for n in shape):
+            raise ValueError
+        return tuple(shape), np.dtype(name)
+    except (TypeError, ValueError):
+        raise Refused(f"init of key {msg.get('key')!r} has a malformed layout {layout!r}") from None
 
 
 def accumulator_dtype(dtype: np.dtype) -> np.dtype:
@@ -87,6 +107,7 @@ class KVServer:
         self.keys: dict[Any, KeyState] = {}
         self.clients: dict[str, NodeInfo] = {}   # node id -> member of a tier we serve
         self.info: dict = {}                      # sent with init replies: mode, server optimizer, ...
+        self.wire: ServerWire | None = None       # gradient compression, once configured
         self.tables_pending = 1                   # member tables still to come; subclasses set it
         self._early: list[Message] = []           # requests that overtook our own member table
         po.metrics_fields.append(self.queue_depths)
@@ -171,7 +192,10 @@ class KVServer:
         return st
 
     def check_value(self, st: KeyState, value: np.ndarray, what: str) -> None:
-        problem = layout_mismatch(what, st.key, value, st.shape, st.dtype)
+        self.check_layout(st, value.shape, value.dtype, what)
+
+    def check_layout(self, st: KeyState, shape, dtype, what: str) -> None:
+        problem = layout_mismatch(what, st.key, shape, dtype, st.shape, st.dtype)
         if problem:
             raise Refused(problem)
 
@@ -183,8 +207,7 @@ class KVServer:
     def _on_push(self, msg: Message, client: NodeInfo) -> None:
         st = self.key_state(msg)
         try:
-            value = self.single_tensor(msg)
-            self.check_value(st, value, msg.op)
+            value = self.push_value(st, msg)
             if client.tier_role != "worker" or client.kind == "master":
                 raise Refused(f"{client.label} does not train; only workers push gradients")
         except Refused:
@@ -201,6 +224,21 @@ class KVServer:
         self.accept_push(st, msg.src, number, value, msg.priority)
         self.serve_waiting(st)
 
+    def push_value(self, st: KeyState, msg: Message) -> np.ndarray:
+        """The pushed tensor, decoded if it came compressed; Refused if it does not fit the key."""
+        try:
+            decoded = self.wire.decode_push(st, msg.fields, msg.tensors) if self.wire is not None else None
+        except WireError as exc:
+            raise Refused(f"{msg.op} of key {st.key!r}: {exc}") from None
+        if decoded is not None:
+            return decoded
+        value = self.single_tensor(msg)
+        self.check_value(st, value, msg.op)
+        try:
+            return scale_dense(value, msg.fields)
+        except WireError as exc:
+            raise Refused(f"{msg.op} of key {st.key!r}: {exc}") from None
+
     def _on_pull(self, msg: Message, client: NodeInfo) -> None:
         st = self.key_state(msg)
         st.waiting.append((msg, int(msg.get("after") or 0)))
@@ -210,6 +248,8 @@ class KVServer:
         """``value`` now reflects one more push of each contributor. Never mutate it afterwards: replies are
         sent without copying."""
         st.value = value
+        if self.wire is not None and contributors:
+            self.wire.on_new_value(st, value)
         for src in contributors:
             st.applied[src] = st.applied.get(src, 0) + 1
         self.serve_waiting(st)
@@ -221,10 +261,24 @@ class KVServer:
         for msg, after in st.waiting:
             refused = st.refused.get(msg.src, 0)
             if st.applied.get(msg.src, 0) + refused >= after and st.pushes.get(msg.src, 0) + refused >= after:
-                self.reply(msg, tensors=[self.read_value(st, msg.src)])
+                self.reply_value(msg, st)
             else:
                 still.append((msg, after))
         st.waiting = still
+
+    def reply_value(self, msg: Message, st: KeyState) -> None:
+        value = self.read_value(st, msg.src)
+        if self.wire is None:
+            self.reply(msg, tensors=[value])
+            return
+        tensors, fields = self.wire.encode_reply(st, msg.src, value)
+        self.reply(msg, tensors=tensors, **fields)
+
+    def reply_init(self, msg: Message, st: KeyState) -> None:
+        """Answer an init with the key's current value (what the client starts from, sent whole)."""
+        if self.wire is not None:
+            self.wire.note_dense(st, msg.src, st.value)
+        self.reply(msg, tensors=[st.value], info=self.info)
 
     def fail_waiting(self, st: KeyState, error: str, *, lost: bool = False) -> None:
         """Answer every held request of ``st`` with ``error`` (``lost``: because a peer died)."""

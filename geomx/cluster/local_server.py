@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import threading
 
-import numpy as np
 
+from geomx.cluster import dc_rounds
 from geomx.cluster.client import Handle, KVClient, check_key
-from geomx.cluster.kvserver import KeyState, KVServer, Refused, Round
+from geomx.cluster.compressed import ServerWire
+from geomx.cluster.kvserver import KeyState, KVServer, Refused, Round, init_layout
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
+from geomx.compression import CompressionPolicy
 from geomx.config import NodeConfig
 from geomx.errors import KVError, PeerLostError
 from geomx.profiles import CENTRAL_DC
@@ -29,6 +31,7 @@ class LocalServer(KVServer):
         self.dc_tier: Tier | None = None
         self.global_tier: Tier | None = None
         self.upstream: KVClient | None = None
+        self.dc_rounds = dc_rounds.DCRounds(self)
 
     def attach_global(self, tier: Tier) -> None:
         self.global_tier = tier
@@ -49,22 +52,22 @@ class LocalServer(KVServer):
 
     # init: the master worker's value, fetched once per key from the global tier ----------------------------
     def on_init(self, msg: Message, client: NodeInfo) -> None:
-        key, value = msg.get("key"), self.single_tensor(msg)
+        key, (shape, dtype) = msg.get("key"), init_layout(msg)
         try:
             check_key(key)
         except KVError as exc:
             raise Refused(str(exc)) from None
         st = self.keys.get(key)
         if st is None:
-            st = self.keys[key] = KeyState(key, tuple(value.shape), value.dtype)
+            st = self.keys[key] = KeyState(key, shape, dtype)
             st.held_inits.append(msg)
-            self.upstream.init(key, value).add_done_callback(lambda h: self._initialized(st, h))
+            self.upstream.init_layout(key, shape, dtype).add_done_callback(lambda h: self._initialized(st, h))
             return
-        self.check_value(st, value, "init")
+        self.check_layout(st, shape, dtype, "init")
         if st.value is None:
             st.held_inits.append(msg)
         else:
-            self.reply(msg, tensors=[st.value], info=self.info)
+            self.reply_init(msg, st)
 
     def _initialized(self, st: KeyState, h: Handle) -> None:
         held, st.held_inits = st.held_inits, []
@@ -75,18 +78,27 @@ class LocalServer(KVServer):
                                    f"the master worker with shape {tuple(value.shape)} {value.dtype.name}")
             else:
                 self.info.update(info)
+                self._configure_compression()
                 st.value = value
                 for msg in held:
-                    self.reply(msg, tensors=[value], info=self.info)
+                    self.reply_init(msg, st)
                 return
         del self.keys[st.key]   # a later init may try again
         for msg in held:
             self.reply(msg, error=str(h.error))
 
     # rounds -------------------------------------------------------------------------------------------------
+    def _configure_compression(self) -> None:
+        """The master worker's compression setting arrives with the first init reply, before any push."""
+        wire = self.info.get("compression")
+        if wire is not None and self.wire is None:
+            policy = CompressionPolicy.from_wire(wire)
+            self.wire = ServerWire(policy, "lan", weights=bool(self.info.get("server_optimizer")),
+                                   per_client=False, salt=self.po.cfg.label)
+
     def on_round(self, st: KeyState, number: int, rnd: Round) -> None:
-        total = rnd.total.astype(st.dtype, copy=False)
-        h = self.upstream.pushpull(st.key, total, priority=rnd.priority)
+        # the fp32 sum: the client sends it in the key's dtype (a 16-bit key's sum as the mean, see dense_push)
+        h = self.upstream.pushpull(st.key, rnd.total, priority=rnd.priority, count=len(rnd.contributors))
         h.add_done_callback(lambda h: self._round_done(st, number, rnd.contributors, h))
 
     def _round_done(self, st: KeyState, number: int, contributors: list[str], h: Handle) -> None:
@@ -102,6 +114,15 @@ class LocalServer(KVServer):
             applied += 1
             st.state["applied_rounds"] = applied
             self.set_value(st, value, who)
+
+    def handle_other(self, msg: Message, client: NodeInfo) -> None:
+        if msg.op != dc_rounds.OP:
+            super().handle_other(msg, client)
+            return
+        try:
+            self.dc_rounds.on_push(msg, client)
+        except Refused as exc:
+            self.reply(msg, error=str(exc))
 
     # commands ---------------------------------------------------------------------------------------------
     def on_command(self, msg: Message, client: NodeInfo) -> None:

@@ -22,7 +22,7 @@ from geomx import metrics
 from geomx.config import NodeConfig
 from geomx.errors import ConfigError, DeadlineError, PeerLostError
 from geomx.transport.message import Message
-from geomx.transport.van import Van, tcp_address
+from geomx.transport.van import STALL_S, Van, tcp_address
 
 _METRICS_PERIOD_S = 1.0
 
@@ -281,11 +281,16 @@ class Postoffice:
             if self.aborted:
                 return
             now = time.monotonic()
+            stalled = self.van.last_stall_end
+            if self.van.handling_since is not None and now - self.van.handling_since > STALL_S:
+                stalled = now
             for tier in list(self.tiers.values()):
                 if tier.closed or tier.me is None:
                     continue
                 tier.send_to_scheduler("hb", priority=1000)
-                if now - tier.last_ack > timeout:
+                # acks wait unread while our own receive thread is stuck: silence until then proves nothing
+                heard = max(tier.last_ack, stalled)
+                if now - heard > timeout:
                     self.abort(f"the {tier.name} scheduler at {tier.scheduler_addr} stopped answering heartbeats "
-                               f"for {now - tier.last_ack:.1f} s ({self.cfg.label} gives up)")
+                               f"for {now - heard:.1f} s ({self.cfg.label} gives up)")
                     return

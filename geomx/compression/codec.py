@@ -129,6 +129,11 @@ class Codec(ABC):
         sent entries (error feedback calls it on every step)."""
         flat -= self._decode(payload, tuple(payload.meta["shape"]))
 
+    def downlink(self) -> "Codec":
+        """The codec a server uses for what it sends back (bidirectional compression): the codec itself,
+        unless part of it belongs to the senders of gradients only (DGC's momentum)."""
+        return self
+
     @property
     def needs_error_feedback(self) -> bool:
         """Wrap this codec in ErrorFeedback: it is biased and keeps no residual itself."""

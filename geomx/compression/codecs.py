@@ -5,7 +5,7 @@ the measured throughput and compression ratio of each):
 name       parameters (default)           wire bytes for N elements         biased   use with
 ========== ============================== ================================= ======== ===========================
 none       -                              4N                                no       -
-fp16       -                              2N                                rounding -  (|x| > 65504 -> inf)
+fp16       - (per-tensor 2^e scale)        2N                                rounding -
 bf16       -                              2N                                rounding -  (fp32 range, 8-bit mantissa)
 topk       ratio (0.01)                   8k, k = max(1, round(ratio N))    yes      ErrorFeedback
 bsc        threshold (0.01), sample_ratio 8k', k' in [k/2, 2k] (sampled)    yes      ErrorFeedback
@@ -67,16 +67,25 @@ class NoCompression(Codec):
 @register("fp16")
 @dataclass(frozen=True, kw_only=True)
 class FP16(Codec):
-    """IEEE half precision: relative error <= 2**-11 inside [6.1e-5, 65504]; larger magnitudes become inf (as
-    ``tensor.half()`` does: an overflow shows instead of being clipped silently), smaller ones lose precision
-    (subnormals) down to 6e-8. Scale gradients (divide by the worker count first, as PyTorch's
-    ``fp16_compress_hook`` does) if they can exceed 65504. Wire: 2N bytes."""
+    """IEEE half precision with a per-tensor power-of-two scale (the loss-scaling idea of mixed-precision
+    training, applied per tensor): the largest magnitude is mapped to [2**14, 2**15), so every value keeps
+    fp16's relative error <= 2**-11 down to 2**-10 of the largest one (and degrades gracefully below it),
+    nothing overflows, and tiny gradients (1e-6 is a subnormal in plain fp16) keep their precision. A power of
+    two multiplies exactly, so scaling costs no accuracy; the scale's exponent travels in the header. A tensor
+    with inf or NaN is sent unscaled (they stay inf and NaN). Wire: 2N bytes."""
 
     def _encode(self, flat, shape, state):
-        return Payload([flat.astype(np.float16)])
+        peak = float(np.max(np.abs(flat))) if flat.size else 0.0
+        exponent = 14 - math.frexp(peak)[1] + 1 if peak > 0 and math.isfinite(peak) else 0
+        scaled = np.ldexp(flat, exponent) if exponent else flat
+        return Payload([scaled.astype(np.float16)], {"e": exponent})
 
     def _decode(self, payload, shape):
-        return payload.arrays[0].astype(F32)
+        exponent = payload.meta.get("e", 0)
+        if isinstance(exponent, bool) or not isinstance(exponent, int) or abs(exponent) > 300:
+            raise ValueError(f"fp16 payload has a bad scale exponent {exponent!r}")
+        out = payload.arrays[0].astype(F32)
+        return np.ldexp(out, -exponent).astype(F32, copy=False) if exponent else out
 
 
 def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -171,6 +180,10 @@ class _Sparse(Codec):
     def _decode(self, payload, shape):
         n = math.prod(shape)
         idx, values = self._indices_values(payload, n)
+        # payloads come off the network: an index outside [0, n) must not wrap around or crash a server
+        if idx.dtype.kind not in "iu" or idx.shape != values.shape or (idx.size and (idx.min() < 0 or idx.max() >= n)):
+            raise ValueError(f"{self.name} payload has {idx.size} {idx.dtype} indices for {values.size} values, "
+                             f"not all in [0, {n})")
         out = np.zeros(n, dtype=F32)
         out[idx] = values
         return out
@@ -307,6 +320,11 @@ class DGC(_Sparse):
             check_number(self, "clip_norm", low=0.0, open_low=True)
         check_int(self, "warmup_steps_per_stage", low=0)
         check_fraction(self, "sample_ratio")
+
+    def downlink(self) -> Codec:
+        # momentum correction and masking act on each worker's own gradient stream; what a server sends back
+        # is an aggregate, sparsified at the same ratio with plain residual accumulation
+        return BSC(threshold=self.ratio, sample_ratio=self.sample_ratio)
 
     def density(self, step: int) -> float:
         """The fraction of entries sent at ``step`` (0-based), warm-up included."""

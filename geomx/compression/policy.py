@@ -6,8 +6,10 @@ Accepted forms (``kv.set_gradient_compression(...)``):
 * GeoMX's dict forms:
 
   - ``{"type": "bsc", "threshold": 0.01}``: LAN dense fp32, WAN ``bsc`` (GeoMX compresses only between local
-    and global servers). Any other sparsifier or quantizer given this way (``{"type": "dgc", ...}``,
-    ``{"type": "onebit"}``, ...) is likewise applied on the WAN only.
+    and global servers). ``"momentum": 0.9`` adds GeoMX's DGC-style momentum correction (``dgc`` with that
+    momentum at ratio ``threshold``); then train the workers without momentum of their own. Any other
+    sparsifier or quantizer given this way (``{"type": "dgc", ...}``, ``{"type": "onebit"}``, ...) is likewise
+    applied on the WAN only.
   - ``{"type": "fp16"}`` (or ``"bf16"``): 16-bit dense on both tiers.
   - ``{"type": "mpq", "threshold": r, "size_lower_bound": n}``: mixed precision. Tensors with fewer than n
     elements travel fp16 dense on both tiers; larger ones fp32 dense on the LAN and ``bsc`` (ratio r) on
@@ -113,11 +115,26 @@ def parse_policy(spec: dict | str | None, *, env: Mapping[str, str] | None = Non
         return _per_tier(params, bound)
     kind = str(params.pop("type")).lower()
     if kind == "mpq":
-        return CompressionPolicy(lan=_canonical("none"), wan=_canonical({"type": "bsc", **params}),
-                                 small=_canonical("fp16"), size_lower_bound=bound)
-    codec = _canonical({"type": kind, **params})
+        return CompressionPolicy(lan=_canonical("none"), wan=_bsc(params), small=_canonical("fp16"),
+                                 size_lower_bound=bound)
+    codec = _bsc(params) if kind == "bsc" else _canonical({"type": kind, **params})
     lan = codec if kind in _DENSE_16 else _canonical("none")
     return CompressionPolicy(lan=lan, wan=codec, size_lower_bound=bound)
+
+
+def _bsc(params: dict[str, Any]) -> dict[str, Any]:
+    """GeoMX's Bi-Sparse. With ``momentum`` (GeoMX uses 0.9) it is DGC's momentum correction plus the sampled
+    selection, i.e. ``dgc`` without clipping or warm-up; without, the selection with error feedback."""
+    params = dict(params)
+    momentum = params.pop("momentum", 0.0)
+    if not momentum:
+        return _canonical({"type": "bsc", **params})
+    unknown = sorted(set(params) - {"threshold", "sample_ratio"})
+    if unknown:
+        raise ConfigError(f"bsc codec: unknown parameter(s) {', '.join(map(repr, unknown))} with momentum; "
+                          f"accepted: momentum, sample_ratio, threshold")
+    return _canonical({"type": "dgc", "ratio": params.get("threshold", 0.01), "momentum": momentum,
+                       **({"sample_ratio": params["sample_ratio"]} if "sample_ratio" in params else {})})
 
 
 def _per_tier(params: dict[str, Any], bound: int) -> CompressionPolicy:

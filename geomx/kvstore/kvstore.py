@@ -17,24 +17,20 @@ from __future__ import annotations
 
 import atexit
 import logging
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from geomx.cluster.client import Handle, KVClient, check_key, gather
 from geomx.cluster.kvserver import layout_mismatch
 from geomx.cluster.postoffice import Postoffice, Tier
+from geomx.compression import parse_policy
 from geomx.config import MODES, NodeConfig, config_from_env
 from geomx.errors import ConfigError, GeomxError, KVError
-from geomx.kvstore.partition import check_user_key, flat_slices, plan_parts
+from geomx.kvstore.partition import check_user_key, part_views, plan_parts
 from geomx.profiles import CENTRAL_DC
 
 log = logging.getLogger("geomx.kvstore")
-
-# GeoMX's compression types: accepted names that a later version implements
-_KNOWN_COMPRESSION = ("bsc", "2bit", "fp16", "bf16", "mpq", "dgc", "powersgd", "qsgd", "terngrad", "onebit",
-                      "randomk")
-
 
 def create(name: str | None = None, *, env: dict | None = None) -> "KVStore":
     """Join the deployment described by the environment (set by ``geomx launch`` or by hand, see
@@ -62,6 +58,7 @@ class KVStore:
         self._outstanding: list[Handle] = []
         self._initialized_keys: set = set()
         self._layout: dict = {}           # key -> (shape, dtype, parts or None), from this worker's init
+        self._compression: dict | None = None   # this worker's own set_gradient_compression, to check
         self._closed = False
         self.po.start()
         try:
@@ -121,6 +118,12 @@ class KVStore:
         the first init."""
         return bool(self._client.info.get("server_optimizer"))
 
+    @property
+    def compression(self) -> dict | None:
+        """The deployment's gradient compression (the master worker's setting, as sent to the servers), or
+        None. Known after the first init."""
+        return self._client.info.get("compression")
+
     # configuration (master worker) ----------------------------------------------------------------------------
     def set_optimizer(self, optimizer: Any, **kwargs) -> None:
         """Run ``optimizer`` (a torch.optim class, its name, or an instance) on the global servers. Only the
@@ -150,18 +153,21 @@ class KVStore:
         for h in self._client.command("set_optimizer", optimizer=name, kwargs=kwargs):
             h.wait()
 
-    def set_gradient_compression(self, compression: dict) -> None:
-        """GeoMX's form, e.g. ``{"type": "bsc", "threshold": 0.01}``. This version transmits dense tensors
-        and accepts only ``{"type": "none"}``."""
-        if not isinstance(compression, dict) or "type" not in compression:
-            raise ConfigError(f"gradient compression must be a dict with a 'type' key, got {compression!r}")
-        kind = str(compression["type"]).lower()
-        if kind == "none":
+    def set_gradient_compression(self, compression: dict | str | None) -> None:
+        """Compress gradients on the wire (docs/compression.md). GeoMX's forms: ``{"type": "bsc", "threshold":
+        0.01}`` (WAN only), ``{"type": "fp16"}`` (both tiers), ``{"type": "mpq", "threshold": r,
+        "size_lower_bound": n}``; or per tier: ``{"lan": "fp16", "wan": {"type": "dgc", "ratio": 0.001}}``.
+
+        The master worker's call configures every server (before its first kv.init) and every worker follows
+        it; another worker's call is checked against the master's at init (a mismatch is an error)."""
+        policy = parse_policy(compression)
+        if self._initialized_keys:
+            raise ConfigError("set_gradient_compression must be called before the first kv.init")
+        if not self.is_master_worker:
+            self._compression = policy.to_wire()
             return
-        if kind in _KNOWN_COMPRESSION:
-            raise ConfigError(f"gradient compression {kind!r} is not available in this version of geomx; only "
-                              f"{{'type': 'none'}} is")
-        raise ConfigError(f"unknown gradient compression type {compression['type']!r}")
+        for h in self._client.command("set_compression", policy=policy.to_wire()):
+            h.wait()
 
     # key-value operations -----------------------------------------------------------------------------------
     def init(self, key, value) -> None:
@@ -173,12 +179,12 @@ class KVStore:
             check_key(k)
             check_user_key(k)
             arr = np.ascontiguousarray(_as_numpy_view(v))     # init blocks until answered: no copy needed
-            parts = plan_parts(k, arr.size, arr.itemsize, self.cfg.partition_bytes)
+            parts = plan_parts(k, arr.shape, arr.itemsize, self.cfg.partition_bytes)
             self._layout[k] = (arr.shape, arr.dtype, parts)
             if parts is None:
                 handles.append([self._client.init(k, arr)])
             else:
-                handles.append([self._client.init(p.key, piece) for p, piece in zip(parts, flat_slices(arr, parts))])
+                handles.append([self._client.init(p.key, piece) for p, piece in zip(parts, part_views(arr, parts))])
         for k, hs in zip(keys, handles):
             for h in hs:
                 _, info = h.wait()
@@ -201,11 +207,18 @@ class KVStore:
         hs = [self._track(self._request("pull", k, None, o, priority)) for k, o in zip(keys, outs)]
         return hs if isinstance(key, (list, tuple)) else hs[0]
 
-    def pushpull(self, key, value, out=None, priority: int = 0) -> Handle | list[Handle]:
-        """Push then pull in one message (one round trip). ``out`` may be ``value`` itself."""
+    def pushpull(self, key, value, out=None, priority: int = 0, *, scope: str | None = None) -> Handle | list[Handle]:
+        """Push then pull in one message (one round trip). ``out`` may be ``value`` itself. ``scope="dc"``:
+        the reply is the sum over this DC's workers' values, nothing crosses the WAN (HFA's DC rounds)."""
+        if scope not in (None, "dc"):
+            raise ConfigError(f"pushpull scope must be None or 'dc', got {scope!r}")
+        if scope == "dc" and (self.cfg.topology != "hips" or self.is_master_worker):
+            raise ConfigError("DC-only rounds (scope='dc') need a DC's local server: training workers of the "
+                              "hips topology")
+        op = "dc_pushpull" if scope == "dc" else "pushpull"
         keys, values = _pairs(key, value)
         outs = _pairs(key, out)[1] if out is not None else [None] * len(keys)
-        hs = [self._track(self._request("pushpull", k, v, o, priority)) for k, v, o in zip(keys, values, outs)]
+        hs = [self._track(self._request(op, k, v, o, priority)) for k, v, o in zip(keys, values, outs)]
         return hs if isinstance(key, (list, tuple)) else hs[0]
 
     def waitall(self, timeout: float | None = None) -> None:
@@ -254,14 +267,14 @@ class KVStore:
             h = self._send(op, key, src, target, priority)
         else:
             if src is not None:
-                problem = layout_mismatch(op, key, src, shape, dtype)
+                problem = layout_mismatch(op, key, src.shape, src.dtype, shape, dtype)
                 if problem:
                     raise KVError(problem)
                 src = np.ascontiguousarray(src)
             into = None if op == "push" else (target if target is not None and target.shape == shape
                                                else np.empty(shape, dtype))
-            values = flat_slices(src, parts) if src is not None else [None] * len(parts)
-            outs = flat_slices(into, parts) if into is not None else [None] * len(parts)
+            values = part_views(src, parts) if src is not None else [None] * len(parts)
+            outs = part_views(into, parts) if into is not None else [None] * len(parts)
             h = gather([self._send(op, p.key, v, o, priority) for p, v, o in zip(parts, values, outs)],
                        lambda _: into, f"{op} of key {key!r}")
             target = into if into is target else None
@@ -272,7 +285,7 @@ class KVStore:
             return self._client.push(key, value, priority)
         if op == "pull":
             return self._client.pull(key, priority, out=out)
-        return self._client.pushpull(key, value, priority, out=out)
+        return self._client.pushpull(key, value, priority, out=out, scope="dc" if op == "dc_pushpull" else None)
 
     def _track(self, h: Handle) -> Handle:
         # keep what waitall must still wait for or report; a finished handle would pin its reply in memory
@@ -286,6 +299,9 @@ class KVStore:
         if mode is not None and mode != self.type:
             raise ConfigError(f"this worker created a {self.type!r} kvstore but the master worker created "
                               f"{mode!r}")
+        if self._compression is not None and "compression" in info and info["compression"] != self._compression:
+            raise ConfigError(f"this worker set gradient compression {self._compression} but the master worker set "
+                              f"{info['compression']}")
         n = info.get("num_all_workers")
         if n is not None and n != self.cfg.num_all_workers:
             raise ConfigError(f"this worker counts DMLC_NUM_ALL_WORKER={self.cfg.num_all_workers} but the global "

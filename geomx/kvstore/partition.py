@@ -5,7 +5,9 @@ the reply of one big tensor overlap instead of following each other; the parts o
 different global servers; and no single buffer grows past what glibc serves from its heap (32 MiB, see
 ``geomx.transport.van.keep_freed_buffers``), so the receiving side reuses warm memory.
 
-A tensor of more than ``partition_bytes`` bytes is cut, flattened, into parts of at most that many bytes.
+A tensor of more than ``partition_bytes`` bytes is cut into parts of at most that many bytes: along its first
+dimension when one row fits (a part of a matrix is a block of rows, still a matrix, so that low-rank codecs
+such as PowerSGD see matrices), else flattened.
 Part ``i`` of ``n`` of key ``k`` is the key ``"k#i/n"``; user keys of that form are refused. Every process of
 a deployment must use the same ``partition_bytes`` (``GEOMX_PARTITION_BYTES``; the launcher sets one value
 for all). Partitioning is exact for the element-wise server optimizers (SGD, Adam, ...): each element is
@@ -13,6 +15,7 @@ updated from its own gradient and state, wherever the cut falls.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -28,6 +31,7 @@ class Part:
     key: str          # the part's key on the servers
     start: int        # element range of the flattened tensor
     stop: int
+    shape: tuple      # the part's own shape (rows of the tensor, or a flat range)
 
 
 def check_user_key(key) -> None:
@@ -36,16 +40,25 @@ def check_user_key(key) -> None:
                       f"large tensors; rename it")
 
 
-def plan_parts(key, nelements: int, itemsize: int, partition_bytes: int) -> list[Part] | None:
+def plan_parts(key, shape: tuple, itemsize: int, partition_bytes: int) -> list[Part] | None:
     """The parts of a tensor, or None when it travels whole (small enough, or partitioning is off)."""
+    nelements = math.prod(shape)
     if partition_bytes <= 0 or nelements * itemsize <= partition_bytes:
         return None
-    per_part = max(1, partition_bytes // itemsize)
+    row = math.prod(shape[1:]) if len(shape) >= 2 else 1
+    if len(shape) < 2 or row * itemsize > partition_bytes:
+        row = 1                                  # no whole row fits: cut the flattened tensor
+    per_part = max(1, partition_bytes // (row * itemsize)) * row
     n = -(-nelements // per_part)
-    return [Part(f"{key}#{i}/{n}", i * per_part, min(nelements, (i + 1) * per_part)) for i in range(n)]
+    parts = []
+    for i in range(n):
+        start, stop = i * per_part, min(nelements, (i + 1) * per_part)
+        part_shape = ((stop - start) // row, *shape[1:]) if row > 1 else (stop - start,)
+        parts.append(Part(f"{key}#{i}/{n}", start, stop, part_shape))
+    return parts
 
 
-def flat_slices(array: np.ndarray, parts: list[Part]) -> list[np.ndarray]:
-    """Views of each part in a C-contiguous ``array`` (no copy)."""
+def part_views(array: np.ndarray, parts: list[Part]) -> list[np.ndarray]:
+    """Views of each part, in its own shape, of a C-contiguous ``array`` (no copy)."""
     flat = array.reshape(-1)
-    return [flat[p.start:p.stop] for p in parts]
+    return [flat[p.start:p.stop].reshape(p.shape) for p in parts]

@@ -6,7 +6,9 @@ initial model pulled) to the last step; set-up is reported apart. Definitions:
 * accuracy at a step = mean test accuracy over the workers that evaluated it; time to target = the time of
   the first such step at or above the target;
 * WAN bytes = bytes the roles handed to the network between different DCs (the emulator counts the same);
-  per step = training-phase bytes / steps, the training phase cut from the emulator's per-second series;
+  per step = bytes after the *last* worker finished set-up / the steps taken after that moment, cut from the
+  emulator's per-second series (from the first worker's set-up, another DC's initial model download, dense
+  and one-time, would be charged to the steps);
 * compression ratio = the dense fp32 bytes the same protocol would move per step (one model copy up and one
   down per DC in HiPS, per worker in the flat topology) / the measured WAN bytes per step;
 * compute utilization = share of the workers' training time not spent waiting for the network;
@@ -58,11 +60,15 @@ def summarize(run: Run, target_acc: float | None = None) -> dict:
     curve = accuracy_curve(run)
     reached = next(((s, t) for s, t, a in curve if target_acc is not None and a >= target_acc), None)
     link_bytes = training_link_bytes(run, ready_t)
-    up = sum(v for (src, dst), v in link_bytes.items() if dst == CENTRAL_DC and src != dst)
-    down = sum(v for (src, dst), v in link_bytes.items() if src == CENTRAL_DC and src != dst)
+    all_ready_t = max((w.ready_t for w in run.workers), default=0.0)
+    steady = training_link_bytes(run, all_ready_t) if run.links else link_bytes
+    steady_steps = max((sum(t > all_ready_t for t in w.times) for w in run.workers), default=0) \
+        if run.links else steps
+    up = sum(v for (src, dst), v in steady.items() if dst == CENTRAL_DC and src != dst)
+    down = sum(v for (src, dst), v in steady.items() if src == CENTRAL_DC and src != dst)
     senders = len(m.get("dcs", [])) if m.get("topology") == "hips" else len(run.workers)
     dense_per_step = 2 * run.dense_bytes * senders if run.dense_bytes else None
-    per_step = (up + down) / steps if steps else math.nan
+    per_step = (up + down) / steady_steps if steady_steps else math.nan
     compute = mean(w.compute_s for w in run.workers) if run.workers else math.nan
     utilization = mean(w.compute_s / max(1e-9, w.elapsed_s - w.ready_elapsed_s) for w in run.workers) \
         if run.workers else math.nan
@@ -76,8 +82,9 @@ def summarize(run: Run, target_acc: float | None = None) -> dict:
         "final_acc": curve[-1][2] if curve else math.nan, "best_acc": max((a for _, _, a in curve), default=math.nan),
         "target_acc": target_acc, "time_to_target_s": reached[1] - ready_t if reached else None,
         "steps_to_target": reached[0] if reached else None,
-        "wan_bytes_total": run.wan_bytes("all"), "wan_bytes_up_per_step": up / steps if steps else math.nan,
-        "wan_bytes_down_per_step": down / steps if steps else math.nan, "wan_bytes_per_step": per_step,
+        "wan_bytes_total": run.wan_bytes("all"),
+        "wan_bytes_up_per_step": up / steady_steps if steady_steps else math.nan,
+        "wan_bytes_down_per_step": down / steady_steps if steady_steps else math.nan, "wan_bytes_per_step": per_step,
         "dense_bytes": run.dense_bytes,
         "compression_ratio": dense_per_step / per_step if dense_per_step and per_step else math.nan,
         "compute_s": compute, "compute_utilization": utilization, "wire_s": wire, "round_trips_s": steps * rtt,

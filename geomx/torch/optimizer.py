@@ -15,6 +15,14 @@ worker starts from the same model. Two modes:
 * server-side update (``update_on_server=True``, set on the master worker): the global servers run the
   wrapped optimizer's class and hyper-parameters and workers receive weights; the local optimizer is unused.
 
+Synchronization (``sync=``, or ``geomx launch --sync``, see geomx.sync): ``"fsa"`` (default) pushes every
+gradient as above; ``"hfa"`` and ``"diloco"`` step locally with the wrapped optimizer and average models
+every K1 steps in the DC and every K1 x K2 steps across DCs (``num_samples``: this worker's training
+samples, its weight in the averages); ``"dga"`` steps on the average of D steps ago, corrected; ``"esync"``
+lets faster workers take more local steps per round (count the run's length in :attr:`progress`). A worker
+started with ``GEOMX_SLOWDOWN=F`` (``geomx launch --slowdown``) makes every step take F times its compute time
+(geomx.sync.slowdown).
+
 Tuning: gradients are pushed with priority ``-index`` (first layers first), so the tensors the next forward
 pass needs first travel first on a congested link. ``backward_passes_per_step`` > 1 accumulates several
 backward passes locally before pushing (fewer, larger WAN rounds).
@@ -28,12 +36,15 @@ import torch
 
 from geomx import metrics
 from geomx.errors import ConfigError
+from geomx.sync import create as create_sync
+from geomx.sync.slowdown import Slowdown
 
 
 class DistributedOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]] | None = None, *,
-                 kvstore=None, update_on_server: bool = False, backward_passes_per_step: int = 1) -> None:
+                 kvstore=None, update_on_server: bool = False, backward_passes_per_step: int = 1, sync=None,
+                 num_samples: float | None = None) -> None:
         if backward_passes_per_step < 1:
             raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if kvstore is None:
@@ -46,6 +57,14 @@ class DistributedOptimizer:
         self._handles: dict[int, object] = {}
         self._passes: dict[int, int] = {}
         self.comm_wait_s = 0.0      # time step() spent waiting for the network (cumulative)
+        self.sync = create_sync(sync)    # None: FSA / MixedSync (gradients pushed from hooks); else a policy
+        if self.sync is not None and update_on_server:
+            raise ConfigError(f"{self.sync!r} updates on the workers; it cannot run with update_on_server")
+        if self.sync is not None and backward_passes_per_step != 1:
+            raise ConfigError(f"{self.sync!r} steps on every step() call; accumulate gradients yourself instead of "
+                              f"backward_passes_per_step={backward_passes_per_step}")
+        self.slowdown = Slowdown.from_env()
+        self.steps_taken = 0        # step() calls
         if update_on_server and kvstore.is_master_worker:
             kvstore.set_optimizer(optimizer)
         names = [n for n, _ in self.params]
@@ -55,10 +74,21 @@ class DistributedOptimizer:
         self.server_updates = kvstore.server_updates
         if update_on_server and not self.server_updates and kvstore.is_master_worker:
             raise ConfigError("update_on_server=True but the global servers run no optimizer")
-        for _, p in self.params:
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._on_grad)
+        if self.sync is not None:
+            self.sync.setup(kvstore, self.params, num_samples=num_samples)
+        else:
+            for _, p in self.params:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._on_grad)
         metrics.ready()
+        self.slowdown.compute_starts()
+
+    @property
+    def progress(self) -> int:
+        """Training progress in steps, to measure a run's length by: step() calls, except with ESync, where
+        workers take different numbers of local steps per round and a round counts as the slowest worker's."""
+        progress = getattr(self.sync, "progress", None)
+        return self.steps_taken if progress is None else progress
 
     # the wrapped optimizer's API ---------------------------------------------------------------------------
     @property
@@ -71,6 +101,7 @@ class DistributedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.slowdown.compute_starts()
 
     def state_dict(self):
         return self.optimizer.state_dict()
@@ -82,6 +113,14 @@ class DistributedOptimizer:
         """Wait for every parameter's result, then update (locally, or by copying the servers' weights)."""
         if closure is not None:
             raise ConfigError("DistributedOptimizer.step does not take a closure")
+        compute = self.slowdown.pause()
+        self.steps_taken += 1
+        if self.sync is not None:
+            waited = self.sync.step(self.optimizer, compute_s=compute)
+            self.comm_wait_s += waited
+            metrics.add_comm_wait(waited)
+            self.slowdown.compute_starts()
+            return
         results = self.synchronize()
         with torch.no_grad():
             for (_, p), value in zip(self.params, results):
@@ -93,6 +132,7 @@ class DistributedOptimizer:
                     p.grad = value if value.device == p.device else value.to(p.device)
         if not self.server_updates:
             self.optimizer.step()
+        self.slowdown.compute_starts()
 
     def synchronize(self) -> list:
         """Push what backward did not push (parameters without a gradient this step push zeros, so the

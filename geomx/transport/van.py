@@ -24,6 +24,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections import defaultdict
 from typing import Callable, Iterator, Sequence
 
@@ -67,6 +68,9 @@ def keep_freed_buffers() -> None:
         log.debug("allocator thresholds left as they are: %s", exc)
 
 
+STALL_S = 0.5
+
+
 def tcp_address(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
@@ -103,6 +107,11 @@ class Van:
         self._bind_host = bind_host or host
         self._port = port
         self._on_message = on_message
+        # when the handler now running started (None between messages), and when the last handler that ran
+        # longer than STALL_S ended: a node whose own receive thread was stuck (importing torch on a loaded
+        # machine takes seconds) read nothing meanwhile, so it must not blame its peers' silence
+        self.handling_since: float | None = None
+        self.last_stall_end = 0.0
         self._emulator = emulator
         self._ctx = context or zmq.Context.instance()
         self._security = security
@@ -246,10 +255,16 @@ class Van:
             log.warning("%s dropped a malformed message from peer %r: %s", self.node_id, bytes(peer.bytes[:32]),
                         error)
             return
+        self.handling_since = start = time.monotonic()
         try:
             self._on_message(msg)
         except Exception:  # a handler bug must not kill the node's receive loop
             log.exception("%s failed to handle %r from %s", self.node_id, msg.op, msg.src)
+        finally:
+            self.handling_since = None
+            end = time.monotonic()
+            if end - start > STALL_S:
+                self.last_stall_end = end
 
     def _targets(self, header: dict) -> Sequence[np.ndarray | None]:
         if self.receive_into is None or not header["t"]:

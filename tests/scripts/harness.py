@@ -40,11 +40,12 @@ def write_script(directory: Path, text: str, name: str = "train.py") -> Path:
 
 
 def make_topology(*, dcs: int = 2, workers_per_dc=2, global_servers: int = 1, mode: str = "dist_sync",
-                  topology: str = "hips", wan: str = "lan", env: dict | None = None):
+                  topology: str = "hips", wan: str = "lan", env: dict | None = None, **flags):
+    """``flags``: further ``load_topology`` arguments (slowdown, sync, ...)."""
     from geomx.cli.topology import load_topology
 
     topo = load_topology(None, dcs=dcs, workers_per_dc=workers_per_dc, global_servers=global_servers, mode=mode,
-                         topology=topology, wan=wan)
+                         topology=topology, wan=wan, **flags)
     topo.env.update(DEFAULT_ENV)
     topo.env.update(env or {})
     return topo
@@ -52,7 +53,7 @@ def make_topology(*, dcs: int = 2, workers_per_dc=2, global_servers: int = 1, mo
 
 def launch(tmp_path: Path, script: str | Path, *, dcs: int = 2, workers_per_dc=2, global_servers: int = 1,
            mode: str = "dist_sync", topology: str = "hips", wan: str = "lan", env: dict | None = None,
-           timeout: float = 90, name: str = "run", edit_plan=None, watch=None) -> tuple[int, Path, str]:
+           timeout: float = 90, name: str = "run", edit_plan=None, watch=None, **flags) -> tuple[int, Path, str]:
     """Run ``script`` (its text, or a path) on a whole deployment; returns (exit code, run dir, output).
 
     ``edit_plan(specs)`` may change the planned processes (e.g. one role's environment) before they start.
@@ -61,7 +62,7 @@ def launch(tmp_path: Path, script: str | Path, *, dcs: int = 2, workers_per_dc=2
     """
     path = Path(script) if isinstance(script, Path) else write_script(tmp_path / f"{name}-script", script)
     topo = make_topology(dcs=dcs, workers_per_dc=workers_per_dc, global_servers=global_servers, mode=mode,
-                         topology=topology, wan=wan, env=env)
+                         topology=topology, wan=wan, env=env, **flags)
     from geomx.cli import launch as launch_mod
 
     run_dir = tmp_path / name

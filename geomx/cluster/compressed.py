@@ -1,0 +1,237 @@
+"""Gradient compression on the wire: a client encodes its pushes and decodes replies, a server decodes
+pushes and encodes replies. The codecs themselves are ``geomx.compression`` (numpy only, imports nothing from
+this layer); this module decides which stream of values each codec instance and its memory serve.
+
+What travels where (docs/compression.md has the user's view):
+
+* **Push** (client -> server): the client's gradient, ``compress``-ed with the tier's codec for the key
+  (error feedback on the client for biased codecs; DGC and PowerSGD keep their own memory). A sender that
+  pushes the sum of ``count`` workers (a local server) sends the mean and the receiver multiplies back, so
+  16-bit codecs never overflow on a sum (PyTorch's ``fp16_compress_hook`` divides first for the same
+  reason). The server decodes to dense float32 and sums in fp32.
+* **Reply** (server -> client), the bidirectional half, with the tier's codec's ``downlink`` form (DGC's
+  momentum belongs to the workers, so its downlink is the sparsifier alone). Every stream is an *increment*
+  stream with memory, so nothing the server holds is dropped for good, only delayed:
+
+  - the mean gradient of a synchronous round (no server optimizer): one stream per key, encoded once per
+    round and sent to every client (they must all apply the same gradient);
+  - gradients in ``dist_async`` (each client reads what was applied since its last read): one stream per
+    key and client;
+  - weights (server optimizer): one stream per key and client carrying the weight *change* since that
+    client's last reply; the client adds it to its replica. Without compression the weights travel whole.
+
+  A value the client already holds (the init value, a pull before any push) travels dense.
+
+Compressed messages carry ``cm = {"c": codec name, "m": codec meta, "n": count}`` in their fields and the
+payload's arrays as tensors; uncompressed ones are unchanged (zero-copy). Only float32 and float16 keys are
+compressed.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Any, Hashable
+
+import numpy as np
+
+from geomx.compression import Codec, CodecState, CompressionPolicy, ErrorFeedback, Payload
+
+CODEC_FIELD = "cm"
+
+
+class WireError(ValueError):
+    """A compressed payload that cannot be decoded (wrong codec, shape, indices)."""
+
+
+def compressible(dtype: np.dtype) -> bool:
+    """float32 and float16 keys; float64 is a user's request for precision (and carries the bookkeeping of
+    geomx.sync), integers are counts: both travel as they are."""
+    return np.dtype(dtype) in (np.dtype(np.float32), np.dtype(np.float16))
+
+
+def _seed(key: Hashable, salt: str) -> int:
+    # from names, not addresses: a synchronous run with sampled codecs repeats exactly
+    return zlib.crc32(f"{salt}/{key!r}".encode())
+
+
+def dense_push(value: np.ndarray, count: int, dtype: np.dtype) -> tuple[list[np.ndarray], dict]:
+    """An uncompressed push in the key's dtype. A sum (fp32) of ``count`` workers for a 16-bit key travels as
+    their mean with ``n = count`` (the receiver multiplies back in fp32): 2 x 40000 overflows fp16, the mean
+    does not."""
+    if value.dtype == dtype:
+        return [value], {}
+    if count == 1 or not (np.issubdtype(dtype, np.floating) and np.dtype(dtype).itemsize < 4):
+        return [value.astype(dtype)], {}         # integer sums stay exact sums
+    return [np.divide(value, count, dtype=np.float32).astype(dtype)], {"n": count}
+
+
+def _sender_count(fields: dict) -> int:
+    """How many workers' gradients a pushed mean stands for (1 without ``n``)."""
+    count = fields.get("n", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise WireError(f"bad sender count {count!r}")
+    return count
+
+
+def scale_dense(value: np.ndarray, fields: dict) -> np.ndarray:
+    """The fp32 sum a :func:`dense_push` of a mean stands for (``value`` itself without ``n``)."""
+    count = _sender_count(fields)
+    return value if count == 1 else np.multiply(value, np.float32(count), dtype=np.float32)
+
+
+class Stream:
+    """Successive values of one key towards one receiver (or a group that applies the same values)."""
+
+    def __init__(self, codec: Codec, seed: int, *, always_feedback: bool = False) -> None:
+        self.codec = codec
+        self.state = CodecState(seed=seed)
+        # weight changes keep a residual even for unbiased codecs: a replica must not random-walk away
+        feedback = codec.needs_error_feedback or (always_feedback and not codec.has_own_memory)
+        self.feedback = ErrorFeedback(codec=codec) if feedback else None
+
+    def encode(self, x: np.ndarray, count: int = 1) -> tuple[list[np.ndarray], dict[str, Any]]:
+        if count != 1:
+            x = np.multiply(x, np.float32(1.0 / count), dtype=np.float32)
+        payload = (self.feedback.compress(0, x, self.state) if self.feedback is not None
+                   else self.codec.compress(x, self.state))
+        return payload.arrays, {CODEC_FIELD: {"c": self.codec.name, "m": payload.meta, "n": count}}
+
+
+def decode(codec: Codec, cm: Any, tensors: list[np.ndarray], shape: tuple) -> np.ndarray:
+    """A compressed payload -> dense float32 of ``shape``; WireError names what is wrong."""
+    if not isinstance(cm, dict) or not isinstance(cm.get("m"), dict):
+        raise WireError("malformed compression field")
+    if cm.get("c") != codec.name:
+        raise WireError(f"compressed with {cm.get('c')!r}, but the compression policy gives {codec.name!r}")
+    meta, count = cm["m"], _sender_count(cm)
+    sent_shape = meta.get("shape")
+    if not isinstance(sent_shape, list) or tuple(sent_shape) != tuple(shape):
+        raise WireError(f"compressed tensor has shape {sent_shape!r}, the key {tuple(shape)}")
+    try:
+        dense = codec.decompress(Payload(list(tensors), dict(meta)))
+    except (ValueError, TypeError, IndexError, KeyError) as exc:
+        raise WireError(f"undecodable {codec.name} payload: {exc}") from None
+    if count != 1:
+        dense = dense * np.float32(count)
+    return dense
+
+
+class _Side:
+    def __init__(self, policy: CompressionPolicy, tier: str, salt: str) -> None:
+        self.policy, self.tier, self.salt = policy, tier, salt
+        self._codecs: dict[Hashable, Codec | None] = {}
+
+    def codec(self, key, shape, dtype) -> Codec | None:
+        """The key's push codec on this tier, or None where it travels as it is."""
+        try:
+            return self._codecs[key]
+        except KeyError:
+            pass
+        codec = None
+        if compressible(np.dtype(dtype)):
+            codec = self.policy.codec_for(self.tier, key, int(np.prod(shape, dtype=np.int64)))
+        self._codecs[key] = codec = None if codec is None or codec.name == "none" else codec
+        return codec
+
+
+class ClientWire(_Side):
+    """A client's half: encodes pushes, decodes replies (and keeps weight replicas where replies are
+    weight changes). ``weights``: the servers answer with weights (a server optimizer runs)."""
+
+    def __init__(self, policy: CompressionPolicy, tier: str, *, weights: bool, salt: str) -> None:
+        super().__init__(policy, tier, salt)
+        self.weights = weights
+        self._push: dict[Hashable, Stream] = {}
+        self._replica: dict[Hashable, np.ndarray] = {}
+
+    def encode_push(self, key, value: np.ndarray, dtype: np.dtype, count: int = 1) -> tuple[list, dict]:
+        """``value``: a gradient of the key (or an fp32 sum of ``count`` workers' gradients)."""
+        codec = self.codec(key, value.shape, dtype)
+        if codec is None:
+            return dense_push(value, count, dtype)
+        stream = self._push.get(key)
+        if stream is None:
+            stream = self._push[key] = Stream(codec, _seed(key, self.salt))
+        return stream.encode(value, count)
+
+    def note_dense(self, key, value: np.ndarray) -> None:
+        """A dense value from the server (init): the replica that weight changes apply to."""
+        if self.weights and self.codec(key, value.shape, value.dtype) is not None:
+            self._replica[key] = value
+
+    def decode_reply(self, key, fields: dict, tensors: list[np.ndarray], shape, dtype) -> np.ndarray:
+        cm = fields.get(CODEC_FIELD)
+        if cm is None:
+            value = tensors[0]
+            self.note_dense(key, value)
+            return value
+        codec = self.codec(key, shape, dtype)
+        if codec is None:
+            raise WireError(f"a compressed reply for key {key!r}, which travels uncompressed here")
+        dense = decode(codec.downlink(), cm, tensors, shape)
+        if self.weights:
+            replica = self._replica.get(key)
+            if replica is None:
+                raise WireError(f"a weight change for key {key!r} before its weights")
+            dense = np.add(replica, dense, dtype=np.float32)    # a new array: earlier results stay intact
+            self._replica[key] = dense
+        return dense.astype(dtype, copy=False)
+
+
+class ServerWire(_Side):
+    """A server's half: decodes pushes, encodes replies (see the module docstring for the streams).
+    ``weights``: replies are weights; ``per_client``: each client reads its own values (dist_async)."""
+
+    def __init__(self, policy: CompressionPolicy, tier: str, *, weights: bool, per_client: bool,
+                 salt: str) -> None:
+        super().__init__(policy, tier, salt)
+        self.weights, self.per_client = weights, per_client or weights
+
+    def decode_push(self, st, fields: dict, tensors: list[np.ndarray]) -> np.ndarray | None:
+        """The dense float32 push, or None when it came uncompressed. Raises WireError."""
+        cm = fields.get(CODEC_FIELD)
+        if cm is None:
+            return None
+        codec = self.codec(st.key, st.shape, st.dtype)
+        if codec is None:
+            raise WireError(f"key {st.key!r} travels uncompressed ({st.describe()}), but the push is compressed")
+        return decode(codec, cm, tensors, st.shape)
+
+    def on_new_value(self, st, value: np.ndarray) -> None:
+        """A synchronous round's mean gradient: encode it once for every client."""
+        codec = self.codec(st.key, st.shape, st.dtype)
+        if codec is None or self.per_client:
+            return
+        stream = st.state.get("down")
+        if stream is None:
+            stream = st.state["down"] = Stream(codec.downlink(), _seed(st.key, self.salt))
+        st.state["down_sent"] = (value, *stream.encode(value))
+
+    def note_dense(self, st, src: str, value: np.ndarray) -> None:
+        """``value`` went to ``src`` whole (init): weight changes for ``src`` start from it."""
+        if self.weights:
+            st.state.setdefault("seen", {})[src] = value
+
+    def encode_reply(self, st, src: str, value: np.ndarray) -> tuple[list[np.ndarray], dict]:
+        codec = self.codec(st.key, st.shape, st.dtype)
+        if codec is None:
+            return [value], {}
+        if not self.per_client or (not self.weights and value is st.value):
+            # a round's mean gradient, encoded once by on_new_value; or the value the client already holds
+            sent = st.state.get("down_sent")
+            if sent is not None and sent[0] is value:
+                return sent[1], sent[2]
+            return [value], {}
+        streams = st.state.setdefault("down_streams", {})
+        stream = streams.get(src)
+        if stream is None:
+            stream = streams[src] = Stream(codec.downlink(), _seed(st.key, f"{self.salt}/{src}"),
+                                           always_feedback=self.weights)
+        if self.weights:
+            seen = st.state.setdefault("seen", {})
+            last = seen.get(src)
+            if last is None:                # no weights went to src yet: send them whole
+                seen[src] = value
+                return [value], {}
+            seen[src] = value               # values are never mutated once set: a reference suffices
+            value = np.subtract(value, last, dtype=np.float32)
+        return stream.encode(value)

@@ -1,0 +1,40 @@
+"""DC-only rounds at a local server: HFA's intra-DC averages, answered without crossing the WAN.
+
+A worker sends ``dc_pushpull`` (``kv.pushpull(..., scope="dc")``); when every worker of the DC has sent its
+n-th one for a key, each of them receives the sum of the n-th values. Workers pre-scale what they push (by
+their share of the DC's samples), so the sum is the DC's weighted mean. These rounds are counted apart from
+the key's ordinary rounds: they never touch the key's value, so a later pull is unaffected.
+"""
+from __future__ import annotations
+
+from geomx.cluster.kvserver import KVServer, Refused, Round
+from geomx.cluster.postoffice import NodeInfo
+from geomx.transport.message import Message
+
+OP = "dc_pushpull"
+
+
+class DCRounds:
+    def __init__(self, server: KVServer) -> None:
+        self.server = server
+        self.counts: dict[tuple, int] = {}                       # (key, client) -> DC rounds pushed
+        self.open: dict[tuple, tuple[Round, list[Message]]] = {}  # (key, n) -> (sum so far, requests held)
+
+    def on_push(self, msg: Message, client: NodeInfo) -> None:
+        server = self.server
+        st = server.key_state(msg)
+        if st.value is None:
+            raise Refused(f"DC-only pushpull of key {st.key!r} before its initialization finished")
+        value = server.single_tensor(msg)
+        server.check_value(st, value, "DC-only pushpull")
+        if client.tier_role != "worker" or client.kind == "master":
+            raise Refused(f"{client.label} does not train; only workers take part in DC rounds")
+        n = self.counts[(st.key, msg.src)] = self.counts.get((st.key, msg.src), 0) + 1
+        rnd, held = self.open.setdefault((st.key, n), (Round(), []))
+        rnd.add(msg.src, value, msg.priority)
+        held.append(msg)
+        if len(rnd.contributors) == server.expected_contributors(st):
+            del self.open[(st.key, n)]
+            total = rnd.total.astype(st.dtype, copy=False)
+            for request in held:
+                server.reply(request, tensors=[total])

@@ -1,0 +1,62 @@
+"""DGA, delayed gradient averaging (Zhu et al., NeurIPS 2021), run by each worker in ``DistributedOptimizer``.
+
+Every step a worker pushes its gradient g_t and goes on without waiting: the global average of step t is
+applied D steps later, when the communication has had D steps of compute to hide behind. To keep the
+model on the averaged trajectory, the worker swaps its own stale gradient for the average (the correction):
+
+    step with   g_t - g_{t-D} + mean(g_{t-D})        (the first D steps: g_t alone, nothing has arrived)
+
+With D = 0 this is FSA exactly (the mean itself); the wrapped optimizer (SGD, Adam...) takes the corrected
+gradient as its gradient. Rounds are ordinary FSA rounds of the servers (dist_sync, no server optimizer).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from geomx.sync.settings import check, require_worker_side_sync
+
+
+class DGA:
+    name = "dga"
+
+    def __init__(self, *, delay: int = 1) -> None:
+        self.delay = check(self.name, {"delay": delay}).delay
+        self.in_flight: deque = deque()     # per step: [(handle, own gradient, buffer the mean lands in)]
+        self.steps = 0
+
+    def __repr__(self) -> str:
+        return f"DGA(delay={self.delay})"
+
+    def setup(self, kv, params: list[tuple[str, torch.nn.Parameter]], *, num_samples: float | None = None) -> None:
+        require_worker_side_sync(kv, "dga", "averages gradients")
+        self.kv = kv
+        self.params = [(n, p) for n, p in params if p.requires_grad]
+
+    def step(self, optimizer: torch.optim.Optimizer, *, compute_s: float = 0.0) -> float:
+        sent = []
+        for i, (name, p) in enumerate(self.params):
+            own = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+            buf = own.cpu().clone()              # sent zero-copy, then overwritten by the mean
+            sent.append((self.kv.pushpull(name, buf, out=buf, priority=-i), own, buf))
+        self.in_flight.append(sent)
+        self.steps += 1
+        waited = 0.0
+        if len(self.in_flight) > self.delay:
+            started = time.perf_counter()
+            arrived = self.in_flight.popleft()
+            for h, _, _ in arrived:
+                h.wait()
+            waited = time.perf_counter() - started
+            with torch.no_grad():
+                for (_, p), (_, stale, mean) in zip(self.params, arrived):
+                    mean = mean.to(p.device)
+                    if self.delay == 0:       # the mean itself: bit for bit FSA
+                        p.grad = mean
+                    else:                     # swap the stale own gradient for the mean
+                        current = p.grad.detach() if p.grad is not None else torch.zeros_like(p)
+                        p.grad = current.sub(stale).add_(mean)
+        optimizer.step()
+        return waited

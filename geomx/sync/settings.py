@@ -1,0 +1,137 @@
+"""Which synchronization algorithm a deployment runs, and its options: from the environment (what workers
+read), from ``geomx launch`` flags or the TOML ``sync`` table (turned into that environment). No torch here,
+so the launcher can validate a configuration before it starts anything.
+
+==========  ==================================================================================================
+algorithm   what a worker does
+==========  ==================================================================================================
+``fsa``     push every gradient, step on the mean over all workers (default; MixedSync is ``--mode dist_async``)
+``hfa``     K1 local steps, then a DC-wide model average; every K2 DC averages a global model average
+``diloco``  as hfa, but the global average feeds an outer optimizer (Nesterov SGD) instead of replacing the model
+``dga``     push every gradient but step on the average from D steps ago, corrected (communication overlaps D steps)
+``esync``   faster workers take more local steps per round, so all reach the global average together
+==========  ==================================================================================================
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+from geomx.errors import ConfigError
+
+ALGORITHMS = ("fsa", "hfa", "diloco", "dga", "esync")
+WEIGHTINGS = ("samples", "equal")
+
+# option -> (environment variable, type, default); GeoMX's names where GeoMX has the option
+OPTIONS = {
+    "k1": ("MXNET_KVSTORE_HFA_K1", int, 1),
+    "k2": ("MXNET_KVSTORE_HFA_K2", int, 1),
+    "weights": ("GEOMX_HFA_WEIGHTS", str, "samples"),
+    "outer_lr": ("GEOMX_DILOCO_LR", float, 0.7),
+    "outer_momentum": ("GEOMX_DILOCO_MOMENTUM", float, 0.9),
+    "delay": ("GEOMX_DGA_DELAY", int, 1),
+    "steps": ("GEOMX_ESYNC_STEPS", int, 1),
+}
+ALGORITHM_OPTIONS = {"fsa": (), "hfa": ("k1", "k2", "weights"),
+                     "diloco": ("k1", "k2", "weights", "outer_lr", "outer_momentum"), "dga": ("delay",),
+                     "esync": ("steps",)}
+SYNC_ENV = "GEOMX_SYNC"
+GEOMX_HFA_ENV = "MXNET_KVSTORE_USE_HFA"
+
+
+@dataclass(frozen=True)
+class SyncSettings:
+    algorithm: str = "fsa"
+    k1: int = 1
+    k2: int = 1
+    weights: str = "samples"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    delay: int = 1
+    steps: int = 1
+
+    def options(self) -> dict:
+        return {k: getattr(self, k) for k in ALGORITHM_OPTIONS[self.algorithm]}
+
+
+def check(algorithm: str, options: Mapping, where: str = "") -> SyncSettings:
+    """Validate ``options`` of ``algorithm`` (errors name the option and its variable)."""
+    if algorithm not in ALGORITHMS:
+        raise ConfigError(f"unknown synchronization algorithm {algorithm!r}{where}; algorithms: "
+                          f"{', '.join(ALGORITHMS)}")
+    unknown = set(options) - set(ALGORITHM_OPTIONS[algorithm])
+    if unknown:
+        raise ConfigError(f"synchronization {algorithm!r}{where} takes no option(s) {sorted(unknown)}; it takes "
+                          f"{list(ALGORITHM_OPTIONS[algorithm]) or 'none'}")
+    values = {}
+    for name, raw in options.items():
+        var, kind, _ = OPTIONS[name]
+        values[name] = _convert(raw, kind, f"{algorithm} option {name} ({var}){where}")
+    s = SyncSettings(algorithm=algorithm, **values)
+    for name in ("k1", "k2"):
+        if getattr(s, name) < 1:
+            raise ConfigError(f"{algorithm} {name.upper()} ({OPTIONS[name][0]}){where} must be >= 1 (local steps "
+                              f"per DC average / DC averages per global average), got {getattr(s, name)}")
+    if s.steps < 1:
+        raise ConfigError(f"esync steps ({OPTIONS['steps'][0]}){where}: local steps of the slowest worker per round "
+                          f"must be >= 1, got {s.steps}")
+    if s.delay < 0:
+        raise ConfigError(f"dga delay D ({OPTIONS['delay'][0]}){where} must be >= 0 steps, got {s.delay}")
+    if s.weights not in WEIGHTINGS:
+        raise ConfigError(f"{algorithm} weights ({OPTIONS['weights'][0]}){where} must be one of "
+                          f"{', '.join(WEIGHTINGS)}, got {s.weights!r}")
+    if not s.outer_lr > 0:
+        raise ConfigError(f"diloco outer_lr ({OPTIONS['outer_lr'][0]}){where} must be > 0, got {s.outer_lr}")
+    if not 0 <= s.outer_momentum < 1:
+        raise ConfigError(f"diloco outer_momentum ({OPTIONS['outer_momentum'][0]}){where} must be in [0, 1), got "
+                          f"{s.outer_momentum}")
+    return s
+
+
+def settings_from_env(env: Mapping[str, str] | None = None) -> SyncSettings:
+    """``GEOMX_SYNC`` (or GeoMX's ``MXNET_KVSTORE_USE_HFA=1``) and the chosen algorithm's option variables."""
+    env = os.environ if env is None else env
+    algorithm = (env.get(SYNC_ENV) or "").strip()
+    if not algorithm:
+        algorithm = "hfa" if env.get(GEOMX_HFA_ENV, "").strip().lower() in ("1", "true", "yes") else "fsa"
+    if algorithm not in ALGORITHMS:
+        raise ConfigError(f"{SYNC_ENV}={algorithm!r} is not a synchronization algorithm; algorithms: "
+                          f"{', '.join(ALGORITHMS)}")
+    options = {name: env[OPTIONS[name][0]] for name in ALGORITHM_OPTIONS[algorithm]
+               if env.get(OPTIONS[name][0], "").strip()}
+    return check(algorithm, options)
+
+
+def launch_env(table: Mapping, where: str = "") -> dict[str, str]:
+    """The launcher's ``sync`` table (``{"algorithm": "hfa", "k1": 20, "k2": 10}``) -> every role's environment.
+    HFA also sets GeoMX's own variables, so a GeoMX script reading them sees the same configuration."""
+    table = dict(table)
+    algorithm = str(table.pop("algorithm", "hfa" if table else "fsa"))
+    s = check(algorithm, table, where)
+    env = {SYNC_ENV: s.algorithm}
+    env.update({OPTIONS[k][0]: str(v) for k, v in s.options().items()})
+    if s.algorithm in ("hfa", "diloco"):
+        env[GEOMX_HFA_ENV] = "1"
+    return env
+
+
+def _convert(raw, kind, what: str):
+    if kind is int:
+        if isinstance(raw, bool) or not (isinstance(raw, int) or (isinstance(raw, str) and raw.strip().lstrip("-")
+                                                                   .isdigit())):
+            raise ConfigError(f"{what} must be a whole number, got {raw!r}")
+        return int(raw)
+    if kind is float:
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{what} must be a number, got {raw!r}") from None
+    return str(raw)
+
+
+def require_worker_side_sync(kv, name: str, what: str) -> None:
+    """Worker-side policies need synchronous rounds and gradients (or models) back, not server weights."""
+    if kv.type != "dist_sync" or kv.server_updates:
+        raise ConfigError(f"{name} {what} synchronously on the workers: it needs a dist_sync kvstore without a "
+                          f"server optimizer")

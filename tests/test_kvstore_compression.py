@@ -1,0 +1,188 @@
+"""Gradient compression on real deployments: both tiers, both directions, with and without a server optimizer.
+
+The property every test leans on: compression with memory delays values but never drops them. Each script
+pushes STEPS real gradients, then FLUSH all-zero gradients; by then every residual on every hop (worker,
+local server, global server, both directions) has been sent, so what the workers received adds up to what
+uncompressed training would have delivered, up to float32 rounding. Top-k at ratio 1/4 is exact and
+deterministic in its count, so FLUSH = 32 rounds drains five hops with room to spare.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import kvhelp
+from harness import check_ok, launch, load_npz
+
+SEED = 99
+KEYS = {"w": (40, 25), "b": (30,), 3: (600,)}
+STEPS, FLUSH = 5, 32
+DCS, PER_DC = 2, 2
+N = DCS * PER_DC
+LR = 0.5
+
+SCRIPT = """
+import json, os
+import numpy as np
+import geomx
+import kvhelp as h
+
+SEED, STEPS, FLUSH, LR = {SEED}, {STEPS}, {FLUSH}, {LR}
+KEYS = {KEYS!r}
+spec = json.loads(os.environ["TEST_COMPRESSION"])
+server_opt = os.environ.get("TEST_SERVER_OPT") == "1"
+
+kv = geomx.kvstore.create()
+me = h.worker_index()
+kv.set_gradient_compression(spec)                  # every worker calls it, GeoMX style; the master's counts
+if server_opt:
+    kv.set_optimizer("SGD", lr=LR)
+keys = list(KEYS)
+kv.init(keys, [h.value(0, k, KEYS[k]) for k in keys])
+if kv.is_master_worker:
+    raise SystemExit(0)
+total = {{k: np.zeros(s, np.float64) for k, s in KEYS.items()}}
+last = {{}}
+for step in range(STEPS + FLUSH):
+    if step == STEPS:
+        kv.barrier(global_=True)      # dist_async: every DC's real gradients are applied before the flush
+    for k, s in KEYS.items():
+        g = h.grad(SEED, me, step, k, s) if step < STEPS else np.zeros(s, np.float32)
+        out = kv.pushpull(k, g).wait()
+        total[k] += out
+        last[k] = np.array(out)
+h.save(f"total-{{me}}", {{repr(k): v for k, v in total.items()}})
+h.save(f"last-{{me}}", {{repr(k): v for k, v in last.items()}})
+"""
+
+
+def gradient(index: int, step: int, key) -> np.ndarray:
+    return kvhelp.grad(SEED, index, step, key, KEYS[key]).astype(np.float64)
+
+
+def mean_gradient_sum(key) -> np.ndarray:
+    return sum(gradient(i, s, key) for i in range(N) for s in range(STEPS)) / N
+
+
+def _run(tmp_path_factory, name, spec, *, mode="dist_sync", server_opt=False, global_servers=2, **kw):
+    tmp = tmp_path_factory.mktemp(name)
+    script = SCRIPT.format(SEED=SEED, STEPS=STEPS, FLUSH=FLUSH, LR=LR, KEYS=KEYS)
+    env = {"TEST_COMPRESSION": json.dumps(spec), "TEST_SERVER_OPT": "1" if server_opt else "0"}
+    return check_ok(launch(tmp, script, dcs=DCS, workers_per_dc=PER_DC, global_servers=global_servers, mode=mode,
+                           env=env, timeout=120, **kw))
+
+
+TOPK_BOTH_TIERS = {"lan": {"type": "topk", "ratio": 0.25}, "wan": {"type": "topk", "ratio": 0.25},
+                   "size_lower_bound": 0}
+
+
+@pytest.fixture(scope="module")
+def sync_topk(tmp_path_factory):
+    return _run(tmp_path_factory, "sync-topk", TOPK_BOTH_TIERS)
+
+
+def test_sync_topk_on_both_tiers_delivers_every_gradient_once_all_residuals_are_flushed(sync_topk):
+    for me in range(N):
+        total = load_npz(sync_topk, f"total-{me}")
+        for key in KEYS:
+            np.testing.assert_allclose(total[repr(key)], mean_gradient_sum(key), rtol=1e-4, atol=1e-4,
+                                       err_msg=f"worker {me}, key {key!r}")
+
+
+def test_sync_compressed_replies_are_identical_on_every_worker(sync_topk):
+    first = load_npz(sync_topk, "total-0")
+    for me in range(1, N):
+        other = load_npz(sync_topk, f"total-{me}")
+        for name in first:
+            np.testing.assert_array_equal(first[name], other[name], err_msg=f"worker {me}, {name}")
+
+
+def test_compression_changes_what_a_round_delivers_so_the_flush_test_is_not_vacuous(sync_topk):
+    # after the flush rounds the last reply is (nearly) zero, but the totals only match because of the
+    # flush: a single compressed round keeps 1/4 of the entries
+    for me in range(N):
+        last = load_npz(sync_topk, f"last-{me}")
+        assert all(np.count_nonzero(v) <= v.size // 4 + 1 for v in last.values())
+
+
+def fp16_rounding_bound(key) -> float:
+    """fp16 has no residual on the way up: each step's gradient is rounded twice (worker, DC mean), relative
+    error 2**-11 each; the weight changes coming down keep a residual, so they add one rounding at most."""
+    gmax = max(np.abs(gradient(i, s, key)).max() for i in range(N) for s in range(STEPS))
+    return (2 * LR * STEPS + 1) * gmax * 2.0 ** -11
+
+
+@pytest.mark.parametrize("spec", [TOPK_BOTH_TIERS, {"type": "fp16"}], ids=["topk", "fp16"])
+def test_server_sgd_with_compression_ends_at_the_weights_of_uncompressed_sgd(spec, tmp_path_factory):
+    """Weights mode: gradients go up compressed, weight changes come down compressed; plain SGD is linear, so
+    once every residual is flushed the weights equal w0 - lr * (sum of mean gradients): exactly (up to float32)
+    for top-k with its residuals, within fp16's rounding for fp16."""
+    run = _run(tmp_path_factory, "server-sgd", spec, server_opt=True)
+    for me in range(N):
+        last = load_npz(run, f"last-{me}")
+        for key, shape in KEYS.items():
+            expected = kvhelp.value(0, key, shape).astype(np.float64) - LR * mean_gradient_sum(key)
+            atol = 2e-4 if spec is TOPK_BOTH_TIERS else fp16_rounding_bound(key)
+            np.testing.assert_allclose(last[repr(key)], expected, rtol=0, atol=atol,
+                                       err_msg=f"worker {me}, key {key!r}")
+            if spec is not TOPK_BOTH_TIERS:     # and the rounding did happen: not the uncompressed path
+                assert np.abs(last[repr(key)] - expected).max() > 1e-6
+
+
+def test_dist_async_with_compression_delivers_every_gradient_to_every_dc(tmp_path_factory):
+    run = _run(tmp_path_factory, "async-topk", TOPK_BOTH_TIERS, mode="dist_async", global_servers=1)
+    for me in range(N):
+        total = load_npz(run, f"total-{me}")
+        for key in KEYS:
+            np.testing.assert_allclose(total[repr(key)], mean_gradient_sum(key), rtol=1e-4, atol=1e-4,
+                                       err_msg=f"worker {me}, key {key!r}")
+
+
+FP16_SCRIPT = """
+import numpy as np
+import geomx
+import kvhelp as h
+
+kv = geomx.kvstore.create()
+if {policy}:
+    kv.set_gradient_compression({{"type": "fp16"}})
+kv.init("g", np.zeros(8, np.{dtype}))
+if kv.is_master_worker:
+    raise SystemExit(0)
+# 40000 fits fp16 (max 65504), the DC sum 80000 and the global sum 160000 do not
+out = kv.pushpull("g", np.full(8, 40000.0, np.{dtype})).wait()
+h.save(f"fp16-{{h.worker_index()}}", {{"out": out}})
+"""
+
+
+@pytest.mark.parametrize("how", ["policy", "fp16-tensors"])
+def test_fp16_sums_accumulate_in_fp32_so_sums_beyond_the_fp16_range_stay_finite(how, tmp_path):
+    """Both ways GeoMX users get fp16: the fp16 policy on float32 keys, or pushing float16 tensors themselves
+    (GeoMX sums those in fp16, where 2 x 40000 is inf)."""
+    dtype = "float32" if how == "policy" else "float16"
+    script = FP16_SCRIPT.format(policy=how == "policy", dtype=dtype)
+    run = check_ok(launch(tmp_path, script, dcs=DCS, workers_per_dc=PER_DC, timeout=60))
+    for me in range(N):
+        out = load_npz(run, f"fp16-{me}")["out"]
+        assert out.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(out, np.full(8, 40000.0, dtype))
+
+
+MISMATCH_SCRIPT = """
+import numpy as np
+import geomx
+import kvhelp as h
+
+kv = geomx.kvstore.create()
+kv.set_gradient_compression({"type": "fp16"} if kv.is_master_worker or h.worker_index() != 3 else
+                            {"type": "bsc", "threshold": 0.01})
+kv.init("g", np.zeros(8, np.float32))
+"""
+
+
+def test_a_worker_whose_compression_differs_from_the_master_workers_fails_naming_both(tmp_path):
+    code, run_dir, output = launch(tmp_path, MISMATCH_SCRIPT, dcs=DCS, workers_per_dc=PER_DC, timeout=60)
+    assert code != 0
+    assert "set gradient compression" in output and "'bsc'" in output and "'fp16'" in output, output[-3000:]

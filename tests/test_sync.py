@@ -1,0 +1,326 @@
+"""Synchronization algorithms on real deployments: HFA and DiLoCo (model averaging on the workers, DC-only
+rounds at the local servers), --slowdown, and DCASGD on the global server in dist_async.
+
+The training scripts inject deterministic gradients (tests/scripts/kvhelp.py) into a plain SGD, so every
+worker's model after every step can be recomputed here and compared number for number.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvhelp
+from harness import check_ok, launch, load_json, load_npz
+
+SEED = 31
+KEYS = {"w": (10,), "b": (3, 4)}
+LR = 0.1
+
+AVERAGING_SCRIPT = f"""
+import json, os, time
+import torch
+import geomx, kvhelp as h
+from geomx.torch import DistributedOptimizer
+
+torch.set_num_threads(1)
+SEED, KEYS, LR, STEPS = {SEED}, {KEYS!r}, {LR}, int(os.environ["TEST_STEPS"])
+kv = geomx.kvstore.create()
+if os.environ.get("TEST_COMPRESSION"):
+    kv.set_gradient_compression(json.loads(os.environ["TEST_COMPRESSION"]))
+me = h.worker_index()
+tag = 0 if kv.is_master_worker else me + 1          # workers start from their own values: the master's must win
+params = {{k: torch.nn.Parameter(torch.from_numpy(h.value(tag, k, s))) for k, s in KEYS.items()}}
+samples = json.loads(os.environ["TEST_SAMPLES"])[me] if me >= 0 else None
+opt = DistributedOptimizer(torch.optim.SGD(params.values(), lr=LR), list(params.items()), kvstore=kv,
+                           num_samples=samples)
+if kv.is_master_worker:
+    raise SystemExit(0)
+out = {{}}
+for step in range(STEPS):
+    opt.zero_grad()
+    time.sleep(0.02)                                   # "compute", which --slowdown stretches
+    for k, p in params.items():
+        p.grad = torch.from_numpy(h.grad(SEED, me, step, k, KEYS[k]))
+    opt.step()
+    for k, p in params.items():
+        out[f"{{k}}@{{step}}"] = p.detach().numpy().copy()
+h.save(f"models-{{me}}", out)
+h.dump(f"sync-{{me}}", {{"algorithm": repr(opt.sync), "factor": opt.slowdown.factor, "slept_s": opt.slowdown.slept_s,
+                       "global_averages": getattr(opt.sync, "global_averages", None)}})
+"""
+
+
+def simulate(*, algorithm: str, k1: int, k2: int, weights: str, samples: list[float], dcs: list[list[int]],
+             steps: int, outer_lr: float = 0.7, outer_momentum: float = 0.9) -> dict:
+    """Float64 reference: {(worker, key, step): model}; local SGD, DC and global (weighted) averages, and for
+    DiLoCo torch's Nesterov SGD on the pseudo-gradient."""
+    n = sum(len(d) for d in dcs)
+    out = {}
+    for key, shape in KEYS.items():
+        init = kvhelp.value(0, key, shape).astype(np.float64)
+        w = {i: init.copy() for i in range(n)}
+        anchor, buf = init.copy(), None
+
+        def dc_mean(d):
+            return sum(samples[i] * w[i] for i in d) / sum(samples[i] for i in d)
+
+        for step in range(steps):
+            for i in range(n):
+                w[i] = w[i] - LR * kvhelp.grad(SEED, i, step, key, shape).astype(np.float64)
+            t = step + 1
+            if t % k1 == 0:
+                if (t // k1) % k2:
+                    means = [dc_mean(d) for d in dcs]
+                    for d, m in zip(dcs, means):
+                        for i in d:
+                            w[i] = m.copy()
+                else:
+                    if weights == "samples":
+                        avg = sum(samples[i] * w[i] for i in range(n)) / sum(samples)
+                    else:
+                        avg = sum(dc_mean(d) for d in dcs) / len(dcs)
+                    if algorithm == "diloco":
+                        delta = anchor - avg
+                        buf = delta.copy() if buf is None else outer_momentum * buf + delta
+                        anchor = anchor - outer_lr * (delta + outer_momentum * buf)
+                        avg = anchor.copy()
+                    for i in range(n):
+                        w[i] = avg.copy()
+            for i in range(n):
+                out[(i, key, step)] = w[i]
+    return out
+
+
+CASES = {
+    # K1 = 2, K2 = 2, unequal samples: DC averages at steps 2 and 6, a global one at step 4; worker b1 3x slower
+    "hfa-weighted": dict(algorithm="hfa", k1=2, k2=2, weights="samples", per_dc=[2, 2], samples=[10, 20, 30, 40],
+                         steps=6, slowdown=["b:1=3"]),
+    # DiLoCo with equal DC weights, a DC of 2 and a DC of 1: global (outer) steps at 2 and 4 and 6
+    "diloco-equal": dict(algorithm="diloco", k1=1, k2=2, weights="equal", per_dc=[2, 1], samples=[5, 7, 9],
+                         steps=6, slowdown=None),
+}
+
+
+def _run_case(tmp_path, case: dict, name: str, compression: str | None = None):
+    env = {"TEST_STEPS": str(case["steps"]), "TEST_SAMPLES": str(case["samples"]),
+           "GEOMX_HFA_WEIGHTS": case["weights"], **({"TEST_COMPRESSION": compression} if compression else {})}
+    return check_ok(launch(tmp_path, AVERAGING_SCRIPT, dcs=2, workers_per_dc=case["per_dc"], env=env, name=name,
+                           sync={"algorithm": case["algorithm"], "k1": case["k1"], "k2": case["k2"]},
+                           slowdown=case["slowdown"]))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_model_averaging_matches_the_reference_at_every_step(tmp_path, name):
+    case = CASES[name]
+    run_dir = _run_case(tmp_path, case, name)
+    per_dc = case["per_dc"]
+    dcs = [list(range(sum(per_dc[:d]), sum(per_dc[:d + 1]))) for d in range(len(per_dc))]
+    ref = simulate(algorithm=case["algorithm"], k1=case["k1"], k2=case["k2"], weights=case["weights"],
+                   samples=[float(s) for s in case["samples"]], dcs=dcs, steps=case["steps"])
+    n = sum(per_dc)
+    models = [load_npz(run_dir, f"models-{i}") for i in range(n)]
+    for (i, key, step), expected in ref.items():
+        np.testing.assert_allclose(models[i][f"{key}@{step}"], expected, rtol=0, atol=2e-5,
+                                   err_msg=f"{name}: worker {i}, key {key}, step {step}")
+    last = case["steps"] - 1
+    infos = [load_json(run_dir, f"sync-{i}") for i in range(n)]
+    assert all(x["global_averages"] == case["steps"] // (case["k1"] * case["k2"]) for x in infos), infos
+    if name == "hfa-weighted":
+        # after a DC average the DC's workers agree and the DCs differ; after the global one everyone agrees
+        a0, a1, b0 = (models[i]["w@1"] for i in (0, 1, 2))
+        np.testing.assert_array_equal(a0, a1)
+        assert np.abs(a0 - b0).max() > 1e-3
+        assert all(np.array_equal(models[i]["w@3"], models[0]["w@3"]) for i in range(n))
+        assert np.abs(models[0]["w@5"] - models[2]["w@5"]).max() > 1e-3
+        # only worker b1 was slowed: it slept (3 - 1) x its ~20 ms of compute per step
+        assert [x["factor"] for x in infos] == [1.0, 1.0, 1.0, 3.0]
+        assert infos[3]["slept_s"] >= 2 * 0.02 * case["steps"] and all(x["slept_s"] == 0 for x in infos[:3])
+    else:
+        assert "DiLoCo(k1=1, k2=2, weights='equal', outer_lr=0.7" in infos[0]["algorithm"]
+        # the outer step is not a plain average: HFA's reference differs
+        hfa = simulate(algorithm="hfa", k1=1, k2=2, weights="equal", samples=[5.0, 7.0, 9.0], dcs=dcs, steps=6)
+        assert np.abs(hfa[(0, "w", last)] - ref[(0, "w", last)]).max() > 1e-3
+
+
+def test_hfa_composes_with_compression_its_global_averages_travel_as_compressed_model_changes(tmp_path):
+    """fp16 on both tiers: the global average moves each worker's change since the last global average in 16
+    bits (a model itself would lose its low bits for good), so the run tracks the exact reference within
+    fp16's rounding of those changes, and not exactly (the compression did act)."""
+    case = CASES["hfa-weighted"]
+    run_dir = _run_case(tmp_path, case, "hfa-fp16", compression='{"type": "fp16"}')
+    dcs = [[0, 1], [2, 3]]
+    ref = simulate(algorithm="hfa", k1=case["k1"], k2=case["k2"], weights=case["weights"],
+                   samples=[float(s) for s in case["samples"]], dcs=dcs, steps=case["steps"])
+    models = [load_npz(run_dir, f"models-{i}") for i in range(4)]
+    worst = max(np.abs(models[i][f"{key}@{step}"] - expected).max() for (i, key, step), expected in ref.items())
+    assert 1e-6 < worst < 2e-3, worst
+    assert all(np.array_equal(models[i]["w@3"], models[0]["w@3"]) for i in range(4))   # the global average agrees
+
+
+def _fsa_reference(key, shape, steps: int) -> list[np.ndarray]:
+    """FSA with SGD as the servers and torch compute it in float32: w -= lr * ((g0 + g1) + (g2 + g3)) / 4."""
+    w, out = torch.from_numpy(kvhelp.value(0, key, shape)), []
+    for step in range(steps):
+        g = [kvhelp.grad(SEED, i, step, key, shape) for i in range(4)]
+        w = w.clone().add_(torch.from_numpy(((g[0] + g[1]) + (g[2] + g[3])) / np.float32(4)), alpha=-LR)
+        out.append(w.numpy())
+    return out
+
+
+def test_dga_with_delay_zero_is_fsa_exactly(tmp_path):
+    run_dir = check_ok(launch(tmp_path, AVERAGING_SCRIPT, dcs=2, workers_per_dc=2, name="dga-0",
+                              env={"TEST_STEPS": "3", "TEST_SAMPLES": "[1, 1, 1, 1]"},
+                              sync={"algorithm": "dga", "delay": 0}))
+    models = [load_npz(run_dir, f"models-{i}") for i in range(4)]
+    assert load_json(run_dir, "sync-0")["algorithm"] == "DGA(delay=0)"
+    for key, shape in KEYS.items():
+        for step, expected in enumerate(_fsa_reference(key, shape, 3)):
+            for i in range(4):
+                np.testing.assert_array_equal(models[i][f"{key}@{step}"], expected, err_msg=f"{key} step {step}")
+
+
+def test_dga_applies_the_average_from_d_steps_ago_with_the_correction(tmp_path):
+    delay, steps = 2, 6
+    run_dir = check_ok(launch(tmp_path, AVERAGING_SCRIPT, dcs=2, workers_per_dc=[1, 2], name="dga-2",
+                              env={"TEST_STEPS": str(steps), "TEST_SAMPLES": "[1, 1, 1]"},
+                              sync="dga", sync_delay=delay))
+    models = [load_npz(run_dir, f"models-{i}") for i in range(3)]
+    for key, shape in KEYS.items():
+        g = {(i, t): kvhelp.grad(SEED, i, t, key, shape).astype(np.float64) for i in range(3) for t in range(steps)}
+        w = {i: kvhelp.value(0, key, shape).astype(np.float64) for i in range(3)}
+        for t in range(steps):
+            for i in range(3):
+                used = g[i, t] if t < delay else g[i, t] - g[i, t - delay] + sum(g[j, t - delay] for j in range(3)) / 3
+                w[i] = w[i] - LR * used
+                np.testing.assert_allclose(models[i][f"{key}@{t}"], w[i], rtol=0, atol=2e-5,
+                                           err_msg=f"worker {i}, key {key}, step {t}")
+        # the workers' models differ by their own last D gradients: DGA is not FSA with a delay
+        assert np.abs(models[0][f"{key}@{steps - 1}"] - models[1][f"{key}@{steps - 1}"]).max() > 1e-3
+
+
+def test_hfa_with_k1_k2_one_is_fsa_model_averaging_exactly(tmp_path):
+    """Every step a global average: exactly ((a0 + a1) + (b0 + b1)) / 4 of the locally stepped models, in float32
+    as the servers sum; and (plain SGD) what FSA's gradient averaging gives, up to rounding."""
+    case = dict(algorithm="hfa", k1=1, k2=1, weights="samples", per_dc=[2, 2], samples=[100, 100, 100, 100],
+                steps=3, slowdown=None)
+    run_dir = _run_case(tmp_path, case, "hfa-1-1")
+    models = [load_npz(run_dir, f"models-{i}") for i in range(4)]
+    for key, shape in KEYS.items():
+        w = torch.from_numpy(kvhelp.value(0, key, shape))
+        fsa = kvhelp.value(0, key, shape).astype(np.float64)
+        for step in range(case["steps"]):
+            local = []
+            for i in range(4):
+                p = w.clone()
+                p.add_(torch.from_numpy(kvhelp.grad(SEED, i, step, key, shape)), alpha=-LR)   # torch SGD's update
+                local.append(p.numpy())
+            w = torch.from_numpy(((local[0] + local[1]) + (local[2] + local[3])) / np.float32(4))
+            fsa = fsa - LR * np.mean([kvhelp.grad(SEED, i, step, key, shape) for i in range(4)], axis=0)
+            for i in range(4):
+                np.testing.assert_array_equal(models[i][f"{key}@{step}"], w.numpy(), err_msg=f"{key} step {step}")
+            np.testing.assert_allclose(w.numpy(), fsa, rtol=0, atol=1e-6)
+
+
+ORDER = "abbaab"      # b's second push follows its own: the server's previous weight is a's, not b's backup
+DCASGD_SCRIPT = f"""
+import numpy as np
+import geomx, kvhelp as h
+
+SEED, ORDER = {SEED}, {ORDER!r}
+kv = geomx.kvstore.create("dist_async")
+if kv.is_master_worker:
+    kv.set_optimizer("DCASGD", lr=0.1, lamda=2.0)
+kv.init("w", h.value(0, "w", (10,)))
+if kv.is_master_worker:
+    raise SystemExit(0)
+me = 0 if kv.dc == "a" else 1
+reads = []
+for turn, who in enumerate(ORDER):
+    # strict turns in ORDER, so the server applies the DCs' gradients in a known order
+    if who != "ab"[me]:
+        continue
+    if turn > 0:
+        h.wait_for_file(h.run_dir() / f"turn-{{turn - 1}}.json")
+    reads.append(kv.pushpull("w", h.grad(SEED, me, len(reads), "w", (10,))).wait())
+    h.dump(f"turn-{{turn}}", turn)
+h.save(f"reads-{{me}}", {{"reads": np.stack(reads)}})
+"""
+
+
+def test_dcasgd_on_the_global_server_compensates_each_dc_against_its_own_backup(tmp_path):
+    run_dir = check_ok(launch(tmp_path, DCASGD_SCRIPT, dcs=2, workers_per_dc=1, mode="dist_async"))
+    reads = {me: load_npz(run_dir, f"reads-{me}")["reads"] for me in (0, 1)}
+
+    def replay(per_dc: bool) -> dict:
+        w = kvhelp.value(0, "w", (10,)).astype(np.float64)
+        backup, previous, out = {0: w.copy(), 1: w.copy()}, w.copy(), {0: [], 1: []}
+        for who in ORDER:
+            me = "ab".index(who)
+            g = kvhelp.grad(SEED, me, len(out[me]), "w", (10,)).astype(np.float64) / 2   # the server's divisor
+            bak = backup[me] if per_dc else previous
+            previous = w.copy()
+            w = w - 0.1 * (g + 2.0 * g * g * (w - bak))
+            backup[me] = w.copy()
+            out[me].append(w.copy())
+        return out
+
+    paper, mxnet = replay(True), replay(False)
+    for me in (0, 1):
+        np.testing.assert_allclose(reads[me], np.stack(paper[me]), rtol=0, atol=1e-5)
+    # the test tells the two rules apart
+    assert max(np.abs(np.stack(paper[me]) - np.stack(mxnet[me])).max() for me in (0, 1)) > 1e-3
+
+
+ESYNC_SCRIPT = f"""
+import time
+import torch
+import geomx, kvhelp as h
+from geomx.torch import DistributedOptimizer
+
+torch.set_num_threads(1)
+SEED, KEYS, LR, ROUNDS = {SEED}, {KEYS!r}, {LR}, 6
+kv = geomx.kvstore.create()
+me = h.worker_index()
+params = {{k: torch.nn.Parameter(torch.from_numpy(h.value(0 if me < 0 else me + 1, k, s))) for k, s in KEYS.items()}}
+opt = DistributedOptimizer(torch.optim.SGD(params.values(), lr=LR), list(params.items()), kvstore=kv)
+if kv.is_master_worker:
+    raise SystemExit(0)
+out, local = {{}}, 0
+while opt.progress < ROUNDS:
+    opt.zero_grad()
+    time.sleep(0.03)                                   # "compute"; DC b's worker is slowed 3x
+    for k, p in params.items():
+        p.grad = torch.from_numpy(h.grad(SEED, me, local, k, KEYS[k]))
+    local += 1
+    before = opt.progress
+    opt.step()
+    if opt.progress != before:
+        for k, p in params.items():
+            out[f"{{k}}@{{opt.progress - 1}}"] = p.detach().numpy().copy()
+h.save(f"models-{{me}}", out)
+h.dump(f"esync-{{me}}", {{"schedule": opt.sync.schedule, "local": local}})
+"""
+
+
+def test_esync_gives_the_slowed_worker_fewer_local_steps_and_averages_model_deltas(tmp_path):
+    run_dir = check_ok(launch(tmp_path, ESYNC_SCRIPT, dcs=2, workers_per_dc=1, sync="esync", slowdown=["b=3"]))
+    fast, slow = (load_json(run_dir, f"esync-{i}")["schedule"] for i in (0, 1))
+    assert slow == [1] * 6, slow                        # the slowest worker takes `steps` (1) per round
+    assert fast[0] == 1 and all(2 <= k <= 4 for k in fast[1:]), fast   # ~3x faster: ~3 local steps per round
+    models = [load_npz(run_dir, f"models-{i}") for i in (0, 1)]
+    for key, shape in KEYS.items():
+        start = kvhelp.value(0, key, shape).astype(np.float64)
+        taken = [0, 0]
+        for r in range(6):
+            deltas = []
+            for i, schedule in enumerate((fast, slow)):
+                w = start.copy()
+                for _ in range(schedule[r]):
+                    w -= LR * kvhelp.grad(SEED, i, taken[i], key, shape)
+                    taken[i] += 1
+                deltas.append(w - start)
+            start = start + (deltas[0] + deltas[1]) / 2
+            for i in (0, 1):
+                np.testing.assert_allclose(models[i][f"{key}@{r}"], start, rtol=0, atol=2e-5,
+                                           err_msg=f"worker {i}, key {key}, round {r}")

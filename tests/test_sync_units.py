@@ -1,0 +1,186 @@
+"""Synchronization pieces that need no deployment: --slowdown and --sync parsing, the slowdown itself, DCASGD."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from geomx.cli.launch import plan
+from geomx.cli.main import main
+from geomx.cli.topology import load_topology
+from geomx.errors import ConfigError
+from geomx.optim import DCASGD
+from geomx.sync import create, settings_from_env
+from geomx.sync.slowdown import Slowdown
+
+
+# --slowdown -------------------------------------------------------------------------------------------------
+def test_slowdown_reaches_exactly_the_chosen_workers(tmp_path):
+    topo = load_topology(None, dcs=2, workers_per_dc=[2, 3], slowdown=["b=3", "a:1=2.5", "b:2=4"])
+    assert topo.slowdown == {("a", 1): 2.5, ("b", 0): 3.0, ("b", 1): 3.0, ("b", 2): 4.0}
+    specs = {s.name: s.env for s in plan(topo, ["python", "x.py"], tmp_path, ports=list(range(20000, 20005)))}
+    assert "GEOMX_SLOWDOWN" not in specs["a-worker-0"] and specs["a-worker-1"]["GEOMX_SLOWDOWN"] == "2.5"
+    assert [specs[f"b-worker-{r}"]["GEOMX_SLOWDOWN"] for r in range(3)] == ["3.0", "3.0", "4.0"]
+    assert not any("GEOMX_SLOWDOWN" in env for name, env in specs.items() if "worker" not in name)
+
+
+def test_slowdown_from_a_toml_table(tmp_path):
+    path = tmp_path / "topo.toml"
+    path.write_text('dcs = 2\nworkers_per_dc = 1\nslowdown = { b = 3 }\n')
+    assert load_topology(str(path)).slowdown == {("b", 0): 3.0}
+
+
+@pytest.mark.parametrize("entry,words", [
+    ("c=2", ["no DC 'c'", "a, b"]),
+    ("a:2=2", ["DC a has no worker of rank '2'", "ranks 0-1"]),
+    ("a:x=2", ["rank 'x'"]),
+    ("b=0.5", ["'b=0.5'", ">= 1"]),
+    ("b=fast", ["'b=fast'", "not a number"]),
+    ("b", ["expected DC[:RANK]=FACTOR"]),
+])
+def test_bad_slowdown_is_refused_naming_the_dc_or_rank(entry, words):
+    with pytest.raises(ConfigError) as err:
+        load_topology(None, dcs=2, workers_per_dc=2, slowdown=[entry])
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+def test_geomx_launch_rejects_a_bad_slowdown_before_starting_anything(capsys):
+    assert main(["launch", "--slowdown", "z:0=3", "--", "python", "x.py"]) == 2
+    assert "no DC 'z'" in capsys.readouterr().err
+
+
+def test_slowdown_sleeps_factor_minus_one_times_the_measured_compute():
+    s = Slowdown(factor=3)
+    s.compute_starts()
+    time.sleep(0.05)                     # "compute"
+    started = time.perf_counter()
+    s.pause()
+    slept = time.perf_counter() - started
+    assert 0.1 <= s.slept_s <= 0.13 and slept >= s.slept_s
+    assert Slowdown.from_env({}).factor == 1.0 and Slowdown.from_env({"GEOMX_SLOWDOWN": "2"}).factor == 2.0
+    with pytest.raises(ConfigError, match="GEOMX_SLOWDOWN"):
+        Slowdown.from_env({"GEOMX_SLOWDOWN": "-1"})
+
+
+# --sync ------------------------------------------------------------------------------------------------------
+def test_sync_settings_from_geomx_variables_and_from_the_launcher():
+    s = settings_from_env({"MXNET_KVSTORE_USE_HFA": "1", "MXNET_KVSTORE_HFA_K1": "20", "MXNET_KVSTORE_HFA_K2": "10"})
+    assert (s.algorithm, s.k1, s.k2, s.weights) == ("hfa", 20, 10, "samples")
+    assert settings_from_env({}).algorithm == "fsa"
+    topo = load_topology(None, sync="diloco", sync_k1=4, sync_k2=2)
+    assert topo.env["GEOMX_SYNC"] == "diloco" and topo.env["MXNET_KVSTORE_HFA_K1"] == "4"
+    assert topo.env["MXNET_KVSTORE_USE_HFA"] == "1" and topo.env["GEOMX_DILOCO_LR"] == "0.7"
+    s = settings_from_env(topo.env)
+    assert (s.algorithm, s.k1, s.k2, s.outer_lr, s.outer_momentum) == ("diloco", 4, 2, 0.7, 0.9)
+
+
+def test_sync_table_in_toml(tmp_path):
+    path = tmp_path / "topo.toml"
+    path.write_text('sync = { algorithm = "hfa", k1 = 20, k2 = 10, weights = "equal" }\n')
+    env = load_topology(str(path)).env
+    assert (env["GEOMX_SYNC"], env["MXNET_KVSTORE_HFA_K1"], env["MXNET_KVSTORE_HFA_K2"],
+            env["GEOMX_HFA_WEIGHTS"]) == ("hfa", "20", "10", "equal")
+    path.write_text('sync = { algorithm = "hfa", k1 = 0 }\n')
+    with pytest.raises(ConfigError, match=r"K1 \(MXNET_KVSTORE_HFA_K1\) in .*topo.toml must be >= 1"):
+        load_topology(str(path))
+
+
+@pytest.mark.parametrize("env,words", [
+    ({"MXNET_KVSTORE_USE_HFA": "1", "MXNET_KVSTORE_HFA_K1": "0"}, ["K1 (MXNET_KVSTORE_HFA_K1)", ">= 1", "got 0"]),
+    ({"GEOMX_SYNC": "hfa", "MXNET_KVSTORE_HFA_K2": "-3"}, ["K2 (MXNET_KVSTORE_HFA_K2)", "got -3"]),
+    ({"GEOMX_SYNC": "hfa", "MXNET_KVSTORE_HFA_K1": "2.5"}, ["MXNET_KVSTORE_HFA_K1", "whole number"]),
+    ({"GEOMX_SYNC": "esgd"}, ["GEOMX_SYNC='esgd'", "fsa, hfa, diloco, dga, esync"]),
+    ({"GEOMX_SYNC": "diloco", "GEOMX_DILOCO_MOMENTUM": "1"}, ["GEOMX_DILOCO_MOMENTUM", "[0, 1)"]),
+    ({"GEOMX_SYNC": "hfa", "GEOMX_HFA_WEIGHTS": "size"}, ["GEOMX_HFA_WEIGHTS", "samples, equal"]),
+    ({"GEOMX_SYNC": "dga", "GEOMX_DGA_DELAY": "-1"}, ["dga delay D (GEOMX_DGA_DELAY)", ">= 0", "got -1"]),
+    ({"GEOMX_SYNC": "esync", "GEOMX_ESYNC_STEPS": "0"}, ["esync steps (GEOMX_ESYNC_STEPS)", ">= 1", "got 0"]),
+])
+def test_bad_sync_settings_are_refused_naming_the_variable(env, words):
+    with pytest.raises(ConfigError) as err:
+        settings_from_env(env)
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+def test_k1_below_one_is_refused_by_the_class_and_by_geomx_launch(capsys):
+    from geomx.sync import HFA
+
+    with pytest.raises(ConfigError, match="K1"):
+        HFA(k1=0)
+    assert main(["launch", "--sync", "hfa", "--hfa-k1", "0", "--", "python", "x.py"]) == 2
+    assert "hfa K1 (MXNET_KVSTORE_HFA_K1) must be >= 1" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="setup"):
+        create(object())
+
+
+# DCASGD ------------------------------------------------------------------------------------------------------
+def _pair(**kwargs):
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(40))
+    b = torch.nn.Parameter(a.detach().clone())
+    return a, b
+
+
+@pytest.mark.parametrize("momentum,wd", [(0.0, 0.0), (0.9, 1e-2)])
+def test_dcasgd_with_lambda_zero_is_sgd_bit_for_bit(momentum, wd):
+    a, b = _pair()
+    dc = DCASGD([a], lr=0.1, momentum=momentum, lamda=0.0, weight_decay=wd)
+    sgd = torch.optim.SGD([b], lr=0.1, momentum=momentum, weight_decay=wd)
+    for i in range(6):
+        g = torch.randn(40)
+        a.grad, b.grad = g.clone(), g.clone()
+        dc.set_sender("a" if i % 3 else "b")
+        dc.step()
+        sgd.step()
+        assert torch.equal(a, b), i
+
+
+def test_dcasgd_compensates_each_sender_against_its_own_backup():
+    """Float64 reference of the paper's rule: w_bak[sender] = the weights that sender read after its update."""
+    torch.manual_seed(1)
+    w = torch.nn.Parameter(torch.randn(30, dtype=torch.float64))
+    lr, lam, mom = 0.1, 0.5, 0.9
+    opt = DCASGD([w], lr=lr, lamda=lam, momentum=mom)
+    ref, buf, backup = w.detach().clone(), None, {}
+    init = ref.clone()
+    prev_server = None
+    for i, sender in enumerate(["a", "b", "b", "a", "c", "a"]):
+        g = torch.randn(30, dtype=torch.float64)
+        bak = backup.get(sender, init)
+        if i == 3:   # DC a read its weights two updates ago: its backup is not the server's previous weight
+            assert (bak - ref).abs().max() > 1e-3 and prev_server is not None and (bak - prev_server).abs().max() > 1e-3
+        d = g + lam * g * g * (ref - bak)
+        buf = d.clone() if buf is None else mom * buf + d
+        prev_server = ref.clone()
+        ref = ref - lr * buf
+        backup[sender] = ref.clone()
+        w.grad = g
+        opt.set_sender(sender)
+        opt.step()
+        torch.testing.assert_close(w.detach(), ref, rtol=0, atol=1e-12)
+        torch.testing.assert_close(opt.backup(w, sender), ref, rtol=0, atol=1e-12)
+    assert (backup["c"] - backup["a"]).abs().max() > 1e-3
+
+
+def test_dcasgd_without_a_sender_uses_the_previous_weight_as_mxnet_does():
+    torch.manual_seed(2)
+    w = torch.nn.Parameter(torch.randn(10, dtype=torch.float64))
+    opt = DCASGD([w], lr=0.1, lamda=0.04)
+    ref, prev = w.detach().clone(), w.detach().clone()
+    for _ in range(4):
+        g = torch.randn(10, dtype=torch.float64)
+        new = ref - 0.1 * (g + 0.04 * g * g * (ref - prev))
+        prev, ref = ref, new
+        w.grad = g
+        opt.step()
+        torch.testing.assert_close(w.detach(), ref, rtol=0, atol=1e-12)
+
+
+def test_dcasgd_rejects_bad_hyperparameters():
+    p = [torch.nn.Parameter(torch.zeros(1))]
+    with pytest.raises(ConfigError, match="lamda"):
+        DCASGD(p, lr=0.1, lamda=-1)
+    with pytest.raises(ConfigError, match="momentum"):
+        DCASGD(p, lr=0.1, momentum=1.0)
