@@ -85,7 +85,10 @@ def test_wan_matrix_smoke_rows_are_consistent_and_flat_moves_more_wan_bytes(tmp_
     assert main(["bench", "wan", "--from-runs", str(runs), "--target-acc", "0.15", "--json", str(js2)]) == 0
     again = json.loads(js2.read_text())
     assert again["steps"] == 4 and again["model"] == "cnn"
-    for first, second in zip(r["rows"], again["rows"]):
+    again_rows = {x["config"]: x for x in again["rows"]}
+    assert again_rows.keys() == rows.keys()
+    for first in r["rows"]:
+        second = again_rows[first["config"]]
         for key in ("wan_bytes_per_step", "final_acc", "train_s", "efficiency", "speedup", "time_to_target_s"):
             assert first[key] == second[key], key
 
