@@ -156,3 +156,12 @@ def test_a_handler_that_holds_the_receive_thread_is_recorded_as_a_stall_and_quic
     finally:
         sender.stop()
         receiver.stop()
+
+
+def test_a_big_endian_array_arrives_with_its_values():
+    from geomx.transport.message import decode, encode
+
+    x = np.arange(6, dtype=">f4").reshape(2, 3)
+    got = decode(encode(Message("push", tensors=[x]))).tensors[0]
+    assert got.dtype == np.float32 and got.dtype.isnative
+    np.testing.assert_array_equal(got, np.arange(6, dtype=np.float32).reshape(2, 3))

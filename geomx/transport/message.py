@@ -46,6 +46,8 @@ def encode(msg: Message) -> list:
     frames: list = [b""]
     for t in msg.tensors:
         arr = np.ascontiguousarray(t)
+        if not arr.dtype.isnative:          # the header names the dtype without a byte order: send native
+            arr = arr.astype(arr.dtype.newbyteorder("="))
         specs.append((_NAMES.get(arr.dtype) or arr.dtype.name, list(arr.shape)))
         frames.append(_wire_frame(arr) if arr.size else b"")
     header = {"op": msg.op, "src": msg.src, "p": msg.priority, "f": msg.fields, "t": specs}
