@@ -10,9 +10,10 @@ talks straight to the global server over loopback, no emulator). The worker (thi
 with float32 torch tensors, after one untimed warm-up round of each, and writes the times into the run
 directory. The master worker only initializes the keys.
 
-raw side: a pyzmq DEALER (this process) sends the same number of bytes to a ROUTER in another process,
-which echoes them back; ``copy=False`` both ways. It runs before and after the geomx deployment and both
-passes are pooled, so both sides see the same machine load as far as possible.
+raw side: a pyzmq DEALER sends the same number of bytes to a ROUTER in another process, which echoes them
+back; ``copy=False`` both ways. The DEALER lives in the geomx worker process and its round trips are
+interleaved with geomx's (raw, pushpull, push+pull, raw, ...), so both sides see the same machine load at the
+same moments: on a shared machine, load that changes between two separate passes moves the ratio either way.
 
 Throughput, the same definition for both: ``2 x payload bytes / round-trip time`` (payload bytes cross the
 loopback once in each direction), with the round-trip time the median over the repeats.
@@ -52,6 +53,7 @@ def kv_worker_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m geomx.bench.transport kv-worker")
     p.add_argument("--sizes", required=True)
     p.add_argument("--repeats", type=int, required=True)
+    p.add_argument("--echo-port", type=int, default=0, help="the raw echo server's port (0: no raw side)")
     args = p.parse_args(argv)
     sizes = parse_sizes(args.sizes)
 
@@ -67,14 +69,20 @@ def kv_worker_main(argv: list[str]) -> int:
     if kv.is_master_worker:
         kv.close()
         return 0
+    echo = EchoClient(args.echo_port) if args.echo_port else None
     results = []
     for mib, key, x in zip(sizes, keys, values):
         y = torch.empty_like(x)
+        payload = np.random.default_rng(0).integers(0, 255, x.numel() * 4, dtype=np.uint8) if echo else None
         kv.pushpull(key, x, out=y).wait()           # warm-up (connections, allocator, page faults)
         kv.push(key, x)
         kv.pull(key, out=y).wait()
-        pushpull, push_pull = [], []
-        for _ in range(args.repeats):               # interleaved: both variants see the same load
+        if echo:
+            echo.roundtrip(payload)
+        pushpull, push_pull, raw = [], [], []
+        for _ in range(args.repeats):               # interleaved: every variant sees the same load
+            if echo:
+                raw.append(echo.roundtrip(payload))
             t0 = time.perf_counter()
             kv.pushpull(key, x, out=y).wait()
             t1 = time.perf_counter()
@@ -85,7 +93,11 @@ def kv_worker_main(argv: list[str]) -> int:
             push_pull.append(t2 - t1)
         if not torch.allclose(y, x):                 # 1 worker: the mean gradient is the pushed tensor
             raise GeomxError(f"transport bench: the value pulled for {key} differs from the value pushed")
-        results.append({"mib": mib, "bytes": x.numel() * 4, "pushpull_s": pushpull, "push_pull_s": push_pull})
+        results.append({"mib": mib, "bytes": x.numel() * 4, "pushpull_s": pushpull, "push_pull_s": push_pull,
+                        "raw_s": raw})
+        del payload
+    if echo:
+        echo.close()
     import resource
 
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # Linux reports KiB
@@ -125,12 +137,10 @@ def echo_server_main(argv: list[str]) -> int:
     return 0
 
 
-class RawEcho:
-    """Start the echo server process; ``roundtrips`` times DEALER -> ROUTER -> DEALER echoes."""
+class EchoServer:
+    """The echo server process; ``port`` is where it listens. ``close`` stops it (through a client)."""
 
     def __init__(self, run_dir: Path, idle_s: float) -> None:
-        import zmq
-
         port_file = run_dir / "echo-port"
         self.log = open(run_dir / "echo-server.log", "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "geomx.bench.transport", "echo-server", "--port-file",
@@ -142,43 +152,49 @@ class RawEcho:
                 self.close()
                 raise GeomxError(f"transport bench: the raw echo server did not start (see {run_dir}/echo-server.log)")
             time.sleep(0.02)
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"tcp://127.0.0.1:{int(port_file.read_text())}")
-
-    def roundtrips(self, nbytes: int, repeats: int) -> list[float]:
-        payload = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-        times = []
-        for i in range(repeats + 1):               # the first one is a warm-up
-            t0 = time.perf_counter()
-            self.sock.send(payload, copy=False)
-            if not self.sock.poll(120_000):
-                raise GeomxError(f"transport bench: the raw echo of {nbytes} bytes did not come back in 120 s")
-            reply = self.sock.recv(copy=False)
-            t1 = time.perf_counter()
-            if len(reply) != nbytes:
-                raise GeomxError(f"transport bench: the raw echo returned {len(reply)} bytes, not {nbytes}")
-            if i:
-                times.append(t1 - t0)
-            del reply
-        return times
+        self.port = int(port_file.read_text())
 
     def close(self) -> None:
-        sock = getattr(self, "sock", None)
-        if sock is not None:
-            try:
-                sock.send_multipart([b"", b"stop"])
-                sock.poll(2000)
-            finally:
-                sock.close()
-                self.ctx.term()
+        if self.proc.poll() is None and hasattr(self, "port"):
+            EchoClient(self.port).close(stop_server=True)
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+
+
+class EchoClient:
+    """A DEALER that times DEALER -> ROUTER -> DEALER echoes of a payload (its own context and I/O thread)."""
+
+    def __init__(self, port: int) -> None:
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def roundtrip(self, payload: np.ndarray) -> float:
+        t0 = time.perf_counter()
+        self.sock.send(payload, copy=False)
+        if not self.sock.poll(120_000):
+            raise GeomxError(f"transport bench: the raw echo of {payload.nbytes} bytes did not come back in 120 s")
+        reply = self.sock.recv(copy=False)
+        elapsed = time.perf_counter() - t0
+        if len(reply) != payload.nbytes:
+            raise GeomxError(f"transport bench: the raw echo returned {len(reply)} bytes, not {payload.nbytes}")
+        return elapsed
+
+    def close(self, *, stop_server: bool = False) -> None:
+        try:
+            if stop_server:
+                self.sock.send_multipart([b"", b"stop"])
+                self.sock.poll(2000)
+        finally:
+            self.sock.close()
+            self.ctx.term()
 
 
 # -- the benchmark -----------------------------------------------------------------------------------------------
@@ -192,20 +208,13 @@ def bench_transport(sizes: list[float], repeats: int, *, run_dir: str | None = N
     sizes_arg = ",".join(f"{m:g}" for m in sizes)
     with run_directory(run_dir, "transport") as rd:
         env = profile_env(rd) if profile else {}
-        raw: dict[float, list[float]] = {m: [] for m in sizes}
-        # the echo server idles while the geomx deployment runs (up to ``timeout``), then serves the second pass
-        echo = RawEcho(rd, timeout + 60) if not profile else None
+        echo = EchoServer(rd, timeout + 60) if not profile else None
         try:
-            if echo:
-                for m in sizes:
-                    raw[m] += echo.roundtrips(_elements(m) * 4, repeats)
             topo = load_topology(None, dcs=1, workers_per_dc=1, wan="lan", topology="flat")
             topo.env.update(env)
             wall = launch(topo, [sys.executable, "-m", "geomx.bench.transport", "kv-worker", "--sizes", sizes_arg,
-                                 "--repeats", str(repeats)], rd, timeout, "transport bench")
-            if echo:
-                for m in sizes:
-                    raw[m] += echo.roundtrips(_elements(m) * 4, repeats)
+                                 "--repeats", str(repeats), "--echo-port", str(echo.port if echo else 0)],
+                          rd, timeout, "transport bench")
         finally:
             if echo:
                 echo.close()
@@ -213,14 +222,15 @@ def bench_transport(sizes: list[float], repeats: int, *, run_dir: str | None = N
         rows = []
         for entry in worker["sizes"]:
             m, nbytes = entry["mib"], entry["bytes"]
+            raw = entry.get("raw_s") or []
             rt = {"pushpull": median(entry["pushpull_s"]), "push+pull": median(entry["push_pull_s"]),
-                  "raw": median(raw[m])}
+                  "raw": median(raw)}
             mbps = {k: 2 * nbytes / v / MIB for k, v in rt.items()}
             rows.append({"mib": m, "bytes": nbytes, "rtt_s": rt, "mib_per_s": mbps,
                          "ratio_pushpull": ratio(mbps["pushpull"], mbps["raw"]),
                          "ratio_push_pull": ratio(mbps["push+pull"], mbps["raw"]),
                          "samples": {"pushpull": entry["pushpull_s"], "push+pull": entry["push_pull_s"],
-                                     "raw": raw[m]}})
+                                     "raw": raw}})
         result = {"repeats": repeats, "rows": rows, "deployment_s": wall, "profiled": profile,
                   "worker_peak_rss_bytes": worker.get("peak_rss_bytes")}
         if profile:
@@ -247,8 +257,8 @@ def format_transport_report(result: dict) -> str:
     else:
         verdict = f"(no raw figure at >= {TARGET_FROM_MIB} MiB: the target was not checked)"
     text = [table, "",
-            f"Median of {result['repeats']} round trips per size (raw: of {2 * result['repeats']}, before and after "
-            f"the geomx deployment). MiB/s = 2 x tensor bytes / round-trip time. geomx: 1 worker -> global server "
+            f"Median of {result['repeats']} round trips per size and variant, interleaved in the worker process "
+            f"(raw, pushpull, push+pull, raw, ...). MiB/s = 2 x tensor bytes / round-trip time. geomx: 1 worker -> global server "
             f"(flat topology, `lan`, float32 torch tensors, `out=` given); raw: pyzmq DEALER -> ROUTER echo in "
             f"another process, copy=False both ways. {verdict}"
             + (f" Peak RSS of the geomx worker process: {result['worker_peak_rss_bytes'] / MIB:,.0f} MiB."
