@@ -7,7 +7,7 @@ talks straight to the global server over loopback, no emulator). The worker (thi
 * ``pushpull``: ``kv.pushpull(key, x, out=y).wait()`` (one request, one reply), and
 * ``push+pull``: ``kv.push(key, x); kv.pull(key, out=y).wait()`` (two requests issued back to back),
 
-with float32 torch tensors, after one untimed warm-up round of each, and writes the times into the run
+with float32 torch tensors, after three untimed warm-up rounds of each, and writes the times into the run
 directory. The master worker only initializes the keys.
 
 raw side: a pyzmq DEALER sends the same number of bytes to a ROUTER in another process, which echoes them
@@ -35,6 +35,7 @@ from geomx.bench.common import (MIB, bench_env, dispatch_helper, emit_report, fm
                                 median, parse_sizes, ratio, read_json, run_directory)
 from geomx.errors import GeomxError
 
+WARMUP_ROUNDS = 3       # untimed rounds per size and variant: the first size otherwise pays the process's warm-up
 TARGET = 0.80           # geomx / raw at sizes >= TARGET_FROM_MIB (the target)
 TARGET_FROM_MIB = 16
 
@@ -74,11 +75,12 @@ def kv_worker_main(argv: list[str]) -> int:
     for mib, key, x in zip(sizes, keys, values):
         y = torch.empty_like(x)
         payload = np.random.default_rng(0).integers(0, 255, x.numel() * 4, dtype=np.uint8) if echo else None
-        kv.pushpull(key, x, out=y).wait()           # warm-up (connections, allocator, page faults)
-        kv.push(key, x)
-        kv.pull(key, out=y).wait()
-        if echo:
-            echo.roundtrip(payload)
+        for _ in range(WARMUP_ROUNDS):              # warm-up (connections, allocator, page faults), both sides
+            kv.pushpull(key, x, out=y).wait()
+            kv.push(key, x)
+            kv.pull(key, out=y).wait()
+            if echo:
+                echo.roundtrip(payload)
         pushpull, push_pull, raw = [], [], []
         for _ in range(args.repeats):               # interleaved: every variant sees the same load
             if echo:
