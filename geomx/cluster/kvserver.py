@@ -228,13 +228,10 @@ class KVServer:
         """The pushed tensor, decoded if it came compressed; Refused if it does not fit the key."""
         try:
             decoded = self.wire.decode_push(st, msg.fields, msg.tensors) if self.wire is not None else None
-        except WireError as exc:
-            raise Refused(f"{msg.op} of key {st.key!r}: {exc}") from None
-        if decoded is not None:
-            return decoded
-        value = self.single_tensor(msg)
-        self.check_value(st, value, msg.op)
-        try:
+            if decoded is not None:
+                return decoded
+            value = self.single_tensor(msg)
+            self.check_value(st, value, msg.op)
             return scale_dense(value, msg.fields)
         except WireError as exc:
             raise Refused(f"{msg.op} of key {st.key!r}: {exc}") from None

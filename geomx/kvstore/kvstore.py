@@ -32,6 +32,7 @@ from geomx.profiles import CENTRAL_DC
 
 log = logging.getLogger("geomx.kvstore")
 
+
 def create(name: str | None = None, *, env: dict | None = None) -> "KVStore":
     """Join the deployment described by the environment (set by ``geomx launch`` or by hand, see
     docs/environment.md) as a worker or as the master worker."""

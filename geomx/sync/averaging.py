@@ -101,23 +101,23 @@ class HFA:
         return time.perf_counter() - started
 
     def global_average(self) -> None:
-        self.global_mean([p.data for _, p in self.params])
+        models = [p.data for _, p in self.params]
+        self.global_mean(models)
+        self.base = [m.clone() for m in models]
 
     def global_mean(self, into: list[torch.Tensor]) -> None:
         """The weighted mean of every worker's model, into ``into``. Under gradient compression the models
-        travel as their change since the last global average (identical on every worker): a codec built
-        for gradients, with its residual, compresses a change, not a model."""
+        travel as their change since ``base``, the model every worker started the round from: a codec built
+        for gradients, with its residual, compresses a change, not a model. Callers set the next ``base``."""
         if not compressed(self.kv):
             self.average(None, self.global_scale, [p.data for _, p in self.params], into)
-        else:
-            with torch.no_grad():
-                deltas = [p.detach() - b for (_, p), b in zip(self.params, self.base)]
-            self.average(None, self.global_scale, deltas, deltas)
-            with torch.no_grad():
-                for b, d, out in zip(self.base, deltas, into):
-                    out.copy_(b + d)
+            return
         with torch.no_grad():
-            self.base = [t.detach().clone() for t in into]
+            deltas = [p.detach() - b for (_, p), b in zip(self.params, self.base)]
+        self.average(None, self.global_scale, deltas, deltas)
+        with torch.no_grad():
+            for b, d, out in zip(self.base, deltas, into):
+                out.copy_(b + d)
 
     def average(self, scope: str | None, scale: float, tensors: list[torch.Tensor],
                 into: list[torch.Tensor]) -> None:
