@@ -66,10 +66,10 @@ def mean_gradient_sum(key) -> np.ndarray:
     return sum(gradient(i, s, key) for i in range(N) for s in range(STEPS)) / N
 
 
-def _run(tmp_path_factory, name, spec, *, mode="dist_sync", server_opt=False, global_servers=2, **kw):
+def _run(tmp_path_factory, name, spec, *, mode="dist_sync", server_opt=False, global_servers=2, env=None, **kw):
     tmp = tmp_path_factory.mktemp(name)
     script = SCRIPT.format(SEED=SEED, STEPS=STEPS, FLUSH=FLUSH, LR=LR, KEYS=KEYS)
-    env = {"TEST_COMPRESSION": json.dumps(spec), "TEST_SERVER_OPT": "1" if server_opt else "0"}
+    env = {"TEST_COMPRESSION": json.dumps(spec), "TEST_SERVER_OPT": "1" if server_opt else "0", **(env or {})}
     return check_ok(launch(tmp, script, dcs=DCS, workers_per_dc=PER_DC, global_servers=global_servers, mode=mode,
                            env=env, timeout=120, **kw))
 
@@ -80,7 +80,8 @@ TOPK_BOTH_TIERS = {"lan": {"type": "topk", "ratio": 0.25}, "wan": {"type": "topk
 
 @pytest.fixture(scope="module")
 def sync_topk(tmp_path_factory):
-    return _run(tmp_path_factory, "sync-topk", TOPK_BOTH_TIERS)
+    # 1 KiB parts: "w" (4000 bytes) and 3 (2400 bytes) travel in parts, each compressed on its own, "b" whole
+    return _run(tmp_path_factory, "sync-topk", TOPK_BOTH_TIERS, env={"GEOMX_PARTITION_BYTES": "1024"})
 
 
 def test_sync_topk_on_both_tiers_delivers_every_gradient_once_all_residuals_are_flushed(sync_topk):
@@ -168,6 +169,35 @@ def test_fp16_sums_accumulate_in_fp32_so_sums_beyond_the_fp16_range_stay_finite(
         out = load_npz(run, f"fp16-{me}")["out"]
         assert out.dtype == np.dtype(dtype)
         np.testing.assert_array_equal(out, np.full(8, 40000.0, dtype))
+
+
+PARTS_SCRIPT = """
+import numpy as np
+import geomx
+import kvhelp as h
+
+kv = geomx.kvstore.create()
+kv.set_gradient_compression({{"type": "fp16"}})
+kv.init("w", np.zeros((40, 64), np.float32))          # 10 KiB in 1 KiB parts
+if kv.is_master_worker:
+    raise SystemExit(0)
+me = h.worker_index()
+out = {{str(step): kv.pushpull("w", h.grad(7, me, step, "w", (40, 64))).wait().copy() for step in range(2)}}
+h.save(f"parts-{{me}}", out)
+"""
+
+
+def test_a_compressed_key_that_travels_in_parts_arrives_whole_in_every_part(tmp_path):
+    """Each part's reply comes compressed and is decoded on arrival; it must land in its slice of the result
+    (it once stayed in the handle, and the parts of the result were uninitialized memory)."""
+    run = check_ok(launch(tmp_path, PARTS_SCRIPT.format(), dcs=DCS, workers_per_dc=PER_DC, timeout=60,
+                          env={"GEOMX_PARTITION_BYTES": "1024"}))
+    for me in range(N):
+        got = load_npz(run, f"parts-{me}")
+        for step in range(2):
+            mean = sum(kvhelp.grad(7, i, step, "w", (40, 64)).astype(np.float64) for i in range(N)) / N
+            np.testing.assert_allclose(got[str(step)], mean, rtol=0, atol=2e-3 * np.abs(mean).max(),
+                                       err_msg=f"worker {me}, step {step}")
 
 
 MISMATCH_SCRIPT = """

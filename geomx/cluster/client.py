@@ -243,7 +243,7 @@ class KVClient:
         if entry is None:
             log.warning("%s: reply to unknown request %r from %s dropped", self.po.node_id, msg.get("req"), msg.src)
             return
-        handle, convert, _ = entry
+        handle, convert, out = entry
         if msg.get("error"):
             kind = PeerLostError if msg.get("lost") else KVError
             handle._finish(error=kind(f"{handle.what} refused by {handle.server.label}: {msg['error']}"))
@@ -252,7 +252,13 @@ class KVClient:
             self.info.update(msg["info"])
             self._configure_compression()
         try:
-            handle._finish(convert(msg) if convert else None)
+            result = convert(msg) if convert else None
+            if out is not None and result is not None and not np.shares_memory(result, out):
+                # not received in place (a compressed reply, decoded here): the result still goes to ``out``,
+                # which may be one part of a larger tensor that nothing else fills
+                np.copyto(out, np.asarray(result).reshape(out.shape), casting="same_kind")
+                result = out
+            handle._finish(result)
         except Exception as exc:
             handle._finish(error=exc)
 
