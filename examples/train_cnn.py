@@ -199,6 +199,8 @@ def main(argv=None) -> int:
                 continue        # ESync: a faster worker's extra local step inside a round
             step = opt.progress
             last = step >= total_steps
+            if last:
+                opt.finish()        # HFA/DiLoCo with overlap: the last global average lands first
             if (args.eval_every and step % args.eval_every == 0) or (
                     not args.eval_every and b == steps_per_epoch - 1) or last:
                 acc = evaluate(model, xt, yt)

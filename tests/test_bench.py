@@ -47,8 +47,8 @@ def test_wan_matrix_smoke_rows_are_consistent_and_flat_moves_more_wan_bytes(tmp_
     js, out, runs = tmp_path / "w.json", tmp_path / "bench-out", tmp_path / "runs"
     assert main(["bench", "wan", "--wan-rate", "1gbit", "--wan-rtt", "2ms", "--steps", "4", "--eval-every", "2",
                  "--model", "cnn", "--target-acc", "0.15", "--configs",
-                 "hips-fsa,hips-mixedsync,hips-bsc-0.1,hips-esync-slow",
-                 "--json", str(js), "--out-dir", str(out), "--run-dir", str(runs)]) == 0
+                 "hips-fsa,hips-mixedsync,hips-bsc-0.1,hips-esync-slow", "--row-steps", "hips-mixedsync=6",
+                 "--train-args", "--lr 0.004", "--json", str(js), "--out-dir", str(out), "--run-dir", str(runs)]) == 0
     r = json.loads(js.read_text())
     rows = {x["config"]: x for x in r["rows"]}
     assert [x["config"] for x in r["rows"]] == ["flat", "hips-fsa", "hips-mixedsync", "hips-bsc-0.1",
@@ -57,11 +57,15 @@ def test_wan_matrix_smoke_rows_are_consistent_and_flat_moves_more_wan_bytes(tmp_
         roles, links = x["bytes_roles_vs_links"]
         # what the roles handed to the network across DCs is what the emulated links carried
         assert links > 0 and abs(roles - links) <= 0.001 * links, (x["config"], roles, links)
-        assert x["steps"] == 4 and x["workers"] == 4 and 0 < x["final_acc"] <= 1
+        # --row-steps: one row trains longer; --train-args: every row's training command carries the recipe
+        assert x["steps"] == (6 if x["config"] == "hips-mixedsync" else 4) and x["workers"] == 4
+        assert 0 < x["final_acc"] <= 1
+        command = json.loads((runs / x["config"] / "launch.json").read_text())["command"]
+        assert command[command.index("--lr") + 1] == "0.004", command
         assert x["dense_bytes"] > 0 and _finite_positive(x["train_s"]) and 0 < x["compute_utilization"] <= 1
         assert _finite_positive(x["efficiency"]) and _finite_positive(x["speedup"])
         if x["time_to_target_s"] is not None:
-            assert x["steps_to_target"] in (2, 4) and 0 < x["time_to_target_s"] <= x["train_s"]
+            assert x["steps_to_target"] in (2, 4, 6) and 0 < x["time_to_target_s"] <= x["train_s"]
     flat, fsa = rows["flat"], rows["hips-fsa"]
     # 2 workers per DC: flat sends every worker's gradient, HiPS one aggregate per DC (set-up included)
     assert flat["wan_bytes_total"] > 1.5 * fsa["wan_bytes_total"]
@@ -84,7 +88,7 @@ def test_wan_matrix_smoke_rows_are_consistent_and_flat_moves_more_wan_bytes(tmp_
     js2 = tmp_path / "again.json"
     assert main(["bench", "wan", "--from-runs", str(runs), "--target-acc", "0.15", "--json", str(js2)]) == 0
     again = json.loads(js2.read_text())
-    assert again["steps"] == 4 and again["model"] == "cnn"
+    assert again["steps"] == 4 and again["model"] == "cnn" and "--lr 0.004" in again["train_args"]
     again_rows = {x["config"]: x for x in again["rows"]}
     assert again_rows.keys() == rows.keys()
     for first in r["rows"]:
@@ -95,6 +99,15 @@ def test_wan_matrix_smoke_rows_are_consistent_and_flat_moves_more_wan_bytes(tmp_
 
 def test_wan_rejects_an_unknown_configuration_naming_it():
     assert main(["bench", "wan", "--configs", "hips-fsa,warp-drive"]) == 2
+
+
+def test_wan_rejects_bad_row_steps_and_train_args_that_the_bench_sets(capsys):
+    assert main(["bench", "wan", "--configs", "hips-fsa", "--row-steps", "hips-hfa=200"]) == 2   # not a row run
+    assert "hips-hfa" in capsys.readouterr().err
+    assert main(["bench", "wan", "--configs", "hips-fsa", "--row-steps", "hips-fsa:200"]) == 2
+    assert "CONFIG=STEPS" in capsys.readouterr().err
+    assert main(["bench", "wan", "--configs", "hips-fsa", "--train-args", "--steps 9"]) == 2
+    assert "--steps" in capsys.readouterr().err
 
 
 def test_wan_rejects_unemulated_profile_and_single_step():

@@ -14,3 +14,29 @@ def test_report_counts_every_key_a_worker_initialized_over_several_init_calls(tm
              {"t": 3, "kind": "step", "step": 1, "loss": 1.0, "elapsed_s": 3, "comm_wait_s": 0}]
     (tmp_path / METRICS_DIR / "worker-a-1.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert load_run(tmp_path).dense_bytes == 440
+
+
+def test_time_to_accuracy_is_time_aligned_so_an_asynchronous_fast_dc_counts_when_its_models_exist():
+    from pathlib import Path
+
+    from geomx.report.run import Run, WorkerSeries
+    from geomx.report.summary import time_to_accuracy
+
+    def worker(dc, evals):
+        return WorkerSeries(dc=dc, pid=0, evals=evals)
+
+    def run(workers):
+        return Run(path=Path("."), name="x", manifest={}, workers=workers, sent={}, sent_messages={},
+                   dense_bytes=None, links=None, start_t=0.0, server_queues=[])
+
+    # synchronous: both evaluate step 10 (0.91 and 0.93) at about the same time; reached when the last did
+    sync = run([worker("a", [(5, 1.0, 0.80), (10, 2.0, 0.91)]), worker("b", [(5, 1.1, 0.82), (10, 2.1, 0.93)])])
+    assert time_to_accuracy(sync, 0.90) == (10, 2.1)
+    assert time_to_accuracy(sync, 0.95) is None
+    # asynchronous: DC a evaluates step 10 at 1.0 s and step 20 at 2.0 s, DC b (3x slower) step 10 at 3.0 s.
+    # At 2.0 s the latest accuracies are a: 0.95 (step 20) and b: 0.86 (step 10 not yet; its step 5 at 1.5 s)
+    fast = worker("a", [(10, 1.0, 0.88), (20, 2.0, 0.95)])
+    slow = worker("b", [(5, 1.5, 0.86), (10, 3.0, 0.90)])
+    assert time_to_accuracy(run([fast, slow]), 0.90) == (5, 2.0)
+    # nothing counts before every worker has evaluated once
+    assert time_to_accuracy(run([worker("a", [(10, 1.0, 0.99)]), worker("b", [(10, 4.0, 0.5)])]), 0.7) == (10, 4.0)

@@ -45,6 +45,9 @@ for step in range(STEPS):
     opt.step()
     for k, p in params.items():
         out[f"{{k}}@{{step}}"] = p.detach().numpy().copy()
+opt.finish()                                           # overlap: the last global average lands
+for k, p in params.items():
+    out[f"{{k}}@final"] = p.detach().numpy().copy()
 h.save(f"models-{{me}}", out)
 h.dump(f"sync-{{me}}", {{"algorithm": repr(opt.sync), "factor": opt.slowdown.factor, "slept_s": opt.slowdown.slept_s,
                        "global_averages": getattr(opt.sync, "global_averages", None)}})
@@ -52,25 +55,37 @@ h.dump(f"sync-{{me}}", {{"algorithm": repr(opt.sync), "factor": opt.slowdown.fac
 
 
 def simulate(*, algorithm: str, k1: int, k2: int, weights: str, samples: list[float], dcs: list[list[int]],
-             steps: int, outer_lr: float = 0.7, outer_momentum: float = 0.9) -> dict:
+             steps: int, outer_lr: float = 0.7, outer_momentum: float = 0.9, overlap: int = 0) -> dict:
     """Float64 reference: {(worker, key, step): model}; local SGD, DC and global (weighted) averages, and for
-    DiLoCo torch's Nesterov SGD on the pseudo-gradient."""
+    DiLoCo torch's Nesterov SGD on the pseudo-gradient. ``overlap`` D: a global average is computed from the
+    models at its boundary and adopted D DC periods later, each worker keeping its progress since then;
+    (worker, key, "final"): after the last one landed."""
     n = sum(len(d) for d in dcs)
     out = {}
     for key, shape in KEYS.items():
         init = kvhelp.value(0, key, shape).astype(np.float64)
         w = {i: init.copy() for i in range(n)}
         anchor, buf = init.copy(), None
+        flight = None           # (period sent, models sent, new global model)
 
         def dc_mean(d):
             return sum(samples[i] * w[i] for i in d) / sum(samples[i] for i in d)
+
+        def land():
+            _, sent, new = flight
+            for i in range(n):
+                w[i] = new + (w[i] - sent[i])
 
         for step in range(steps):
             for i in range(n):
                 w[i] = w[i] - LR * kvhelp.grad(SEED, i, step, key, shape).astype(np.float64)
             t = step + 1
             if t % k1 == 0:
-                if (t // k1) % k2:
+                period = t // k1
+                if flight is not None and (period - flight[0] == overlap):
+                    land()
+                    flight = None
+                if period % k2:
                     means = [dc_mean(d) for d in dcs]
                     for d, m in zip(dcs, means):
                         for i in d:
@@ -85,10 +100,17 @@ def simulate(*, algorithm: str, k1: int, k2: int, weights: str, samples: list[fl
                         buf = delta.copy() if buf is None else outer_momentum * buf + delta
                         anchor = anchor - outer_lr * (delta + outer_momentum * buf)
                         avg = anchor.copy()
-                    for i in range(n):
-                        w[i] = avg.copy()
+                    if overlap:
+                        flight = (period, {i: w[i].copy() for i in range(n)}, avg)
+                    else:
+                        for i in range(n):
+                            w[i] = avg.copy()
             for i in range(n):
                 out[(i, key, step)] = w[i]
+        if flight is not None:
+            land()
+        for i in range(n):
+            out[(i, key, "final")] = w[i]
     return out
 
 
@@ -99,6 +121,13 @@ CASES = {
     # DiLoCo with equal DC weights, a DC of 2 and a DC of 1: global (outer) steps at 2 and 4 and 6
     "diloco-equal": dict(algorithm="diloco", k1=1, k2=2, weights="equal", per_dc=[2, 1], samples=[5, 7, 9],
                          steps=6, slowdown=None),
+    # overlapped global averages (sent at steps 3 and 6, adopted 2 DC periods later, at 5 and 8), with DC
+    # averages in between; DiLoCo with D = K2: each outer step lands as the next one leaves (steps 4, 6), the
+    # last one at finish()
+    "hfa-overlap": dict(algorithm="hfa", k1=1, k2=3, overlap=2, weights="samples", per_dc=[2, 2],
+                        samples=[10, 20, 30, 40], steps=8, slowdown=None),
+    "diloco-overlap": dict(algorithm="diloco", k1=1, k2=2, overlap=2, weights="equal", per_dc=[2, 1],
+                           samples=[5, 7, 9], steps=7, slowdown=None),
 }
 
 
@@ -106,7 +135,8 @@ def _run_case(tmp_path, case: dict, name: str, compression: str | None = None):
     env = {"TEST_STEPS": str(case["steps"]), "TEST_SAMPLES": str(case["samples"]),
            "GEOMX_HFA_WEIGHTS": case["weights"], **({"TEST_COMPRESSION": compression} if compression else {})}
     return check_ok(launch(tmp_path, AVERAGING_SCRIPT, dcs=2, workers_per_dc=case["per_dc"], env=env, name=name,
-                           sync={"algorithm": case["algorithm"], "k1": case["k1"], "k2": case["k2"]},
+                           sync={"algorithm": case["algorithm"], "k1": case["k1"], "k2": case["k2"],
+                                 **({"overlap": case["overlap"]} if case.get("overlap") else {})},
                            slowdown=case["slowdown"]))
 
 
@@ -117,7 +147,8 @@ def test_model_averaging_matches_the_reference_at_every_step(tmp_path, name):
     per_dc = case["per_dc"]
     dcs = [list(range(sum(per_dc[:d]), sum(per_dc[:d + 1]))) for d in range(len(per_dc))]
     ref = simulate(algorithm=case["algorithm"], k1=case["k1"], k2=case["k2"], weights=case["weights"],
-                   samples=[float(s) for s in case["samples"]], dcs=dcs, steps=case["steps"])
+                   samples=[float(s) for s in case["samples"]], dcs=dcs, steps=case["steps"],
+                   overlap=case.get("overlap", 0))
     n = sum(per_dc)
     models = [load_npz(run_dir, f"models-{i}") for i in range(n)]
     for (i, key, step), expected in ref.items():
@@ -126,7 +157,17 @@ def test_model_averaging_matches_the_reference_at_every_step(tmp_path, name):
     last = case["steps"] - 1
     infos = [load_json(run_dir, f"sync-{i}") for i in range(n)]
     assert all(x["global_averages"] == case["steps"] // (case["k1"] * case["k2"]) for x in infos), infos
-    if name == "hfa-weighted":
+    if name == "hfa-overlap":
+        # while the average sent at step 3 travels (steps 3 and 4: indices 2, 3) the DCs train on their own
+        # models, not on the average as a blocking HFA does
+        blocking = simulate(algorithm="hfa", k1=1, k2=3, weights="samples", samples=[10.0, 20.0, 30.0, 40.0],
+                            dcs=dcs, steps=8)
+        assert np.abs(models[0]["w@3"] - models[2]["w@3"]).max() > 1e-3
+        assert np.abs(blocking[(0, "w", 3)] - ref[(0, "w", 3)]).max() > 1e-3
+        assert "overlap=2" in infos[0]["algorithm"]
+    elif name == "diloco-overlap":
+        assert "overlap=2" in infos[0]["algorithm"]
+    elif name == "hfa-weighted":
         # after a DC average the DC's workers agree and the DCs differ; after the global one everyone agrees
         a0, a1, b0 = (models[i]["w@1"] for i in (0, 1, 2))
         np.testing.assert_array_equal(a0, a1)
@@ -137,7 +178,7 @@ def test_model_averaging_matches_the_reference_at_every_step(tmp_path, name):
         assert [x["factor"] for x in infos] == [1.0, 1.0, 1.0, 3.0]
         assert infos[3]["slept_s"] >= 2 * 0.02 * case["steps"] and all(x["slept_s"] == 0 for x in infos[:3])
     else:
-        assert "DiLoCo(k1=1, k2=2, weights='equal', outer_lr=0.7" in infos[0]["algorithm"]
+        assert "DiLoCo(k1=1, k2=2, weights='equal', overlap=0, outer_lr=0.7" in infos[0]["algorithm"]
         # the outer step is not a plain average: HFA's reference differs
         hfa = simulate(algorithm="hfa", k1=1, k2=2, weights="equal", samples=[5.0, 7.0, 9.0], dcs=dcs, steps=6)
         assert np.abs(hfa[(0, "w", last)] - ref[(0, "w", last)]).max() > 1e-3
@@ -298,6 +339,9 @@ while opt.progress < ROUNDS:
     if opt.progress != before:
         for k, p in params.items():
             out[f"{{k}}@{{opt.progress - 1}}"] = p.detach().numpy().copy()
+opt.finish()                                           # overlap: the last global average lands
+for k, p in params.items():
+    out[f"{{k}}@final"] = p.detach().numpy().copy()
 h.save(f"models-{{me}}", out)
 h.dump(f"esync-{{me}}", {{"schedule": opt.sync.schedule, "local": local}})
 """

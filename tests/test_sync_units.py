@@ -96,8 +96,14 @@ def test_sync_table_in_toml(tmp_path):
     ({"GEOMX_SYNC": "hfa", "GEOMX_HFA_WEIGHTS": "size"}, ["GEOMX_HFA_WEIGHTS", "samples, equal"]),
     ({"GEOMX_SYNC": "dga", "GEOMX_DGA_DELAY": "-1"}, ["dga delay D (GEOMX_DGA_DELAY)", ">= 0", "got -1"]),
     ({"GEOMX_SYNC": "esync", "GEOMX_ESYNC_STEPS": "0"}, ["esync steps (GEOMX_ESYNC_STEPS)", ">= 1", "got 0"]),
+    ({"GEOMX_SYNC": "hfa", "MXNET_KVSTORE_HFA_K2": "4", "GEOMX_HFA_OVERLAP": "5"},
+     ["hfa overlap (GEOMX_HFA_OVERLAP)", "[0, K2 = 4]", "got 5"]),
+    ({"GEOMX_SYNC": "dga", "GEOMX_HFA_OVERLAP": "1"}, []),       # another algorithm's variable is not read
 ])
 def test_bad_sync_settings_are_refused_naming_the_variable(env, words):
+    if not words:
+        assert settings_from_env(env).overlap == 0
+        return
     with pytest.raises(ConfigError) as err:
         settings_from_env(env)
     for w in words:

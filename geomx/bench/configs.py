@@ -55,12 +55,19 @@ register(BenchConfig("hips-hfa-short", "HiPS HFA (K1=5, K2=2)", env=launch_env({
 register(BenchConfig("hips-diloco", "HiPS DiLoCo (K1=20, K2=10, outer Nesterov 0.7/0.9)",
                      env=launch_env({"algorithm": "diloco", "k1": 20, "k2": 10})))
 register(BenchConfig("hips-dga", "HiPS DGA (D=1)", env=launch_env({"algorithm": "dga", "delay": 1})))
+# the same schedules with the global average travelling while 5 DC periods (100 local steps) run
+register(BenchConfig("hips-hfa-overlap", "HiPS HFA (K1=20, K2=10, global average overlapped, D=5)",
+                     env=launch_env({"algorithm": "hfa", "k1": 20, "k2": 10, "overlap": 5})))
+register(BenchConfig("hips-diloco-overlap", "HiPS DiLoCo (K1=20, K2=10, outer step overlapped, D=5)",
+                     env=launch_env({"algorithm": "diloco", "k1": 20, "k2": 10, "overlap": 5})))
 # heterogeneous DCs: DC b computes 3x slower
 SLOW = ("b=3",)
 register(BenchConfig("hips-fsa-slow", "HiPS FSA, DC b 3x slower", slowdown=SLOW))
 register(BenchConfig("hips-mixedsync-slow", "HiPS MixedSync, DC b 3x slower", mode="dist_async", slowdown=SLOW))
 register(BenchConfig("hips-esync-slow", "HiPS ESync, DC b 3x slower", env=launch_env({"algorithm": "esync"}),
                      slowdown=SLOW))
+register(BenchConfig("hips-esync2-slow", "HiPS ESync (slowest worker: 2 local steps per round), DC b 3x slower",
+                     env=launch_env({"algorithm": "esync", "steps": 2}), slowdown=SLOW))
 
 
 def _compressed(name: str, label: str, spec: dict) -> BenchConfig:

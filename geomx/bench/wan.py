@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ MB = 1e6
 
 def run_config(config: BenchConfig, *, profile: str | None, wan_rate: str | None, wan_rtt: str | None, dcs: int,
                workers_per_dc: int, model: str, steps: int, eval_every: int, seed: int, target_acc: float | None,
-               run_dir: Path, timeout: float) -> dict:
+               run_dir: Path, timeout: float, train_args: tuple[str, ...] = ()) -> dict:
     from geomx.cli.topology import load_topology
 
     topo = load_topology(None, dcs=dcs, workers_per_dc=workers_per_dc, wan=None if wan_rate else profile,
@@ -38,7 +39,7 @@ def run_config(config: BenchConfig, *, profile: str | None, wan_rate: str | None
                           f"(choose another --profile)")
     topo.env.update(config.env)
     command = [sys.executable, str(train_script_path()), "--model", model, "--steps", str(steps),
-               "--eval-every", str(eval_every), "--seed", str(seed), *config.train_args]
+               "--eval-every", str(eval_every), "--seed", str(seed), *train_args, *config.train_args]
     wall = launch(topo, command, run_dir, timeout, f"WAN bench ({config.name})")
     return {**tabulate_run(config, run_dir, target_acc=target_acc, workers=topo.num_all_workers, steps=steps),
             "deployment_s": wall}
@@ -92,14 +93,41 @@ def _training_args(manifest: dict) -> dict:
     per_dc = manifest.get("workers_per_dc")
     if isinstance(per_dc, list):
         per_dc = per_dc[0] if len(set(per_dc)) == 1 else "/".join(map(str, per_dc))
-    return {"steps": arg("--steps", 0), "eval_every": arg("--eval-every", 0), "model": arg("--model", "cnn"),
+    return {"steps": arg("--steps", 0), "train_args": _shared_train_args(cmd), "eval_every": arg("--eval-every", 0), "model": arg("--model", "cnn"),
             "seed": arg("--seed", 0), "dcs": len(manifest.get("dcs", [])), "workers_per_dc": per_dc}
+
+
+def _shared_train_args(cmd: list[str]) -> str:
+    """The ``--train-args`` a kept run was started with: what follows its training command's ``--seed N``
+    (every row's own arguments come last, so a row's are included: good enough to name the recipe)."""
+    return " ".join(cmd[cmd.index("--seed") + 2:]) if "--seed" in cmd else ""
+
+
+def parse_row_steps(text: str | None, rows: list[BenchConfig]) -> dict[str, int]:
+    """``--row-steps hips-hfa=200,hips-diloco=200``: rows that train longer (or shorter) than ``--steps``, e.g.
+    HFA with K1 x K2 = 200, whose first global average comes at step 200."""
+    out: dict[str, int] = {}
+    names = {c.name for c in rows}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not value.strip().isdigit():
+            raise ConfigError(f"--row-steps: {item.strip()!r} is not CONFIG=STEPS (e.g. hips-hfa=200)")
+        if name not in names:
+            raise ConfigError(f"--row-steps names {name!r}, which is not among the rows run: {', '.join(sorted(names))}")
+        if int(value) < 2:
+            raise ConfigError(f"--row-steps: {name} must train >= 2 steps, got {value.strip()}")
+        out[name] = int(value)
+    return out
 
 
 def bench_wan(*, profile: str | None = "transpacific", wan_rate: str | None = None, wan_rtt: str | None = None,
               configs: str | None = None, steps: int = 6, eval_every: int = 0, dcs: int = 2, workers_per_dc: int = 2,
               model: str = "wide", seed: int = 0, target_acc: float | None = None, run_dir: str | None = None,
-              out_dir: str | None = None, timeout: float = 900.0, command: str | None = None) -> dict:
+              out_dir: str | None = None, timeout: float = 900.0, command: str | None = None,
+              row_steps: str | None = None, train_args: str | None = None) -> dict:
     if steps < 2:
         raise ConfigError(f"--steps must be >= 2, got {steps}")
     if bool(wan_rate) != bool(wan_rtt):
@@ -107,6 +135,11 @@ def bench_wan(*, profile: str | None = "transpacific", wan_rate: str | None = No
     if target_acc is not None and not 0 < target_acc <= 1:
         raise ConfigError(f"--target-acc is a test accuracy in (0, 1], got {target_acc}")
     rows = select(configs)
+    per_row = parse_row_steps(row_steps, rows)
+    shared_args = tuple(shlex.split(train_args or ""))
+    for flag in ("--model", "--steps", "--eval-every", "--seed"):
+        if flag in shared_args:
+            raise ConfigError(f"--train-args must not set {flag}: the benchmark's own option sets it for every row")
     train_script_path()         # a clear error before anything starts
     eval_every = eval_every or max(1, steps // 20)
     results = []
@@ -115,11 +148,11 @@ def bench_wan(*, profile: str | None = "transpacific", wan_rate: str | None = No
             sub = rd / config.name
             sub.mkdir(parents=True, exist_ok=True)
             results.append(run_config(config, profile=profile, wan_rate=wan_rate, wan_rtt=wan_rtt, dcs=dcs,
-                                      workers_per_dc=workers_per_dc, model=model, steps=steps,
-                                      eval_every=eval_every, seed=seed, target_acc=target_acc, run_dir=sub,
-                                      timeout=timeout))
+                                      workers_per_dc=workers_per_dc, model=model,
+                                      steps=per_row.get(config.name, steps), eval_every=eval_every, seed=seed,
+                                      target_acc=target_acc, run_dir=sub, timeout=timeout, train_args=shared_args))
         _compare(results)
-        result = {"steps": steps, "eval_every": eval_every, "dcs": dcs, "workers_per_dc": workers_per_dc,
+        result = {"steps": steps, "train_args": " ".join(shared_args), "eval_every": eval_every, "dcs": dcs, "workers_per_dc": workers_per_dc,
                   "model": model, "seed": seed, "target_acc": target_acc, "rows": results}
         if out_dir:
             result["files"] = _write_outputs(result, Path(out_dir), [Path(r["run_dir"]) for r in results], command)
@@ -175,19 +208,20 @@ def format_wan_report(r: dict) -> str:
         ttt = num(x["time_to_target_s"], ".1f", " s") if target is not None else "-"
         if target is not None and x["time_to_target_s"] is None:
             ttt = "not reached"
-        rows.append([x["label"], ttt, num(x["final_acc"], ".4f"), num(x["train_s"], ".1f"), num(x["step_s"], ".2f"),
+        rows.append([x["label"], str(x["steps"]), ttt, num(x["final_acc"], ".4f"), num(x["train_s"], ".1f"), num(x["step_s"], ".2f"),
                      num(x["wan_bytes_per_step"] / MB, ".2f"), num(x["speedup"], ".2f", "x"),
                      num(x["byte_reduction"], ".2f", "x"), num(x["step_time_vs_flat"], ".2f"),
                      num(x["compute_utilization"], ".0%"), num(x["efficiency"], ".2f")])
     first = r["rows"][0]
-    header = ["configuration", f"time to {num(target, '.2f')} acc" if target is not None else "time to target",
+    header = ["configuration", "steps", f"time to {num(target, '.2f')} acc" if target is not None else "time to target",
               "final acc", "training s", "s / step", "WAN MB / step", "speedup vs flat", "WAN bytes: flat / this",
               "step time / flat", "compute util.", "efficiency"]
     basis = {x["speedup_basis"] for x in r["rows"]}
+    recipe = f" `{r['train_args']}`" if r.get("train_args") else ""
     return "\n".join([
         f"{r['dcs']} DCs x {r['workers_per_dc']} workers, WAN `{first['profile']}` ({first['profile_description']}), "
-        f"examples/train_cnn.py `--model {r['model']}`, {r['steps']} steps, evaluation every {r['eval_every']} "
-        f"steps, seed {r['seed']}; the rows ran one after another on this machine.", "",
+        f"examples/train_cnn.py `--model {r['model']}`{recipe}, steps per row as listed, evaluation every "
+        f"{r['eval_every']} steps, seed {r['seed']}; the rows ran one after another on this machine.", "",
         markdown_table(header, rows, [False] + [True] * (len(header) - 1)), "",
         f"Training time starts when the first worker finished set-up (joined, keys initialized, initial model pulled). "
         f"WAN MB / step = training-phase bytes on all DC <-> central links / steps (MB = 10^6 bytes). Speedup = "
@@ -204,7 +238,8 @@ def cmd_wan(args) -> int:
                            steps=args.steps, eval_every=args.eval_every, dcs=args.dcs,
                            workers_per_dc=args.workers_per_dc, model=args.model, seed=args.seed,
                            target_acc=args.target_acc, run_dir=args.run_dir, out_dir=args.out_dir,
-                           timeout=args.timeout, command=command_line(args))
+                           timeout=args.timeout, command=command_line(args), row_steps=args.row_steps,
+                           train_args=args.train_args)
     emit_report(args, "geomx bench wan: time to accuracy over an emulated WAN", format_wan_report(result), result)
     return 0
 
@@ -223,6 +258,12 @@ def add_parser(bsub) -> argparse.ArgumentParser:
                                      f"{BASELINE} always runs as the baseline")
     p.add_argument("--target-acc", type=float, help="test accuracy whose time to reach is compared")
     p.add_argument("--steps", type=int, default=6, help="training steps per configuration (default 6)")
+    p.add_argument("--row-steps", metavar="CONFIG=N,...",
+                   help="rows that train another number of steps than --steps, e.g. hips-hfa=200 (HFA with K1 x K2 = "
+                        "200 averages across DCs first at step 200); speedups compare times to the target")
+    p.add_argument("--train-args", metavar="ARGS",
+                   help="extra examples/train_cnn.py arguments for every row (the training recipe), e.g. "
+                        "\"--optimizer sgd --lr 0.1\"")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (default steps / 20)")
     p.add_argument("--dcs", type=int, default=2, help="data centers (default 2)")
     p.add_argument("--workers-per-dc", type=int, default=2, help="workers per DC (default 2)")

@@ -24,6 +24,9 @@ def _add_topology_flags(p: argparse.ArgumentParser) -> None:
                    help="synchronization algorithm (default fsa; see geomx.sync)")
     p.add_argument("--hfa-k1", type=int, help="hfa/diloco: local steps between DC averages (default 1)")
     p.add_argument("--hfa-k2", type=int, help="hfa/diloco: DC averages between global averages (default 1)")
+    p.add_argument("--hfa-overlap", type=int, metavar="D",
+                   help="hfa/diloco: let the global average travel while training goes on, applying it D DC "
+                        "periods (D x K1 steps) after it was sent, 1 <= D <= K2 (default 0: wait for it)")
     p.add_argument("--dga-delay", type=int, help="dga: steps between pushing a gradient and applying its average "
                                                   "(default 1)")
     p.add_argument("--esync-steps", type=int, help="esync: local steps of the slowest worker per round (default 1)")
@@ -37,7 +40,8 @@ def topology_from_args(args: argparse.Namespace):
     return load_topology(args.config, dcs=args.dcs, workers_per_dc=args.workers_per_dc,
                          global_servers=args.global_servers, wan=args.wan, wan_rate=args.wan_rate,
                          wan_rtt=args.wan_rtt, mode=args.mode, topology=args.topology, sync=args.sync,
-                         sync_k1=args.hfa_k1, sync_k2=args.hfa_k2, sync_delay=args.dga_delay,
+                         sync_k1=args.hfa_k1, sync_k2=args.hfa_k2, sync_overlap=args.hfa_overlap,
+                         sync_delay=args.dga_delay,
                          sync_steps=args.esync_steps,
                          slowdown=args.slowdown)
 

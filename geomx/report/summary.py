@@ -3,8 +3,10 @@
 Training is measured from the moment the first worker finished set-up (``ready``: joined, keys initialized,
 initial model pulled) to the last step; set-up is reported apart. Definitions:
 
-* accuracy at a step = mean test accuracy over the workers that evaluated it; time to target = the time of
-  the first such step at or above the target;
+* accuracy at a step = mean test accuracy over the workers that evaluated it (the plots' curve); time to
+  target = the first moment at which the mean of every worker's latest test accuracy is at or above the
+  target (time-aligned: in dist_async a fast DC is at a later step than a slow one at the same moment, and
+  its models count when they exist; in synchronous runs this is when the last worker evaluated the step);
 * WAN bytes = bytes the roles handed to the network between different DCs (the emulator counts the same);
   per step = bytes after the *last* worker finished set-up / the steps taken after that moment, cut from the
   emulator's per-second series (from the first worker's set-up, another DC's initial model download, dense
@@ -35,6 +37,18 @@ def accuracy_curve(run: Run) -> list[tuple[int, float, float]]:
     return [(step, mean(t for t, _ in pts), mean(a for _, a in pts)) for step, pts in sorted(by_step.items())]
 
 
+def time_to_accuracy(run: Run, target: float) -> tuple[int, float] | None:
+    """(step, time s) of the first moment, once every worker has evaluated, at which the mean of the workers'
+    latest test accuracies reaches ``target``; the step is the one every worker had evaluated by then."""
+    events = sorted((t, i, step, acc) for i, w in enumerate(run.workers) for step, t, acc in w.evals)
+    latest: dict[int, tuple[int, float]] = {}
+    for t, i, step, acc in events:
+        latest[i] = (step, acc)
+        if len(latest) == len(run.workers) and mean(a for _, a in latest.values()) >= target:
+            return min(s for s, _ in latest.values()), t
+    return None
+
+
 def training_link_bytes(run: Run, since_t: float) -> dict[tuple[str, str], float]:
     """Bytes per WAN link after ``since_t`` (s after training start), from the emulator's per-second series
     (the partial second is prorated); without an emulator, the roles' totals."""
@@ -58,7 +72,7 @@ def summarize(run: Run, target_acc: float | None = None) -> dict:
     ready_t = min((w.ready_t for w in run.workers), default=0.0)
     train_s = run.wall_s - ready_t
     curve = accuracy_curve(run)
-    reached = next(((s, t) for s, t, a in curve if target_acc is not None and a >= target_acc), None)
+    reached = time_to_accuracy(run, target_acc) if target_acc is not None else None
     link_bytes = training_link_bytes(run, ready_t)
     all_ready_t = max((w.ready_t for w in run.workers), default=0.0)
     steady = training_link_bytes(run, all_ready_t) if run.links else link_bytes

@@ -9,6 +9,13 @@ Weights: a worker's model counts by its number of samples (``num_samples``), so 
 ``weights="equal"`` gives every DC the same weight in the global average (GeoMX's 1/G). Workers send their
 models pre-scaled by their share, and the servers only sum, so no server needs to know the algorithm.
 
+Overlap (``overlap`` D >= 1, Streaming-DiLoCo style): the global average no longer stops training. At a
+global boundary each worker sends its model (or change) and goes on with local steps; D DC periods (D x K1
+steps) later it adopts the result while keeping its own progress since the send: w = avg + (w - w_sent).
+The WAN round is hidden as long as D x K1 steps of compute outlast it (a transpacific 27 MB model average:
+about 4.5 s). Within a DC every worker lands the same average at the same step, and the DC average that
+follows brings them together again. D = 0 (default) waits for the average at the boundary.
+
 DiLoCo (Douillard et al. 2023): the same inner loop, but the global average does not replace the model: the
 pseudo-gradient (global model before - average) feeds an outer Nesterov SGD (lr 0.7, momentum 0.9) whose
 step gives the new global model. Every worker runs the identical outer step on identical inputs, so they
@@ -30,16 +37,17 @@ WEIGHTS_KEY = "__geomx.sync.weights"
 class HFA:
     name = "hfa"
 
-    def __init__(self, *, k1: int = 1, k2: int = 1, weights: str = "samples") -> None:
-        s = check(self.name, {"k1": k1, "k2": k2, "weights": weights})
-        self.k1, self.k2, self.weights = s.k1, s.k2, s.weights
+    def __init__(self, *, k1: int = 1, k2: int = 1, weights: str = "samples", overlap: int = 0) -> None:
+        s = check(self.name, {"k1": k1, "k2": k2, "weights": weights, "overlap": overlap})
+        self.k1, self.k2, self.weights, self.overlap = s.k1, s.k2, s.weights, s.overlap
+        self.in_flight: InFlight | None = None     # the global average travelling (overlap > 0)
         self.steps = 0               # local steps taken
         self.dc_averages = 0         # K1 boundaries passed (each one a DC or a global average)
         self.global_averages = 0
         self.kv = None
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(k1={self.k1}, k2={self.k2}, weights={self.weights!r})"
+        return f"{type(self).__name__}(k1={self.k1}, k2={self.k2}, weights={self.weights!r}, overlap={self.overlap})"
 
     # set-up ---------------------------------------------------------------------------------------------------
     def setup(self, kv, params: list[tuple[str, torch.nn.Parameter]], *, num_samples: float | None = None) -> None:
@@ -92,59 +100,127 @@ class HFA:
         self.dc_averages += 1
         started = time.perf_counter()
         if self.dc_averages % self.k2:
+            if self.in_flight is not None and self.dc_averages - self.in_flight.period == self.overlap:
+                self.land()
             if self.kv.num_workers > 1:       # a DC of one worker is its own average
                 models = [p.data for _, p in self.params]
                 self.average("dc", self.dc_scale, models, models)
         else:
             self.global_averages += 1
-            self.global_average()
+            if not self.overlap:
+                self.global_average()
+            else:
+                if self.in_flight is not None:      # overlap = K2: the previous one lands before the next leaves
+                    self.land()
+                self.send_global()
+        return time.perf_counter() - started
+
+    def finish(self) -> float:
+        """Land a global average still travelling (overlap > 0), e.g. after the last step; returns the seconds
+        waited. Without it, a run that ends between a send and its landing ignores that average."""
+        started = time.perf_counter()
+        if self.in_flight is not None:
+            self.land()
         return time.perf_counter() - started
 
     def global_average(self) -> None:
-        models = [p.data for _, p in self.params]
-        self.global_mean(models)
-        self.base = [m.clone() for m in models]
+        averaged = [torch.empty_like(p) for _, p in self.params]
+        self.global_mean(averaged)
+        self.adopt(averaged)
+
+    def adopt(self, averaged: list[torch.Tensor], sent: list[torch.Tensor] | None = None) -> None:
+        """The global average of the models is in: the new global model (HFA: the average itself) becomes
+        every worker's model and the next round's base. ``sent``: the model this worker sent (overlap), whose
+        difference to the current model (the local steps taken meanwhile) is kept on top."""
+        new = self.global_model(averaged)
+        with torch.no_grad():
+            for (_, p), g, s in zip(self.params, new, sent or [None] * len(new)):
+                if s is None:
+                    p.copy_(g)
+                else:
+                    p.add_(g - s)
+        self.base = [g.detach().clone() for g in new]
+
+    def global_model(self, averaged: list[torch.Tensor]) -> list[torch.Tensor]:
+        return averaged
 
     def global_mean(self, into: list[torch.Tensor]) -> None:
-        """The weighted mean of every worker's model, into ``into``. Under gradient compression the models
-        travel as their change since ``base``, the model every worker started the round from: a codec built
-        for gradients, with its residual, compresses a change, not a model. Callers set the next ``base``."""
+        """The weighted mean of every worker's model, into ``into`` (waits for it)."""
+        self.start_global_mean([p.detach() for _, p in self.params], into).land_into()
+
+    def start_global_mean(self, models: list[torch.Tensor], into: list[torch.Tensor]) -> "InFlight":
+        """Send ``models`` (left untouched until the result landed) for the weighted global mean, which lands
+        in ``into``. Under gradient compression the models travel as their change since ``base``, the model
+        every worker started the round from: a codec built for gradients, with its residual, compresses a
+        change, not a model."""
         if not compressed(self.kv):
-            self.average(None, self.global_scale, [p.data for _, p in self.params], into)
-            return
+            return InFlight(self.start_average(None, self.global_scale, models, into), into)
         with torch.no_grad():
-            deltas = [p.detach() - b for (_, p), b in zip(self.params, self.base)]
-        self.average(None, self.global_scale, deltas, deltas)
-        with torch.no_grad():
-            for b, d, out in zip(self.base, deltas, into):
-                out.copy_(b + d)
+            deltas = [m - b for m, b in zip(models, self.base)]
+        return InFlight(self.start_average(None, self.global_scale, deltas, deltas), into,
+                        deltas=deltas, base=self.base)
+
+    def send_global(self) -> None:
+        sent = [p.detach().clone() for _, p in self.params]
+        flight = self.start_global_mean(sent, [torch.empty_like(m) for m in sent])
+        flight.sent, flight.period = sent, self.dc_averages
+        self.in_flight = flight
+
+    def land(self) -> None:
+        flight, self.in_flight = self.in_flight, None
+        self.adopt(flight.land_into(), flight.sent)
 
     def average(self, scope: str | None, scale: float, tensors: list[torch.Tensor],
                 into: list[torch.Tensor]) -> None:
         """Push every one of ``tensors`` (a model, or its change) times ``scale``; the sum over the DC (scope
         "dc") or the mean over all workers (the global servers divide by them) lands in ``into``."""
+        for h in self.start_average(scope, scale, tensors, into):
+            h.wait()
+
+    def start_average(self, scope: str | None, scale: float, tensors: list[torch.Tensor],
+                      into: list[torch.Tensor]) -> list:
         names = [n for n, _ in self.params]
         with torch.no_grad():
-            # scale 1 (equal shares): the tensor itself is sent, zero-copy (we wait before touching it)
+            # scale 1 (equal shares): the tensor itself is sent, zero-copy (the caller leaves it alone until
+            # the handles finished)
             values = [t if scale == 1.0 else t * scale for t in tensors]
-        handles = self.kv.pushpull(names, values, out=into, scope=scope)
-        for h in handles:
+        return self.kv.pushpull(names, values, out=into, scope=scope)
+
+
+class InFlight:
+    """A global average on its way: the request handles, where the result lands, and (overlap) the model
+    sent and the DC period it left in."""
+
+    def __init__(self, handles: list, into: list[torch.Tensor], *, deltas: list[torch.Tensor] | None = None,
+                 base: list[torch.Tensor] | None = None) -> None:
+        self.handles, self.into, self.deltas, self.base = handles, into, deltas, base
+        self.sent: list[torch.Tensor] | None = None
+        self.period = 0
+
+    def land_into(self) -> list[torch.Tensor]:
+        """Wait for the result; returns the averaged models (base + mean change, under compression)."""
+        for h in self.handles:
             h.wait()
+        if self.deltas is not None:
+            with torch.no_grad():
+                for b, d, out in zip(self.base, self.deltas, self.into):
+                    out.copy_(b + d)
+        return self.into
 
 
 class DiLoCo(HFA):
     name = "diloco"
 
-    def __init__(self, *, k1: int = 1, k2: int = 1, weights: str = "samples", outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9) -> None:
-        s = check(self.name, {"k1": k1, "k2": k2, "weights": weights, "outer_lr": outer_lr,
+    def __init__(self, *, k1: int = 1, k2: int = 1, weights: str = "samples", overlap: int = 0,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9) -> None:
+        s = check(self.name, {"k1": k1, "k2": k2, "weights": weights, "overlap": overlap, "outer_lr": outer_lr,
                               "outer_momentum": outer_momentum})
-        super().__init__(k1=s.k1, k2=s.k2, weights=s.weights)
+        super().__init__(k1=s.k1, k2=s.k2, weights=s.weights, overlap=s.overlap)
         self.outer_lr, self.outer_momentum = s.outer_lr, s.outer_momentum
 
     def __repr__(self) -> str:
-        return (f"DiLoCo(k1={self.k1}, k2={self.k2}, weights={self.weights!r}, outer_lr={self.outer_lr}, "
-                f"outer_momentum={self.outer_momentum})")
+        return (f"DiLoCo(k1={self.k1}, k2={self.k2}, weights={self.weights!r}, overlap={self.overlap}, "
+                f"outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum})")
 
     def start(self) -> None:
         super().start()
@@ -153,16 +229,13 @@ class DiLoCo(HFA):
         m = self.outer_momentum
         self.outer = torch.optim.SGD(self.anchor, lr=self.outer_lr, momentum=m, nesterov=m > 0)
 
-    def global_average(self) -> None:
-        averaged = [torch.empty_like(p) for _, p in self.params]
-        self.global_mean(averaged)
+    def global_model(self, averaged: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The outer step on the pseudo-gradient (global model before - average) gives the new global model."""
         with torch.no_grad():
-            for a, avg, (_, p) in zip(self.anchor, averaged, self.params):
-                a.grad = a.detach() - avg           # the pseudo-gradient
+            for a, avg in zip(self.anchor, averaged):
+                a.grad = a.detach() - avg
             self.outer.step()
-            for a, (_, p) in zip(self.anchor, self.params):
-                p.copy_(a)
-            self.base = [a.detach().clone() for a in self.anchor]    # the next round's deltas start here
+        return [a.detach() for a in self.anchor]
 
 
 def compressed(kv) -> bool:

@@ -7,6 +7,7 @@ algorithm   what a worker does
 ==========  ==================================================================================================
 ``fsa``     push every gradient, step on the mean over all workers (default; MixedSync is ``--mode dist_async``)
 ``hfa``     K1 local steps, then a DC-wide model average; every K2 DC averages a global model average
+            (``overlap`` D > 0: the global average travels while D x K1 more local steps run)
 ``diloco``  as hfa, but the global average feeds an outer optimizer (Nesterov SGD) instead of replacing the model
 ``dga``     push every gradient but step on the average from D steps ago, corrected (communication overlaps D steps)
 ``esync``   faster workers take more local steps per round, so all reach the global average together
@@ -28,13 +29,14 @@ OPTIONS = {
     "k1": ("MXNET_KVSTORE_HFA_K1", int, 1),
     "k2": ("MXNET_KVSTORE_HFA_K2", int, 1),
     "weights": ("GEOMX_HFA_WEIGHTS", str, "samples"),
+    "overlap": ("GEOMX_HFA_OVERLAP", int, 0),
     "outer_lr": ("GEOMX_DILOCO_LR", float, 0.7),
     "outer_momentum": ("GEOMX_DILOCO_MOMENTUM", float, 0.9),
     "delay": ("GEOMX_DGA_DELAY", int, 1),
     "steps": ("GEOMX_ESYNC_STEPS", int, 1),
 }
-ALGORITHM_OPTIONS = {"fsa": (), "hfa": ("k1", "k2", "weights"),
-                     "diloco": ("k1", "k2", "weights", "outer_lr", "outer_momentum"), "dga": ("delay",),
+ALGORITHM_OPTIONS = {"fsa": (), "hfa": ("k1", "k2", "weights", "overlap"),
+                     "diloco": ("k1", "k2", "weights", "overlap", "outer_lr", "outer_momentum"), "dga": ("delay",),
                      "esync": ("steps",)}
 SYNC_ENV = "GEOMX_SYNC"
 GEOMX_HFA_ENV = "MXNET_KVSTORE_USE_HFA"
@@ -46,6 +48,7 @@ class SyncSettings:
     k1: int = 1
     k2: int = 1
     weights: str = "samples"
+    overlap: int = 0
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     delay: int = 1
@@ -73,6 +76,10 @@ def check(algorithm: str, options: Mapping, where: str = "") -> SyncSettings:
         if getattr(s, name) < 1:
             raise ConfigError(f"{algorithm} {name.upper()} ({OPTIONS[name][0]}){where} must be >= 1 (local steps "
                               f"per DC average / DC averages per global average), got {getattr(s, name)}")
+    if not 0 <= s.overlap <= s.k2:
+        raise ConfigError(f"{algorithm} overlap ({OPTIONS['overlap'][0]}){where}: DC periods a global average may travel "
+                          f"while training goes on must be in [0, K2 = {s.k2}] (it must land before the next one "
+                          f"is sent), got {s.overlap}")
     if s.steps < 1:
         raise ConfigError(f"esync steps ({OPTIONS['steps'][0]}){where}: local steps of the slowest worker per round "
                           f"must be >= 1, got {s.steps}")

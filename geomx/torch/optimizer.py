@@ -134,6 +134,15 @@ class DistributedOptimizer:
             self.optimizer.step()
         self.slowdown.compute_starts()
 
+    def finish(self) -> None:
+        """Call after the last step: lands what a synchronization algorithm still has on the way (HFA/DiLoCo
+        with ``overlap``: the last global average), so every worker ends on the same model. Idempotent."""
+        finish = getattr(self.sync, "finish", None)
+        if finish is not None:
+            waited = finish()
+            self.comm_wait_s += waited
+            metrics.add_comm_wait(waited)
+
     def synchronize(self) -> list:
         """Push what backward did not push (parameters without a gradient this step push zeros, so the
         round completes everywhere) and wait for all results: per parameter, the tensor its gradient was
