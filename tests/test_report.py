@@ -40,3 +40,22 @@ def test_time_to_accuracy_is_time_aligned_so_an_asynchronous_fast_dc_counts_when
     assert time_to_accuracy(run([fast, slow]), 0.90) == (5, 2.0)
     # nothing counts before every worker has evaluated once
     assert time_to_accuracy(run([worker("a", [(10, 1.0, 0.99)]), worker("b", [(10, 4.0, 0.5)])]), 0.7) == (10, 4.0)
+
+
+def test_per_step_wan_bytes_start_at_a_whole_second_so_a_set_up_download_never_leaks_in():
+    from pathlib import Path
+
+    from geomx.report.run import Run, WorkerSeries
+    from geomx.report.summary import steady_start, training_link_bytes
+
+    # the emulator's clock starts 0.3 s before the run's; the last worker is ready at 1.5 s (emulator 1.8 s),
+    # inside the second (1-2 s) that also carried 1 MB of its initial model
+    links = {"t0_unix": 100.0, "links": {"a->central": {"src_dc": "a", "dst_dc": "central",
+                                                        "series": [0, 1_000_000, 100, 100, 100]}}}
+    run = Run(path=Path("."), name="x", manifest={}, sent={}, sent_messages={}, dense_bytes=None, links=links,
+              start_t=100.3, server_queues=[],
+              workers=[WorkerSeries(dc="a", pid=0, ready_t=1.5, times=[1.6, 1.9, 2.5, 3.5])])
+    start = steady_start(run)
+    assert abs(start - 1.7) < 1e-9                        # emulator second 2
+    assert training_link_bytes(run, start)[("a", "central")] == 300
+    assert training_link_bytes(run, 1.5)[("a", "central")] > 200_000   # what prorating from 1.5 s counted

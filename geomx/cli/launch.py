@@ -83,6 +83,10 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
     if topo.profile.emulated:
         base["GEOMX_WAN_EMULATOR"] = f"tcp://{h}:{p_emu}"
         p = topo.profile
+        if "GEOMX_PARTITION_BYTES" not in base and "GEOMX_PARTITION_BYTES" not in os.environ:
+            # parts sized for the WAN (geomx.kvstore.partition.wan_partition_bytes), one value for every role
+            from geomx.kvstore.partition import wan_partition_bytes
+            base["GEOMX_PARTITION_BYTES"] = str(wan_partition_bytes(min(p.uplink_bps, p.downlink_bps)))
         specs.append(RoleSpec("wan-emulator", "emulator", node, {
             **base, "GEOMX_ROLE": "emulator", "GEOMX_EMULATOR_HOST": h, "GEOMX_EMULATOR_PORT": str(p_emu),
             **({"GEOMX_WAN_PROFILE": p.name} if p.name != "custom" else

@@ -8,9 +8,9 @@ initial model pulled) to the last step; set-up is reported apart. Definitions:
   target (time-aligned: in dist_async a fast DC is at a later step than a slow one at the same moment, and
   its models count when they exist; in synchronous runs this is when the last worker evaluated the step);
 * WAN bytes = bytes the roles handed to the network between different DCs (the emulator counts the same);
-  per step = bytes after the *last* worker finished set-up / the steps taken after that moment, cut from the
-  emulator's per-second series (from the first worker's set-up, another DC's initial model download, dense
-  and one-time, would be charged to the steps);
+  per step = bytes from the first whole second of the emulator's per-second series after the *last* worker
+  finished set-up / the steps taken after that moment (counted from the first worker's set-up, another DC's
+  initial model download, dense and one-time, would be charged to the steps);
 * compression ratio = the dense fp32 bytes the same protocol would move per step (one model copy up and one
   down per DC in HiPS, per worker in the flat topology) / the measured WAN bytes per step;
 * compute utilization = share of the workers' training time not spent waiting for the network;
@@ -49,6 +49,17 @@ def time_to_accuracy(run: Run, target: float) -> tuple[int, float] | None:
     return None
 
 
+def steady_start(run: Run) -> float:
+    """When per-step WAN bytes start counting: the first whole second of the emulator's series after the last
+    worker finished set-up. A prorated partial second could hold part of a DC's initial model download (tens
+    of MB, against a few hundred kB per step of a sparsified run)."""
+    all_ready_t = max((w.ready_t for w in run.workers), default=0.0)
+    if not run.links:
+        return all_ready_t
+    offset = run.start_t - run.links["t0_unix"]          # emulator clock = run clock + offset
+    return math.ceil(all_ready_t + offset) - offset
+
+
 def training_link_bytes(run: Run, since_t: float) -> dict[tuple[str, str], float]:
     """Bytes per WAN link after ``since_t`` (s after training start), from the emulator's per-second series
     (the partial second is prorated); without an emulator, the roles' totals."""
@@ -74,9 +85,9 @@ def summarize(run: Run, target_acc: float | None = None) -> dict:
     curve = accuracy_curve(run)
     reached = time_to_accuracy(run, target_acc) if target_acc is not None else None
     link_bytes = training_link_bytes(run, ready_t)
-    all_ready_t = max((w.ready_t for w in run.workers), default=0.0)
-    steady = training_link_bytes(run, all_ready_t) if run.links else link_bytes
-    steady_steps = max((sum(t > all_ready_t for t in w.times) for w in run.workers), default=0) \
+    steady_t = steady_start(run)
+    steady = training_link_bytes(run, steady_t) if run.links else link_bytes
+    steady_steps = max((sum(t > steady_t for t in w.times) for w in run.workers), default=0) \
         if run.links else steps
     up = sum(v for (src, dst), v in steady.items() if dst == CENTRAL_DC and src != dst)
     down = sum(v for (src, dst), v in steady.items() if src == CENTRAL_DC and src != dst)
