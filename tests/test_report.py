@@ -59,3 +59,22 @@ def test_per_step_wan_bytes_start_at_a_whole_second_so_a_set_up_download_never_l
     assert abs(start - 1.7) < 1e-9                        # emulator second 2
     assert training_link_bytes(run, start)[("a", "central")] == 300
     assert training_link_bytes(run, 1.5)[("a", "central")] > 200_000   # what prorating from 1.5 s counted
+
+
+def test_a_run_too_short_for_a_whole_emulator_second_still_reports_wan_bytes_per_step():
+    from pathlib import Path
+
+    from geomx.report.run import Run, WorkerSeries
+    from geomx.report.summary import summarize
+
+    # ready at 0.2 s, two steps done by 0.8 s: no step after the first whole second (1.0 s), so per-step bytes
+    # divide the whole training phase (prorated from 0.2 s: 0.8 x 1000 bytes) by its 2 steps
+    links = {"t0_unix": 100.0, "links": {"a->central": {"src_dc": "a", "dst_dc": "central", "series": [1000], "bytes": 1000},
+                                         "central->a": {"src_dc": "central", "dst_dc": "a", "series": [500],
+                                                        "bytes": 500}}}
+    run = Run(path=Path("."), name="x", manifest={"topology": "flat"}, sent={}, sent_messages={}, dense_bytes=None,
+              links=links, start_t=100.0, server_queues=[],
+              workers=[WorkerSeries(dc="a", pid=0, ready_t=0.2, steps=[1, 2], times=[0.5, 0.8])])
+    s = summarize(run)
+    assert abs(s["wan_bytes_up_per_step"] - 400) < 1e-6 and abs(s["wan_bytes_down_per_step"] - 200) < 1e-6
+    assert abs(s["wan_bytes_per_step"] - 600) < 1e-6

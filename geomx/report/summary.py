@@ -75,6 +75,20 @@ def training_link_bytes(run: Run, since_t: float) -> dict[tuple[str, str], float
     return out
 
 
+def _steady_window(run: Run, link_bytes: dict[tuple[str, str], float], steps: int) \
+        -> tuple[dict[tuple[str, str], float], int]:
+    """(bytes per WAN link, steps) that per-step WAN bytes divide: from ``steady_start`` on. A run too short to
+    have a step after that (a smoke test of a second or two) falls back to the whole training phase, set-up
+    leftovers included, rather than reporting no figure at all."""
+    if not run.links:
+        return link_bytes, steps
+    steady_t = steady_start(run)
+    steady_steps = max((sum(t > steady_t for t in w.times) for w in run.workers), default=0)
+    if steady_steps == 0:
+        return link_bytes, steps
+    return training_link_bytes(run, steady_t), steady_steps
+
+
 def summarize(run: Run, target_acc: float | None = None) -> dict:
     m = run.manifest
     wan = m.get("wan", {})
@@ -85,10 +99,7 @@ def summarize(run: Run, target_acc: float | None = None) -> dict:
     curve = accuracy_curve(run)
     reached = time_to_accuracy(run, target_acc) if target_acc is not None else None
     link_bytes = training_link_bytes(run, ready_t)
-    steady_t = steady_start(run)
-    steady = training_link_bytes(run, steady_t) if run.links else link_bytes
-    steady_steps = max((sum(t > steady_t for t in w.times) for w in run.workers), default=0) \
-        if run.links else steps
+    steady, steady_steps = _steady_window(run, link_bytes, steps)
     up = sum(v for (src, dst), v in steady.items() if dst == CENTRAL_DC and src != dst)
     down = sum(v for (src, dst), v in steady.items() if src == CENTRAL_DC and src != dst)
     senders = len(m.get("dcs", [])) if m.get("topology") == "hips" else len(run.workers)
