@@ -18,6 +18,9 @@ log = logging.getLogger("geomx.config")
 
 ROLES = ("global_scheduler", "global_server", "scheduler", "server", "worker", "master")
 MODES = ("dist_sync", "dist_async")
+# dist_async (MixedSync): does a local server wait for the WAN round before answering its DC ("wait", GeoMX)
+# or answer at once and let the exchange with the global servers run behind ("overlap")
+MIXEDSYNC = ("wait", "overlap")
 TOPOLOGIES = ("hips", "flat")
 
 
@@ -42,6 +45,7 @@ class NodeConfig:
     rank: int | None = None                # requested rank; None = assigned by the scheduler
     topology: str = "hips"
     mode: str | None = None                # kvstore type the launcher asked for (checked against create())
+    mixedsync: str = "wait"                # dist_async: MIXEDSYNC, what the master worker tells the servers
     emulator: str | None = None            # tcp:// address of the WAN emulator, if any
     run_dir: str | None = None
     heartbeat_interval: float = 1.0
@@ -140,7 +144,10 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
     mode = env.get("GEOMX_MODE") or None
     if mode is not None and mode not in MODES:
         raise ConfigError(f"GEOMX_MODE={mode!r} is not one of {', '.join(MODES)}")
-    cfg = NodeConfig(role=role, dc="", topology=topology, mode=mode)
+    mixedsync = (env.get("GEOMX_MIXEDSYNC") or "wait").strip()
+    if mixedsync not in MIXEDSYNC:
+        raise ConfigError(f"GEOMX_MIXEDSYNC={mixedsync!r} is not one of {', '.join(MIXEDSYNC)}")
+    cfg = NodeConfig(role=role, dc="", topology=topology, mode=mode, mixedsync=mixedsync)
     cfg.host = env.get("DMLC_NODE_HOST") or env.get("GEOMX_HOST") or "127.0.0.1"
     cfg.port = _int(env, "PORT", role, 0)
     cfg.emulator = env.get("GEOMX_WAN_EMULATOR") or None

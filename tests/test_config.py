@@ -81,12 +81,13 @@ def test_role_missing_a_variable_is_refused_naming_the_variable(env, missing):
     (worker_env(GEOMX_ROLE="boss"), ["GEOMX_ROLE", "'boss'"]),
     (worker_env(GEOMX_TOPOLOGY="ring"), ["GEOMX_TOPOLOGY", "'ring'"]),
     (worker_env(GEOMX_MODE="dist_foo"), ["GEOMX_MODE", "'dist_foo'"]),
+    (worker_env(GEOMX_MIXEDSYNC="later"), ["GEOMX_MIXEDSYNC", "'later'", "overlap"]),
     (server_env(DMLC_NUM_SERVER="2"), ["DMLC_NUM_SERVER=1", "got 2"]),
     (worker_env(DMLC_ROLE_GLOBAL="global_server"), ["DMLC_ROLE_GLOBAL=global_server", "DMLC_ROLE=server"]),
     (worker_env(DMLC_ROLE_GLOBAL="global_boss"), ["DMLC_ROLE_GLOBAL", "'global_boss'"]),
     ({}, ["DMLC_ROLE"]),
 ], ids=["nan-count", "nan-port", "nan-timeout", "zero-workers", "bad-role", "bad-geomx-role", "bad-topology",
-        "bad-mode", "two-local-servers", "global-server-not-server", "bad-global-role", "no-role"])
+        "bad-mode", "bad-mixedsync", "two-local-servers", "global-server-not-server", "bad-global-role", "no-role"])
 def test_malformed_variable_is_refused_naming_variable_and_value(env, words):
     with pytest.raises(ConfigError) as info:
         config_from_env(env)
@@ -134,6 +135,14 @@ def test_kvstore_mode_other_than_the_deployments_is_refused_naming_both():
     with pytest.raises(ConfigError) as info:
         geomx.kvstore.create("dist_async", env=worker_env(GEOMX_MODE="dist_sync"))
     assert "'dist_async'" in str(info.value) and "'dist_sync'" in str(info.value)
+
+
+def test_mixedsync_overlap_in_a_dist_sync_kvstore_is_refused_naming_both():
+    import geomx.kvstore
+
+    with pytest.raises(ConfigError) as info:
+        geomx.kvstore.create("dist_sync", env=worker_env(GEOMX_MIXEDSYNC="overlap"))
+    assert "GEOMX_MIXEDSYNC='overlap'" in str(info.value) and "'dist_sync'" in str(info.value)
 
 
 def test_kvstore_create_on_a_server_role_is_refused():
@@ -189,6 +198,9 @@ BAD_TOPOLOGIES = [
     ("global_servers = 0\n", ["global-servers", "0"]),
     ('mode = "dist_foo"\n', ["'dist_foo'", "dist_sync"]),
     ('topology = "ring"\n', ["'ring'", "hips"]),
+    ('mode = "dist_async"\nmixedsync = "eventually"\n', ["'eventually'", "wait", "overlap"]),
+    ('mixedsync = "overlap"\n', ["--mixedsync overlap", "dist_async", "dist_sync"]),
+    ('mode = "dist_async"\ntopology = "flat"\nmixedsync = "overlap"\n', ["local servers", "flat"]),
     ('wan = "mars"\n', ["'mars'"]),
     ("wan = 5\n", ["wan"]),
     ('wan = { rate = "100mbit" }\n', ["rate", "rtt"]),
@@ -203,7 +215,8 @@ BAD_TOPOLOGIES = [
 
 
 @pytest.mark.parametrize("text,words", BAD_TOPOLOGIES, ids=[
-    "dcs-vs-list", "zero-dcs", "zero-workers", "zero-global-servers", "bad-mode", "bad-topology", "bad-wan-name",
+    "dcs-vs-list", "zero-dcs", "zero-workers", "zero-global-servers", "bad-mode", "bad-topology", "bad-mixedsync",
+    "mixedsync-overlap-in-dist-sync", "mixedsync-overlap-flat", "bad-wan-name",
     "wan-not-name-or-table", "wan-table-without-rtt", "wan-bad-rate", "unknown-key", "invalid-toml",
     "non-numeric-dcs", "non-numeric-workers", "fractional-global-servers", "env-not-a-table"])
 def test_bad_topology_file_raises_config_error_naming_the_problem(tmp_path, text, words):

@@ -69,8 +69,10 @@ def test_report_of_a_directory_that_is_no_run_names_it(tmp_path, capsys):
     assert str(tmp_path) in capsys.readouterr().err
 
 
-def test_dist_async_mixedsync_converges_on_the_example(tmp_path):
-    results = run_example(tmp_path, ["--epochs", "20"], mode="dist_async", wan="lan")   # the example's default
+@pytest.mark.parametrize("mixedsync", ["wait", "overlap"])
+def test_dist_async_mixedsync_converges_on_the_example(tmp_path, mixedsync):
+    # the example's default 20 epochs; overlap: local servers answer without waiting for the WAN round
+    results = run_example(tmp_path, ["--epochs", "20"], mode="dist_async", mixedsync=mixedsync, wan="lan")
     finals = [r["final_test_acc"] for r in results]
     assert min(finals) >= 0.93, finals
 

@@ -7,6 +7,8 @@ other DC's pushes it has seen.
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -21,8 +23,10 @@ N = 3
 LR = 0.1
 OWN = {"a": slice(0, 4), "b": slice(4, 8)}
 OTHER = {"a": "b", "b": "a"}
+RTT_S = 2.0         # the overlap test's WAN: long enough that one round trip dwarfs local work
 
 COMMON = f"""
+import time
 import numpy as np
 import geomx
 import kvhelp as h
@@ -66,6 +70,26 @@ reads = [kv.pushpull("w", gradient(me, kv.dc, step)).wait() for step in range(RO
 kv.barrier(global_=True)                  # every DC has pushed everything ...
 reads.append(kv.pushpull("w", np.zeros(SHAPE, np.float32)).wait())   # ... so this read collects the rest
 h.save(f"reads-{me}", {"reads": np.stack(reads)})
+"""
+
+# MixedSync overlap: the local server answers each round at once, so after the last push the other DC's last
+# gradients may still be on the WAN; read (pushing zeros) until they are all here. Both workers of a DC read
+# the same values, so they stop after the same round (a deadline could split them: one round short, a hang).
+OVERLAP_SCRIPT = RELAY_SCRIPT.split("reads = [")[0] + f"""
+started = time.perf_counter()
+reads = [kv.pushpull("w", gradient(me, kv.dc, step)).wait() for step in range(ROUNDS[kv.dc])]
+h.dump(f"rounds-s-{{me}}", time.perf_counter() - started)
+kv.barrier(global_=True)
+WORKERS, N = {WORKERS!r}, {N}
+other = "b" if kv.dc == "a" else "a"
+theirs = slice(4, 8) if other == "b" else slice(0, 4)
+expected = sum(gradient(w, other, step) for w in WORKERS[other] for step in range(ROUNDS[other]))[theirs] / N
+for _ in range(400):
+    if np.allclose(np.sum(reads, axis=0)[theirs], expected, rtol=0, atol=1e-5):
+        break
+    time.sleep(0.05)
+    reads.append(kv.pushpull("w", np.zeros(SHAPE, np.float32)).wait())
+h.save(f"reads-{{me}}", {{"reads": np.stack(reads)}})
 """
 
 
@@ -152,3 +176,54 @@ def test_async_worker_side_every_gradient_reaches_every_dc_exactly_once(tmp_path
         if len(members) == 2:
             np.testing.assert_array_equal(load_npz(run_dir, f"reads-{members[0]}")["reads"],
                                           load_npz(run_dir, f"reads-{members[1]}")["reads"])
+
+
+def test_mixedsync_overlap_answers_own_gradients_at_once_and_delivers_every_other_dcs_exactly_once(tmp_path):
+    """GEOMX_MIXEDSYNC=overlap: the local server answers a round without waiting for the WAN, with the DC's own
+    round sum (/ all workers) and whatever the other DC's pushes have arrived; its own pushes never come back
+    from the global server, and every other DC's gradient arrives exactly once."""
+    run_dir = check_ok(launch(tmp_path, OVERLAP_SCRIPT, dcs=2, workers_per_dc=[2, 1], mode="dist_async",
+                              mixedsync="overlap", wan_rate="1gbit", wan_rtt=f"{RTT_S * 1000:.0f}ms"))
+    everything = (dc_prefix_sums("a")[-1] + dc_prefix_sums("b")[-1]) / N
+    for dc, members in WORKERS.items():
+        own = OWN[dc]
+        for me in members:
+            # waiting for the WAN, DC b's 5 rounds would take 5 round trips; they take less than one
+            rounds_s = json.loads((run_dir / f"rounds-s-{me}.json").read_text())
+            assert rounds_s < RTT_S, (dc, me, rounds_s)
+            reads = load_npz(run_dir, f"reads-{me}")["reads"].astype(np.float64)
+            assert len(reads) > ROUNDS[dc]
+            for step in range(ROUNDS[dc]):
+                np.testing.assert_allclose(reads[step][own], dc_round_sum(dc, step)[own] / N, rtol=0, atol=1e-6,
+                                           err_msg=f"DC {dc} worker {me} read {step}")
+            np.testing.assert_array_equal(reads[ROUNDS[dc]:, own], 0)       # zeros pushed, nothing echoed
+            np.testing.assert_allclose(reads.sum(axis=0), everything, rtol=0, atol=1e-5,
+                                       err_msg=f"DC {dc} worker {me}: the reads do not add up to every gradient")
+        if len(members) == 2:
+            np.testing.assert_array_equal(load_npz(run_dir, f"reads-{members[0]}")["reads"],
+                                          load_npz(run_dir, f"reads-{members[1]}")["reads"])
+
+
+OVERLAP_OPTIMIZER_SCRIPT = """
+import geomx
+import kvhelp as h
+import numpy as np
+
+kv = geomx.kvstore.create()
+if kv.is_master_worker:
+    try:
+        kv.set_optimizer("SGD", lr=0.1)
+        h.dump("refusal", None)
+    except geomx.GeomxError as exc:
+        h.dump("refusal", str(exc))
+kv.init("w", np.zeros(3, np.float32))    # without the optimizer the deployment still runs
+if not kv.is_master_worker:
+    kv.pushpull("w", np.ones(3, np.float32)).wait()
+"""
+
+
+def test_mixedsync_overlap_refuses_a_server_optimizer_saying_why(tmp_path):
+    run_dir = check_ok(launch(tmp_path, OVERLAP_OPTIMIZER_SCRIPT, dcs=2, workers_per_dc=1, mode="dist_async",
+                              mixedsync="overlap"))
+    refusal = json.loads((run_dir / "refusal.json").read_text())
+    assert refusal is not None and "overlap" in refusal and "server optimizer" in refusal, refusal

@@ -24,7 +24,7 @@ N = DCS * PER_DC
 LR = 0.5
 
 SCRIPT = """
-import json, os
+import json, os, time
 import numpy as np
 import geomx
 import kvhelp as h
@@ -33,6 +33,7 @@ SEED, STEPS, FLUSH, LR = {SEED}, {STEPS}, {FLUSH}, {LR}
 KEYS = {KEYS!r}
 spec = json.loads(os.environ["TEST_COMPRESSION"])
 server_opt = os.environ.get("TEST_SERVER_OPT") == "1"
+pause = float(os.environ.get("TEST_FLUSH_PAUSE", "0"))   # MixedSync overlap: let the WAN rounds keep up
 
 kv = geomx.kvstore.create()
 me = h.worker_index()
@@ -50,6 +51,8 @@ for step in range(STEPS + FLUSH):
         kv.barrier(global_=True)      # dist_async: every DC's real gradients are applied before the flush
     for k, s in KEYS.items():
         g = h.grad(SEED, me, step, k, s) if step < STEPS else np.zeros(s, np.float32)
+        if step >= STEPS:
+            time.sleep(pause)
         out = kv.pushpull(k, g).wait()
         total[k] += out
         last[k] = np.array(out)
@@ -132,8 +135,11 @@ def test_server_sgd_with_compression_ends_at_the_weights_of_uncompressed_sgd(spe
                 assert np.abs(last[repr(key)] - expected).max() > 1e-6
 
 
-def test_dist_async_with_compression_delivers_every_gradient_to_every_dc(tmp_path_factory):
-    run = _run(tmp_path_factory, "async-topk", TOPK_BOTH_TIERS, mode="dist_async", global_servers=1)
+@pytest.mark.parametrize("mixedsync", ["wait", "overlap"])
+def test_dist_async_with_compression_delivers_every_gradient_to_every_dc(tmp_path_factory, mixedsync):
+    # overlap: a DC round does not wait for the WAN, so the flush rounds pause for the WAN rounds to drain
+    run = _run(tmp_path_factory, f"async-topk-{mixedsync}", TOPK_BOTH_TIERS, mode="dist_async", global_servers=1,
+               mixedsync=mixedsync, env={"TEST_FLUSH_PAUSE": "0.02" if mixedsync == "overlap" else "0"})
     for me in range(N):
         total = load_npz(run, f"total-{me}")
         for key in KEYS:

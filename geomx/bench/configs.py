@@ -19,6 +19,7 @@ class BenchConfig:
     label: str                       # the row's title in tables and legends
     topology: str = "hips"
     mode: str = "dist_sync"
+    mixedsync: str = "wait"                          # dist_async: geomx launch --mixedsync
     env: dict = field(default_factory=dict)          # extra environment of every process
     train_args: tuple[str, ...] = ()                 # extra arguments of examples/train_cnn.py
     slowdown: tuple[str, ...] = ()                   # geomx launch --slowdown entries (DC[:RANK]=FACTOR)
@@ -49,6 +50,8 @@ def select(names: str | None) -> list[BenchConfig]:
 register(BenchConfig("flat", "flat PS (dense, dist_sync)", topology="flat"))
 register(BenchConfig("hips-fsa", "HiPS FSA (dense, dist_sync)"))
 register(BenchConfig("hips-mixedsync", "HiPS MixedSync (dense, dist_async)", mode="dist_async"))
+register(BenchConfig("hips-mixedsync-overlap", "HiPS MixedSync, WAN overlapped (dense, dist_async)",
+                     mode="dist_async", mixedsync="overlap"))
 # synchronization algorithms (geomx.sync): GeoMX's HFA setting, DiLoCo on the same schedule, DGA hiding one step
 register(BenchConfig("hips-hfa", "HiPS HFA (K1=20, K2=10)", env=launch_env({"algorithm": "hfa", "k1": 20, "k2": 10})))
 register(BenchConfig("hips-hfa-short", "HiPS HFA (K1=5, K2=2)", env=launch_env({"algorithm": "hfa", "k1": 5, "k2": 2})))
@@ -64,6 +67,8 @@ register(BenchConfig("hips-diloco-overlap", "HiPS DiLoCo (K1=20, K2=10, outer st
 SLOW = ("b=3",)
 register(BenchConfig("hips-fsa-slow", "HiPS FSA, DC b 3x slower", slowdown=SLOW))
 register(BenchConfig("hips-mixedsync-slow", "HiPS MixedSync, DC b 3x slower", mode="dist_async", slowdown=SLOW))
+register(BenchConfig("hips-mixedsync-overlap-slow", "HiPS MixedSync, WAN overlapped, DC b 3x slower",
+                     mode="dist_async", mixedsync="overlap", slowdown=SLOW))
 register(BenchConfig("hips-esync-slow", "HiPS ESync, DC b 3x slower", env=launch_env({"algorithm": "esync"}),
                      slowdown=SLOW))
 register(BenchConfig("hips-esync2-slow", "HiPS ESync (slowest worker: 2 local steps per round), DC b 3x slower",

@@ -33,6 +33,7 @@ def run_config(config: BenchConfig, *, profile: str | None, wan_rate: str | None
 
     topo = load_topology(None, dcs=dcs, workers_per_dc=workers_per_dc, wan=None if wan_rate else profile,
                          wan_rate=wan_rate, wan_rtt=wan_rtt, topology=config.topology, mode=config.mode,
+                         mixedsync=config.mixedsync,
                          slowdown=list(config.slowdown) or None)
     if not topo.profile.emulated:
         raise ConfigError(f"WAN profile {topo.profile.name!r} is not emulated: the WAN benchmark needs the emulator "

@@ -78,7 +78,8 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
     p_global, p_central, p_emu, dc_ports = ports[0], ports[1], ports[2], ports[3:]
     global_workers = N if flat else n_dcs
     base = {**({"GEOMX_SECRET": secret} if secret else {}), "PYTHONUNBUFFERED": "1", "GEOMX_RUN_DIR": str(run_dir),
-            "GEOMX_TOPOLOGY": topo.topology, "GEOMX_MODE": topo.mode, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **topo.env}
+            "GEOMX_TOPOLOGY": topo.topology, "GEOMX_MODE": topo.mode, "GEOMX_MIXEDSYNC": topo.mixedsync,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **topo.env}
     specs: list[RoleSpec] = []
     if topo.profile.emulated:
         base["GEOMX_WAN_EMULATOR"] = f"tcp://{h}:{p_emu}"

@@ -19,6 +19,9 @@ def _add_topology_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wan-rate", help="custom WAN rate, e.g. 100mbit (with --wan-rtt)")
     p.add_argument("--wan-rtt", help="custom WAN round-trip time, e.g. 180ms (with --wan-rate)")
     p.add_argument("--mode", choices=["dist_sync", "dist_async"], help="FSA (dist_sync, default) or MixedSync")
+    p.add_argument("--mixedsync", choices=["wait", "overlap"],
+                   help="dist_async: local servers answer their DC after the WAN round (wait, GeoMX, default) or "
+                        "at once, trading gradients with the global servers behind (overlap)")
     p.add_argument("--topology", choices=["hips", "flat"], help="hierarchical (default) or flat parameter server")
     p.add_argument("--sync", choices=["fsa", "hfa", "diloco", "dga", "esync"],
                    help="synchronization algorithm (default fsa; see geomx.sync)")
@@ -39,7 +42,8 @@ def topology_from_args(args: argparse.Namespace):
 
     return load_topology(args.config, dcs=args.dcs, workers_per_dc=args.workers_per_dc,
                          global_servers=args.global_servers, wan=args.wan, wan_rate=args.wan_rate,
-                         wan_rtt=args.wan_rtt, mode=args.mode, topology=args.topology, sync=args.sync,
+                         wan_rtt=args.wan_rtt, mode=args.mode, mixedsync=args.mixedsync, topology=args.topology,
+                         sync=args.sync,
                          sync_k1=args.hfa_k1, sync_k2=args.hfa_k2, sync_overlap=args.hfa_overlap,
                          sync_delay=args.dga_delay,
                          sync_steps=args.esync_steps,

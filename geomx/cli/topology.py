@@ -6,6 +6,7 @@ Read from a TOML file and/or command-line flags (flags win). Example topo.toml:
     workers_per_dc = [2, 3]      # or one number for every DC
     global_servers = 1
     mode = "dist_sync"           # or "dist_async"
+    mixedsync = "overlap"        # dist_async: local servers answer without waiting for the WAN (default "wait")
     topology = "hips"            # or "flat"
     wan = "transpacific"         # a profile name, or a table: wan = { rate = "100mbit", rtt = "180ms" }
     slowdown = ["b=3", "a:1=2"]  # DC[:RANK]=FACTOR: those workers compute FACTOR times slower
@@ -17,7 +18,7 @@ import string
 import tomllib
 from dataclasses import dataclass, field
 
-from geomx.config import MODES, TOPOLOGIES
+from geomx.config import MIXEDSYNC, MODES, TOPOLOGIES
 from geomx.errors import ConfigError
 from geomx.profiles import WanProfile, custom_profile, get_profile, parse_duration, parse_rate
 from geomx.sync.slowdown import parse_factor
@@ -29,6 +30,7 @@ class Topology:
     workers_per_dc: list[int] = field(default_factory=lambda: [2, 2])
     global_servers: int = 1
     mode: str = "dist_sync"
+    mixedsync: str = "wait"          # dist_async only (geomx.config.MIXEDSYNC)
     topology: str = "hips"
     profile: WanProfile = field(default_factory=lambda: get_profile("regional"))
     host: str = "127.0.0.1"
@@ -56,6 +58,11 @@ class Topology:
             raise ConfigError(f"unknown mode {self.mode!r}; modes are {', '.join(MODES)}")
         if self.topology not in TOPOLOGIES:
             raise ConfigError(f"unknown topology {self.topology!r}; topologies are {', '.join(TOPOLOGIES)}")
+        if self.mixedsync not in MIXEDSYNC:
+            raise ConfigError(f"unknown MixedSync variant {self.mixedsync!r}; variants are {', '.join(MIXEDSYNC)}")
+        if self.mixedsync != "wait" and (self.mode != "dist_async" or self.topology != "hips"):
+            raise ConfigError(f"--mixedsync {self.mixedsync} is an option of MixedSync: it needs --mode dist_async "
+                              f"and the hips topology (local servers), got {self.mode} / {self.topology}")
         return self
 
 
@@ -87,7 +94,8 @@ def load_topology(path: str | None = None, **flags) -> Topology:
             raise ConfigError(f"topology file {path} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"topology file {path} is not valid TOML: {exc}") from None
-        known = {"dcs", "workers_per_dc", "global_servers", "mode", "topology", "wan", "env", "host", "slowdown",
+        known = {"dcs", "workers_per_dc", "global_servers", "mode", "mixedsync", "topology", "wan", "env", "host",
+                 "slowdown",
                  "sync"}
         unknown = set(data) - known
         if unknown:
@@ -101,6 +109,7 @@ def load_topology(path: str | None = None, **flags) -> Topology:
                            else [_whole(wpd, "workers_per_dc", where)] * topo.dcs)
     topo.global_servers = _whole(data.get("global_servers", topo.global_servers), "global_servers", where)
     topo.mode = _text(data.get("mode", topo.mode), "mode", where)
+    topo.mixedsync = _text(data.get("mixedsync", topo.mixedsync), "mixedsync", where)
     topo.topology = _text(data.get("topology", topo.topology), "topology", where)
     if "wan_rate" in data or "wan_rtt" in data:
         if "wan_rate" not in data or "wan_rtt" not in data:

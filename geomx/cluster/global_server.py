@@ -16,12 +16,16 @@ from geomx.cluster.compressed import ServerWire
 from geomx.cluster.kvserver import KeyState, KVServer, Refused, accumulator_dtype, init_layout
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
 from geomx.compression import CompressionPolicy
-from geomx.config import MODES, NodeConfig
+from geomx.config import MIXEDSYNC, MODES, NodeConfig
 from geomx.errors import ConfigError
 from geomx.profiles import CENTRAL_DC
 from geomx.transport.message import Message
 
 log = logging.getLogger("geomx.global_server")
+
+OVERLAP_WITH_OPTIMIZER = ("MixedSync 'overlap' updates on the workers: a local server answers its DC before the "
+                          "global servers' weights exist, so it cannot run with a server optimizer "
+                          "(GEOMX_MIXEDSYNC=wait can)")
 
 
 class GlobalServer(KVServer):
@@ -31,6 +35,7 @@ class GlobalServer(KVServer):
         self.rank = -1
         self.global_tier: Tier | None = None
         self.mode: str = "dist_sync"
+        self.mixedsync: str = "wait"               # dist_async: do local servers wait for the WAN (config.MIXEDSYNC)
         self.optimizer: tuple | None = None      # (class, kwargs)
         self.compression: CompressionPolicy | None = None
         self.policy: UpdatePolicy | None = None
@@ -56,8 +61,17 @@ class GlobalServer(KVServer):
         if name == "set_mode":
             if args.get("mode") not in MODES:
                 raise Refused(f"unknown kvstore mode {args.get('mode')!r}; modes are {', '.join(MODES)}")
-            self.mode = args["mode"]
+            mixedsync = args.get("mixedsync", "wait")
+            if mixedsync not in MIXEDSYNC:
+                raise Refused(f"unknown MixedSync variant {mixedsync!r}; variants are {', '.join(MIXEDSYNC)}")
+            if mixedsync != "wait" and args["mode"] != "dist_async":
+                raise Refused(f"MixedSync {mixedsync!r} needs the dist_async mode, not {args['mode']!r}")
+            if mixedsync == "overlap" and self.optimizer is not None:
+                raise Refused(OVERLAP_WITH_OPTIMIZER)
+            self.mode, self.mixedsync = args["mode"], mixedsync
         elif name == "set_optimizer":
+            if self.mixedsync == "overlap":
+                raise Refused(OVERLAP_WITH_OPTIMIZER)
             kwargs = dict(args.get("kwargs") or {})
             self.optimizer = (resolve_optimizer(str(args.get("optimizer")), kwargs), kwargs)
         elif name == "set_compression":
@@ -76,7 +90,9 @@ class GlobalServer(KVServer):
             return ServerOptimizer(self.num_all_workers, *self.optimizer, synchronous=sync)
         if sync:
             return MeanGradient(self.num_all_workers)
-        return GradientRelay(self.num_all_workers, [w.id for w in self.global_tier.workers()])
+        # overlap: a local server hands its DC's own gradients to its workers itself, so reads carry the others'
+        return GradientRelay(self.num_all_workers, [w.id for w in self.global_tier.workers()],
+                             echo_own=self.mixedsync != "overlap")
 
     # keys -----------------------------------------------------------------------------------------------------
     def on_init(self, msg: Message, client: NodeInfo) -> None:
@@ -89,7 +105,7 @@ class GlobalServer(KVServer):
                 raise Refused(f"key {key!r} is initialized twice by the master worker")
             if self.policy is None:
                 self.policy = self._choose_policy()
-                self.info = {"mode": self.mode, "server_optimizer": self.optimizer is not None,
+                self.info = {"mode": self.mode, "mixedsync": self.mixedsync, "server_optimizer": self.optimizer is not None,
                              "num_all_workers": self.num_all_workers,
                              "compression": self.compression.to_wire() if self.compression else None}
                 if self.compression is not None:

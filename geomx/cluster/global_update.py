@@ -9,6 +9,7 @@ dist_sync     yes                    weights after one optimizer step on the mea
 dist_sync     no                     the mean gradient of the round over all workers of all DCs
 dist_async    yes                    weights right after this DC's gradient was applied (MixedSync)
 dist_async    no                     every gradient applied since this client's last read, / all workers
+                                     (MixedSync overlap: every *other* DC's, its own it had at once)
 ============  =====================  ==================================================================
 
 "Mean" always divides by the number of training workers world-wide, so a round of FSA equals one step of
@@ -53,17 +54,20 @@ class MeanGradient(UpdatePolicy):
 
 
 class GradientRelay(UpdatePolicy):
-    """Asynchronous worker-side updates: nothing is lost, each DC receives every gradient exactly once."""
+    """Asynchronous worker-side updates: nothing is lost, each DC receives every gradient exactly once.
+    ``echo_own=False`` (MixedSync overlap): a DC's own pushes are not sent back to it, its local server already
+    gave them to its workers."""
     synchronous = False
 
-    def __init__(self, num_all_workers: int, clients: list[str]) -> None:
+    def __init__(self, num_all_workers: int, clients: list[str], *, echo_own: bool = True) -> None:
         super().__init__(num_all_workers)
-        self.clients = clients
+        self.clients, self.echo_own = clients, echo_own
 
     def apply(self, server, st, total, contributors):
         pending = st.state.setdefault("pending", {c: np.zeros_like(total) for c in self.clients})
-        for acc in pending.values():
-            acc += total
+        for client, acc in pending.items():
+            if self.echo_own or client not in contributors:
+                acc += total
         server.set_value(st, st.value, contributors)
 
     def read(self, st, src):

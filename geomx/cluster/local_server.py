@@ -3,7 +3,8 @@
 Per round of a key: when every worker of the DC has pushed, the DC sum crosses the WAN in one fused
 push-and-pull to the key's global server (one WAN round trip, where GeoMX spends two: push, ack, pull,
 reply); the reply becomes the DC's value and answers the workers' pulls. Rounds may overlap (workers can
-push round n+1 before round n returns); results are applied in round order.
+push round n+1 before round n returns); results are applied in round order. MixedSync ``overlap`` answers
+the workers without waiting for the WAN (wan_overlap.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from geomx.cluster.client import Handle, KVClient, check_key
 from geomx.cluster.compressed import ServerWire
 from geomx.cluster.kvserver import KeyState, KVServer, Refused, Round, init_layout
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
+from geomx.cluster.wan_overlap import WanOverlap
 from geomx.compression import CompressionPolicy
 from geomx.config import NodeConfig
 from geomx.errors import KVError, PeerLostError
@@ -32,6 +34,7 @@ class LocalServer(KVServer):
         self.global_tier: Tier | None = None
         self.upstream: KVClient | None = None
         self.dc_rounds = dc_rounds.DCRounds(self)
+        self.wan_overlap = WanOverlap(self)
 
     def attach_global(self, tier: Tier) -> None:
         self.global_tier = tier
@@ -97,6 +100,9 @@ class LocalServer(KVServer):
                                    per_client=False, salt=self.po.cfg.label)
 
     def on_round(self, st: KeyState, number: int, rnd: Round) -> None:
+        if self.info.get("mixedsync") == "overlap":
+            self.wan_overlap.on_round(st, rnd)
+            return
         # the fp32 sum: the client sends it in the key's dtype (a 16-bit key's sum as the mean, see dense_push)
         h = self.upstream.pushpull(st.key, rnd.total, priority=rnd.priority, count=len(rnd.contributors))
         h.add_done_callback(lambda h: self._round_done(st, number, rnd.contributors, h))

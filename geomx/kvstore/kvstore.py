@@ -44,6 +44,9 @@ def create(name: str | None = None, *, env: dict | None = None) -> "KVStore":
     if cfg.mode is not None and name != cfg.mode:
         raise ConfigError(f"this script creates a {name!r} kvstore but the deployment runs in {cfg.mode!r} "
                           f"(geomx launch --mode / GEOMX_MODE)")
+    if cfg.mixedsync != "wait" and name != "dist_async":
+        raise ConfigError(f"GEOMX_MIXEDSYNC={cfg.mixedsync!r} is MixedSync's (dist_async) option, but this script "
+                          f"creates a {name!r} kvstore")
     if cfg.role not in ("worker", "master"):
         raise ConfigError(f"geomx.kvstore.create() runs on workers and the master worker, not on role "
                           f"{cfg.role!r}")
@@ -82,7 +85,7 @@ class KVStore:
                                     "num_all_workers": cfg.num_all_workers})
         self._client = KVClient(self.po, serving, master=self.is_master_worker)
         if self.is_master_worker:
-            for h in self._client.command("set_mode", mode=self.type):
+            for h in self._client.command("set_mode", mode=self.type, mixedsync=cfg.mixedsync):
                 h.wait()
 
     def _on_data(self, msg) -> None:
