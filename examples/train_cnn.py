@@ -127,6 +127,15 @@ def parse_compression(text: str):
         raise argparse.ArgumentTypeError(f"--compression is not valid JSON: {exc}") from None
 
 
+def adam(params: list, lr: float) -> torch.optim.Optimizer:
+    """Adam with the fused kernel where this torch has it on CPU (2.4+): on the wide model's 6.7M parameters a
+    step takes 5 ms instead of 45 ms, which matters once the WAN no longer dominates (HFA, DiLoCo)."""
+    try:
+        return torch.optim.Adam(params, lr=lr, fused=True)
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.Adam(params, lr=lr)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", choices=["digits", "mnist", "fashion-mnist"], default="digits")
@@ -165,7 +174,7 @@ def main(argv=None) -> int:
     side = x_train.shape[-1]
     model = CNN(side) if args.model == "cnn" else WideMLP(side)
     if args.optimizer == "adam":
-        inner = torch.optim.Adam(model.parameters(), lr=args.lr)
+        inner = adam(list(model.parameters()), args.lr)
     elif args.optimizer == "sgd":
         inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     else:

@@ -33,7 +33,8 @@ SEED, STEPS, FLUSH, LR = {SEED}, {STEPS}, {FLUSH}, {LR}
 KEYS = {KEYS!r}
 spec = json.loads(os.environ["TEST_COMPRESSION"])
 server_opt = os.environ.get("TEST_SERVER_OPT") == "1"
-pause = float(os.environ.get("TEST_FLUSH_PAUSE", "0"))   # MixedSync overlap: let the WAN rounds keep up
+drain = os.environ.get("TEST_DRAIN") == "1"
+pause = 0.02 if drain else 0.0
 
 kv = geomx.kvstore.create()
 me = h.worker_index()
@@ -51,11 +52,29 @@ for step in range(STEPS + FLUSH):
         kv.barrier(global_=True)      # dist_async: every DC's real gradients are applied before the flush
     for k, s in KEYS.items():
         g = h.grad(SEED, me, step, k, s) if step < STEPS else np.zeros(s, np.float32)
-        if step >= STEPS:
-            time.sleep(pause)
         out = kv.pushpull(k, g).wait()
         total[k] += out
         last[k] = np.array(out)
+
+
+def flush_round():
+    time.sleep(pause)
+    for k, s in KEYS.items():
+        total[k] += kv.pushpull(k, np.zeros(s, np.float32)).wait()
+
+if drain:
+    # MixedSync overlap: a DC round never waits for the WAN, so no number of flush rounds is sure to have let
+    # the other DC's residuals through: flush until the totals are complete (both workers of a DC read the
+    # same replies, so they stop together), then 10 more rounds, in which nothing may arrive twice
+    expected = {{k: sum(h.grad(SEED, i, step, k, s) for i in range(kv.num_all_workers) for step in range(STEPS))
+                / kv.num_all_workers for k, s in KEYS.items()}}
+    for _ in range(1000):
+        if all(np.allclose(total[k], expected[k], rtol=1e-4, atol=1e-4) for k in KEYS):
+            break
+        flush_round()
+    for _ in range(10):
+        flush_round()
+
 h.save(f"total-{{me}}", {{repr(k): v for k, v in total.items()}})
 h.save(f"last-{{me}}", {{repr(k): v for k, v in last.items()}})
 """
@@ -137,9 +156,8 @@ def test_server_sgd_with_compression_ends_at_the_weights_of_uncompressed_sgd(spe
 
 @pytest.mark.parametrize("mixedsync", ["wait", "overlap"])
 def test_dist_async_with_compression_delivers_every_gradient_to_every_dc(tmp_path_factory, mixedsync):
-    # overlap: a DC round does not wait for the WAN, so the flush rounds pause for the WAN rounds to drain
     run = _run(tmp_path_factory, f"async-topk-{mixedsync}", TOPK_BOTH_TIERS, mode="dist_async", global_servers=1,
-               mixedsync=mixedsync, env={"TEST_FLUSH_PAUSE": "0.02" if mixedsync == "overlap" else "0"})
+               mixedsync=mixedsync, env={"TEST_DRAIN": "1" if mixedsync == "overlap" else "0"})
     for me in range(N):
         total = load_npz(run, f"total-{me}")
         for key in KEYS:
