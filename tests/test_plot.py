@@ -13,7 +13,8 @@ import geomx.metrics
 from geomx.cli.main import main
 from geomx.errors import GeomxError
 from geomx.metrics import MetricsWriter
-from geomx.report.plot import DPI, FIGSIZE_IN, NO_EMULATOR, build_figure, plot_runs, series_for
+from geomx.report.plot import (DPI, FIGSIZE_IN, NO_EMULATOR, SHARED_LEGEND_RUNS, build_figure, plot_runs,
+                               series_for)
 from geomx.report.run import load_run
 
 T0 = 1_000.0          # Unix time of the first worker record = training start
@@ -142,6 +143,18 @@ def test_figure_overlays_runs_with_their_labels(emulated_run, plain_run):
     assert [t.get_text() for t in acc_vs_time.get_legend().get_texts()][:2] == ["A", "B"]
     assert [t.get_text() for t in links.get_legend().get_texts()] == ["A: a->central", "A: central->a"]
     assert acc_vs_time.get_xlabel().endswith("(s)") and links.get_ylabel() == "throughput (Mbit/s)"
+
+
+def test_a_benchmark_matrix_gets_one_legend_below_the_panels_and_a_line_style_key_on_the_links(emulated_run):
+    # per-panel legends of 4+ long row labels covered the curves: the runs are named once, below
+    runs = [series_for(load_run(emulated_run), label=f"row {i}") for i in range(SHARED_LEGEND_RUNS)]
+    fig = build_figure(runs)
+    acc_vs_time, acc_vs_bytes, links = fig.axes
+    assert acc_vs_time.get_legend() is None and acc_vs_bytes.get_legend() is None
+    [shared] = fig.legends
+    assert [t.get_text() for t in shared.get_texts()][:SHARED_LEGEND_RUNS] == [r.label for r in runs]
+    assert [t.get_text() for t in links.get_legend().get_texts()] == ["up (mean link)", "down (mean link)"]
+    assert fig.get_figheight() > FIGSIZE_IN[1]
 
 
 def test_run_without_evaluations_names_the_directory(tmp_path, clock):

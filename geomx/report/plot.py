@@ -25,6 +25,7 @@ from geomx.report.summary import MB, accuracy_curve
 
 MBIT = 1e6
 FIGSIZE_IN = (15.0, 4.5)
+SHARED_LEGEND_RUNS = 4      # from this many runs on, one legend below the panels (per-panel ones cover the data)
 DPI = 120
 SMOOTH_S = 5             # seconds averaged in the throughput panel when several runs share it
 NO_EMULATOR = "no emulator: bytes interpolated"
@@ -131,7 +132,11 @@ def plot_runs(runs: list[Run], output: Path, *, labels: list[str] | None = None)
 
 
 def build_figure(series: list[RunSeries]) -> Figure:
-    fig = Figure(figsize=FIGSIZE_IN, dpi=DPI)
+    shared = len(series) >= SHARED_LEGEND_RUNS
+    columns = 2
+    legend_rows = (len(series) + 1 + columns - 1) // columns if shared else 0    # + the set-up marker
+    legend_in = 0.22 * legend_rows + 0.1 if shared else 0.0
+    fig = Figure(figsize=(FIGSIZE_IN[0], FIGSIZE_IN[1] + legend_in), dpi=DPI)
     ax_time, ax_bytes, ax_links = fig.subplots(1, 3)
     colors = [f"C{i % 10}" for i in range(len(series))]
     for s, color in zip(series, colors):
@@ -142,17 +147,25 @@ def build_figure(series: list[RunSeries]) -> Figure:
                       linestyle="-" if s.emulated else "--")
     # the clock starts at the first worker record, so the set-up (join, init, first pull) comes first
     ax_time.plot([], [], color="grey", linestyle=":", label="set-up done (workers ready)")
-    _decorate(ax_time, "Test accuracy vs wall time", "wall time since workers started (s)", "test accuracy")
-    _decorate(ax_bytes, "Test accuracy vs WAN traffic", "cumulative WAN traffic (MB)", "test accuracy")
-    _draw_links(ax_links, series, colors)
-    fig.tight_layout()
+    _decorate(ax_time, "Test accuracy vs wall time", "wall time since workers started (s)", "test accuracy",
+              legend=not shared)
+    _decorate(ax_bytes, "Test accuracy vs WAN traffic", "cumulative WAN traffic (MB)", "test accuracy",
+              legend=not shared)
+    _draw_links(ax_links, series, colors, labelled=not shared)
+    if shared:
+        handles, labels = ax_time.get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize="small", frameon=False)
+        fig.tight_layout(rect=(0, legend_in / (FIGSIZE_IN[1] + legend_in), 1, 1))
+    else:
+        fig.tight_layout()
     return fig
 
 
-def _draw_links(ax: Axes, series: list[RunSeries], colors: list[str]) -> None:
+def _draw_links(ax: Axes, series: list[RunSeries], colors: list[str], *, labelled: bool = True) -> None:
     """One run: one line per link. Several runs: per run the mean link of each direction, smoothed over
     SMOOTH_S seconds (a dozen raw 1-second lines are unreadable). A run keeps its colour from the other
-    panels; up is solid, down dashed."""
+    panels; up is solid, down dashed. ``labelled=False`` (the runs are named in a shared legend): the legend
+    only says which line style is which direction."""
     styles = ["-", "--", "-.", ":"]
     several = sum(1 for s in series if s.links) > 1
     drawn = False
@@ -166,8 +179,14 @@ def _draw_links(ax: Axes, series: list[RunSeries], colors: list[str]) -> None:
             # steps-post: the value at t is what the link delivered during [t, t + 1); the repeated last
             # value closes the last second's step
             ax.plot(link.times + [link.times[-1] + 1.0], link.mbps + link.mbps[-1:], drawstyle="steps-post",
-                    color=color, linestyle=styles[i % len(styles)], alpha=0.85, label=f"{s.short}: {link.name}")
+                    color=color, linestyle=styles[i % len(styles)], alpha=0.85,
+                    label=f"{s.short}: {link.name}" if labelled else None)
             drawn = True
+    if drawn and not labelled:
+        names = [lk.name for lk in (_direction_means(next(s.links for s in series if s.links)) if several
+                                    else next(s.links for s in series if s.links))]
+        for i, name in enumerate(names):
+            ax.plot([], [], color="grey", linestyle=styles[i % len(styles)], label=name)
     if not drawn:
         ax.text(0.5, 0.5, "no WAN emulator in these runs:\nno per-link throughput", transform=ax.transAxes,
                 ha="center", va="center", color="grey")
