@@ -66,6 +66,8 @@ def test_wan_matrix_smoke_rows_are_consistent_and_flat_moves_more_wan_bytes(tmp_
         assert _finite_positive(x["efficiency"]) and _finite_positive(x["speedup"])
         if x["time_to_target_s"] is not None:
             assert x["steps_to_target"] in (2, 4, 6) and 0 < x["time_to_target_s"] <= x["train_s"]
+            # the example logs how long each evaluation took; the probe's cost comes off the clock
+            assert x["eval_s"] > 0 and 0 < x["time_to_target_no_eval_s"] < x["time_to_target_s"]
     flat, fsa = rows["flat"], rows["hips-fsa"]
     # 2 workers per DC: flat sends every worker's gradient, HiPS one aggregate per DC (set-up included)
     assert flat["wan_bytes_total"] > 1.5 * fsa["wan_bytes_total"]

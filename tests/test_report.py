@@ -78,3 +78,24 @@ def test_a_run_too_short_for_a_whole_emulator_second_still_reports_wan_bytes_per
     s = summarize(run)
     assert abs(s["wan_bytes_up_per_step"] - 400) < 1e-6 and abs(s["wan_bytes_down_per_step"] - 200) < 1e-6
     assert abs(s["wan_bytes_per_step"] - 600) < 1e-6
+
+
+def test_time_to_accuracy_without_evaluations_takes_each_workers_evaluation_time_off_its_clock(tmp_path):
+    from geomx.report.run import load_run
+    from geomx.report.summary import summarize, time_to_accuracy
+
+    (tmp_path / "launch.json").write_text(json.dumps({"topology": "hips", "mode": "dist_sync", "dcs": ["a"]}))
+    (tmp_path / METRICS_DIR).mkdir()
+    for pid, spent in ((1, 0.5), (2, 0.25)):
+        lines = [{"t": 0, "kind": "start", "role": "worker", "dc": "a", "pid": pid},
+                 {"t": 1, "kind": "step", "step": 1, "loss": 1.0},
+                 {"t": 3, "kind": "step", "step": 2, "loss": 0.5, "test_acc": 0.8, "eval_s": spent},
+                 {"t": 4, "kind": "step", "step": 3, "loss": 0.4},
+                 {"t": 6, "kind": "step", "step": 4, "loss": 0.3, "test_acc": 0.95, "eval_s": spent}]
+        (tmp_path / METRICS_DIR / f"worker-a-{pid}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run = load_run(tmp_path)
+    assert time_to_accuracy(run, 0.9) == (4, 6.0)
+    # the worker that evaluated for 2 x 0.5 s reached step 4 at 5.0 s of training, the other at 5.5 s
+    assert time_to_accuracy(run, 0.9, without_evals=True) == (4, 5.5)
+    s = summarize(run, 0.9)
+    assert s["time_to_target_no_eval_s"] == 5.5 and s["eval_s"] == 0.75

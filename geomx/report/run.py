@@ -26,6 +26,7 @@ class WorkerSeries:
     times: list[float] = field(default_factory=list)        # seconds since the run's first worker record
     losses: list[float] = field(default_factory=list)
     evals: list[tuple[int, float, float]] = field(default_factory=list)   # (step, time, test_acc)
+    eval_spent: list[float] = field(default_factory=list)   # per eval: seconds spent evaluating, this one included
     elapsed_s: float = 0.0          # the process's own clock at its last step record
     comm_wait_s: float = 0.0        # cumulative network wait at its last step record
     ready_t: float = 0.0            # set-up done (time since training start; 0 without a ready record)
@@ -132,6 +133,7 @@ def load_run(path: str | Path) -> Run:
                 w.losses.append(float(r["loss"]))
             if r.get("test_acc") is not None:
                 w.evals.append((int(r["step"]), t, float(r["test_acc"])))
+                w.eval_spent.append((w.eval_spent[-1] if w.eval_spent else 0.0) + float(r.get("eval_s") or 0.0))
         w.elapsed_s = float(steps[-1].get("elapsed_s", 0.0))
         w.comm_wait_s = float(steps[-1].get("comm_wait_s", 0.0))
         workers.append(w)
