@@ -63,15 +63,22 @@ def flush_round():
         total[k] += kv.pushpull(k, np.zeros(s, np.float32)).wait()
 
 if drain:
-    # MixedSync overlap: a DC round never waits for the WAN, so no number of flush rounds is sure to have let
-    # the other DC's residuals through: flush until the totals are complete (both workers of a DC read the
-    # same replies, so they stop together), then 10 more rounds, in which nothing may arrive twice
+    # MixedSync overlap: a DC round never waits for the WAN, so no fixed number of flush rounds is sure to have
+    # let every residual through. Flush in batches until every worker's totals are complete; a DC must go on
+    # flushing while another is still short, since its own residuals only travel with its pushes. All workers
+    # decide together, on the files every one wrote before the barrier (the two workers of a DC must push the
+    # same number of rounds); then 10 more rounds, in which nothing may arrive twice.
     expected = {{k: sum(h.grad(SEED, i, step, k, s) for i in range(kv.num_all_workers) for step in range(STEPS))
                 / kv.num_all_workers for k, s in KEYS.items()}}
-    for _ in range(1000):
-        if all(np.allclose(total[k], expected[k], rtol=1e-4, atol=1e-4) for k in KEYS):
+    for batch in range(50):
+        for _ in range(20):
+            flush_round()
+        h.dump(f"complete-{{me}}-{{batch}}", all(np.allclose(total[k], expected[k], rtol=1e-4, atol=1e-4)
+                                                for k in KEYS))
+        kv.barrier(global_=True)
+        if all(json.loads((h.run_dir() / f"complete-{{i}}-{{batch}}.json").read_text())
+               for i in range(kv.num_all_workers)):
             break
-        flush_round()
     for _ in range(10):
         flush_round()
 

@@ -265,7 +265,9 @@ class KVServer:
 
     def reply_value(self, msg: Message, st: KeyState) -> None:
         value = self.read_value(st, msg.src)
-        if self.wire is None:
+        # the master worker does not train and keeps no codec streams: it reads whole values (a pull it sends
+        # right after init can be answered after a round, when the round's compressed reply is at hand)
+        if self.wire is None or self.clients[msg.src].kind == "master":
             self.reply(msg, tensors=[value])
             return
         tensors, fields = self.wire.encode_reply(st, msg.src, value)
