@@ -70,3 +70,38 @@ def test_weight_changes_sent_to_a_client_add_up_to_the_servers_weights():
         assert "cm" in fields and np.count_nonzero(tensors[1]) <= 10
         replica = client.decode_reply("w", fields, tensors, (40,), np.float32)
     np.testing.assert_allclose(replica, w, rtol=0, atol=1e-5)
+
+
+def test_the_master_worker_reads_whole_values_while_workers_get_the_rounds_compressed_reply():
+    """The master worker keeps no codec streams: its pull, answered after a round, must not get the round's
+    compressed reply (an mpq run's master once crashed on 'a compressed reply ... which travels uncompressed')."""
+    from geomx.cluster.kvserver import KVServer
+    from geomx.cluster.postoffice import NodeInfo
+    from geomx.transport.message import Message
+
+    class Van:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, addr, msg, dst_dc=None):
+            self.sent.append((addr, msg))
+
+    class Po:
+        metrics_fields: list = []
+        node_id = "server"
+        van = Van()
+
+    server = KVServer(Po())
+    server.clients = {"w": NodeInfo("w", "local_server", "worker", "a", 0, "tcp://w"),
+                      "m": NodeInfo("m", "master", "worker", "central", 0, "tcp://m")}
+    server.wire = ServerWire(parse_policy({"wan": {"type": "topk", "ratio": 0.25}, "size_lower_bound": 0}), "wan",
+                             weights=False, per_client=False, salt="s")
+    st = server.keys["k"] = KeyState("k", (100,), np.dtype(np.float32), value=np.zeros(100, np.float32))
+    mean = np.arange(100, dtype=np.float32)
+    server.set_value(st, mean, ["w"])                 # a round: its mean gradient is encoded once
+    for src in ("w", "m"):
+        server.reply_value(Message("pull", src=src, fields={"key": "k", "req": 1}), st)
+    (_, to_worker), (_, to_master) = Po.van.sent
+    assert "cm" in to_worker.fields and len(to_worker.tensors) == 2          # top-k: indices and values
+    assert "cm" not in to_master.fields
+    np.testing.assert_array_equal(to_master.tensors[0], mean)
