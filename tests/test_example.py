@@ -176,6 +176,4 @@ def test_dcasgd_on_the_global_server_trains_the_example_in_dist_async(tmp_path):
     results = run_example(tmp_path, ["--optimizer", "dcasgd", "--update-on", "server", "--lr", "0.05", "--epochs",
                                      "25"], mode="dist_async", wan="lan")
     finals = [r["final_test_acc"] for r in results]
-    # the DC that stops first last read weights without the other DC's final pushes (CI, under load, once:
-    # 0.914 and 0.936); together they reach the bar
-    assert sum(finals) / len(finals) >= 0.93 and min(finals) >= 0.90, finals
+    assert min(finals) >= 0.93, finals
