@@ -94,8 +94,8 @@ def _training_args(manifest: dict) -> dict:
     per_dc = manifest.get("workers_per_dc")
     if isinstance(per_dc, list):
         per_dc = per_dc[0] if len(set(per_dc)) == 1 else "/".join(map(str, per_dc))
-    return {"steps": arg("--steps", 0), "train_args": _shared_train_args(cmd), "eval_every": arg("--eval-every", 0), "model": arg("--model", "cnn"),
-            "seed": arg("--seed", 0), "dcs": len(manifest.get("dcs", [])), "workers_per_dc": per_dc}
+    return {"steps": arg("--steps", 0), "train_args": _shared_train_args(cmd), "eval_every": arg("--eval-every", 0),
+            "model": arg("--model", "cnn"), "seed": arg("--seed", 0), "dcs": len(manifest.get("dcs", [])), "workers_per_dc": per_dc}
 
 
 def _shared_train_args(cmd: list[str]) -> str:
@@ -153,8 +153,8 @@ def bench_wan(*, profile: str | None = "transpacific", wan_rate: str | None = No
                                       steps=per_row.get(config.name, steps), eval_every=eval_every, seed=seed,
                                       target_acc=target_acc, run_dir=sub, timeout=timeout, train_args=shared_args))
         _compare(results)
-        result = {"steps": steps, "train_args": " ".join(shared_args), "eval_every": eval_every, "dcs": dcs, "workers_per_dc": workers_per_dc,
-                  "model": model, "seed": seed, "target_acc": target_acc, "rows": results}
+        result = {"steps": steps, "train_args": " ".join(shared_args), "eval_every": eval_every, "dcs": dcs,
+                  "workers_per_dc": workers_per_dc, "model": model, "seed": seed, "target_acc": target_acc, "rows": results}
         if out_dir:
             result["files"] = _write_outputs(result, Path(out_dir), [Path(r["run_dir"]) for r in results], command)
     return result
@@ -235,8 +235,7 @@ def format_wan_report(r: dict) -> str:
         f"flat's {' or '.join(sorted(basis))} / this row's. Efficiency = (compute + busiest WAN link's bytes / its "
         f"rate + one round trip per step) / training time. Without evaluations: each worker's clock less the "
         f"time it spent evaluating (the benchmark's probe, every {r['eval_every']} steps), and the speedup on that "
-        f"basis. "
-        f"Definitions: `geomx report` (geomx/report/summary.py)."])
+        f"basis. Definitions: `geomx report` (geomx/report/summary.py)."])
 
 
 def cmd_wan(args) -> int:

@@ -23,8 +23,8 @@ from geomx.errors import PeerLostError
 
 
 class WanOverlap:
-    """Per-key state lives in ``st.state``: ``outbox`` (DC sums not yet sent), ``count`` (the DC's workers),
-    ``inbox`` (other DCs' gradients not yet handed out), ``in_flight``, ``wan_error``."""
+    """Per-key state lives in ``st.state``: ``outbox`` (DC sums not yet sent), ``inbox`` (other DCs' gradients
+    not yet handed out), ``in_flight``, ``wan_error``."""
 
     def __init__(self, server) -> None:
         self.server = server     # the LocalServer: set_value, fail_waiting, upstream, info
@@ -43,16 +43,16 @@ class WanOverlap:
         total = s.get("outbox")
         # the round's total may be a received, read-only buffer: sum into a new array
         s["outbox"] = rnd.total if total is None else np.add(total, rnd.total)
-        # the sender count scales what travels (a sum goes as sum / count, see compressed.dense_push): it must
-        # not change from push to push, or an error-feedback residual kept at one scale is sent at another
-        s["count"] = len(rnd.contributors)
         if not s.get("in_flight"):
             self._send(st)
 
     def _send(self, st: KeyState) -> None:
         total = st.state.pop("outbox")
         st.state["in_flight"] = True
-        h = self.server.upstream.pushpull(st.key, total, count=st.state["count"])
+        # the sender count scales what travels (a sum goes as sum / count, see compressed.dense_push): it must
+        # not change from push to push, or an error-feedback residual kept at one scale is sent at another.
+        # Summed rounds therefore go with the DC's workers, the count of every single round.
+        h = self.server.upstream.pushpull(st.key, total, count=self.server.expected_contributors(st))
         h.add_done_callback(lambda h: self._returned(st, h))
 
     def _returned(self, st: KeyState, h: Handle) -> None:

@@ -168,7 +168,7 @@ def _draw_links(ax: Axes, series: list[RunSeries], colors: list[str], *, labelle
     only says which line style is which direction."""
     styles = ["-", "--", "-.", ":"]
     several = sum(1 for s in series if s.links) > 1
-    drawn = False
+    styled: dict[int, str] = {}       # line style index -> the link (or direction) it stands for
     for s, color in zip(series, colors):
         if s.links:
             _mark_ready(ax, s, color)
@@ -181,11 +181,10 @@ def _draw_links(ax: Axes, series: list[RunSeries], colors: list[str], *, labelle
             ax.plot(link.times + [link.times[-1] + 1.0], link.mbps + link.mbps[-1:], drawstyle="steps-post",
                     color=color, linestyle=styles[i % len(styles)], alpha=0.85,
                     label=f"{s.short}: {link.name}" if labelled else None)
-            drawn = True
-    if drawn and not labelled:
-        names = [lk.name for lk in (_direction_means(next(s.links for s in series if s.links)) if several
-                                    else next(s.links for s in series if s.links))]
-        for i, name in enumerate(names):
+            styled.setdefault(i, link.name)
+    drawn = bool(styled)
+    if not labelled:
+        for i, name in sorted(styled.items()):
             ax.plot([], [], color="grey", linestyle=styles[i % len(styles)], label=name)
     if not drawn:
         ax.text(0.5, 0.5, "no WAN emulator in these runs:\nno per-link throughput", transform=ax.transAxes,
