@@ -173,7 +173,10 @@ def test_hfa_reaches_the_accuracy_of_fsa_within_one_point(default_run, tmp_path)
 
 
 def test_dcasgd_on_the_global_server_trains_the_example_in_dist_async(tmp_path):
+    # SGD-family optimizers leave this CNN on a bumpy plateau (accuracy 0.1-0.6) for the first 10-20 epochs, how
+    # long depends on the asynchronous interleaving (0.65 after 25 epochs once in CI); from epoch ~22 every run
+    # measured sat at 0.95-0.97, so 40 epochs test where training ends, not how long the plateau lasted
     results = run_example(tmp_path, ["--optimizer", "dcasgd", "--update-on", "server", "--lr", "0.05", "--epochs",
-                                     "25"], mode="dist_async", wan="lan")
+                                     "40"], mode="dist_async", wan="lan")
     finals = [r["final_test_acc"] for r in results]
     assert min(finals) >= 0.93, finals
