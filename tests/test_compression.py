@@ -180,6 +180,18 @@ def test_wire_bytes_follow_each_codecs_size_formula_and_sum_the_payload_arrays(n
     assert y.shape == x.shape and y.dtype == np.float32
 
 
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_decompress_with_a_scale_equals_the_decoded_tensor_times_the_scale_and_leaves_the_payload_intact(name):
+    # a receiver multiplies back the count of workers whose mean was sent; sparse codecs scale the k values
+    codec = make_codec(name)
+    payload = codec.compress(gaussian(5000, seed=7, shape=(50, 100)), CodecState())
+    before = [a.copy() for a in payload.arrays]
+    plain, scaled = codec.decompress(payload), codec.decompress(payload, scale=3)
+    np.testing.assert_array_equal(scaled, plain * np.float32(3))
+    assert scaled.dtype == np.float32 and scaled.shape == (50, 100)
+    assert all(np.array_equal(a, b) for a, b in zip(payload.arrays, before))
+
+
 def test_qsgd_with_at_most_7_levels_packs_two_entries_per_byte():
     codec = make_codec({"type": "qsgd", "levels": 7, "bucket_size": 1000})
     payload, y = roundtrip(codec, gaussian(3001))

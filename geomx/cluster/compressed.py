@@ -107,12 +107,9 @@ def decode(codec: Codec, cm: Any, tensors: list[np.ndarray], shape: tuple) -> np
     if not isinstance(sent_shape, list) or tuple(sent_shape) != tuple(shape):
         raise WireError(f"compressed tensor has shape {sent_shape!r}, the key {tuple(shape)}")
     try:
-        dense = codec.decompress(Payload(list(tensors), dict(meta)))
+        return codec.decompress(Payload(list(tensors), dict(meta)), scale=count)
     except (ValueError, TypeError, IndexError, KeyError) as exc:
         raise WireError(f"undecodable {codec.name} payload: {exc}") from None
-    if count != 1:
-        dense = dense * np.float32(count)
-    return dense
 
 
 class _Side:

@@ -42,9 +42,10 @@ class Round:
             # keep the first push as it came (no copy): a round of one client costs no pass over the data
             self.total, self.priority = value.astype(acc, copy=False), priority
         else:
-            if len(self.contributors) == 1:   # the first push may be the received (read-only) buffer
-                self.total = self.total.astype(acc, copy=True)
-            np.add(self.total, value, out=self.total, casting="unsafe")
+            if len(self.contributors) == 1:   # the first push may be the received (read-only) buffer: sum
+                self.total = np.add(self.total, value, dtype=acc, casting="unsafe")   # a new array, one pass
+            else:
+                np.add(self.total, value, out=self.total, casting="unsafe")
             self.priority = max(self.priority, priority)
         self.contributors.append(src)
 

@@ -115,10 +115,12 @@ class Codec(ABC):
         payload.meta["shape"] = list(x.shape)
         return payload
 
-    def decompress(self, payload: Payload, state: CodecState | None = None) -> np.ndarray:
-        """payload -> dense float32 tensor of the original shape."""
+    def decompress(self, payload: Payload, state: CodecState | None = None, *, scale: float = 1.0) -> np.ndarray:
+        """payload -> dense float32 tensor of the original shape, times ``scale`` (a receiver multiplying back
+        the count of workers whose mean was sent). A new array when ``scale`` != 1."""
         shape = tuple(payload.meta["shape"])
-        return self._decode(payload, shape).reshape(shape)
+        dense = self._decode(payload, shape).reshape(shape)
+        return dense * np.float32(scale) if scale != 1 else dense
 
     def wire_bytes(self, payload: Payload) -> int:
         """Exact bytes of the payload's tensor frames (the header's meta is ``payload.header_nbytes``)."""
