@@ -99,3 +99,29 @@ def test_time_to_accuracy_without_evaluations_takes_each_workers_evaluation_time
     assert time_to_accuracy(run, 0.9, without_evals=True) == (4, 5.5)
     s = summarize(run, 0.9)
     assert s["time_to_target_no_eval_s"] == 5.5 and s["eval_s"] == 0.75
+
+
+RUN_TWICE_SCRIPT = """
+import geomx
+import numpy as np
+kv = geomx.kvstore.create()
+kv.init("w", np.zeros(4, np.float32))
+if kv.is_master_worker:
+    raise SystemExit(0)
+kv.pushpull("w", np.ones(4, np.float32)).wait()
+geomx.metrics.log(step=1, loss=1.0)
+kv.close()
+"""
+
+
+def test_a_second_launch_into_the_same_run_directory_reports_only_its_own_processes(tmp_path):
+    """Metrics files are named by process id: without clearing, the second run would count 4 + 1 workers."""
+    from harness import check_ok, launch
+
+    run_dir = check_ok(launch(tmp_path, RUN_TWICE_SCRIPT, dcs=2, workers_per_dc=2, name="run"))
+    assert len(load_run(run_dir).workers) == 4 and (run_dir / "b-worker-1.log").exists()
+    (run_dir / "notes.txt").write_text("mine")
+    assert check_ok(launch(tmp_path, RUN_TWICE_SCRIPT, dcs=2, workers_per_dc=1, name="run")) == run_dir
+    assert len(load_run(run_dir).workers) == 2
+    assert not (run_dir / "b-worker-1.log").exists(), "a role of the first run left its log behind"
+    assert (run_dir / "notes.txt").read_text() == "mine", "a file the user wrote was removed"

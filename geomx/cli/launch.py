@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import TextIO
 
 from geomx.cli.topology import Topology
+from geomx.metrics import METRICS_DIR
+from geomx.netem.emulator import STATS_FILE
 from geomx.profiles import CENTRAL_DC
 from geomx.sync.slowdown import ENV as SLOWDOWN_ENV
 
@@ -126,6 +128,24 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
     return specs
 
 
+def clear_previous_run(run_dir: Path) -> None:
+    """A run directory holds one run. Metrics files are named by process id, so a second launch into the same
+    directory would otherwise add its processes to the first run's (a report would count both). Removes what
+    geomx wrote for an earlier run (its manifest, its roles' logs, metrics, the WAN link counters); files the
+    training script wrote there stay."""
+    manifest = run_dir / "launch.json"
+    if not manifest.exists():
+        return
+    try:
+        roles = json.loads(manifest.read_text()).get("roles", [])
+    except (ValueError, AttributeError):
+        roles = []
+    stale = [run_dir / f"{name}.log" for name in roles if isinstance(name, str) and "/" not in name]
+    stale += [*(run_dir / METRICS_DIR).glob("*.jsonl"), run_dir / STATS_FILE, manifest]
+    for path in stale:
+        path.unlink(missing_ok=True)
+
+
 class Launcher:
     def __init__(self, topo: Topology, command: list[str], *, run_dir: Path, quiet: bool = False,
                  out: TextIO | None = None, secure: bool = False) -> None:
@@ -145,6 +165,7 @@ class Launcher:
     def run(self, timeout: float | None = None) -> int:
         """Start everything, wait, tear down. Returns the exit code for the launcher."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        clear_previous_run(self.run_dir)
         specs = plan(self.topo, self.command, self.run_dir, secret=self.secret)
         self._write_manifest(specs)
         interrupted = {"sig": None}
