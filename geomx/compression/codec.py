@@ -119,8 +119,7 @@ class Codec(ABC):
         """payload -> dense float32 tensor of the original shape, times ``scale`` (a receiver multiplying back
         the count of workers whose mean was sent). A new array when ``scale`` != 1."""
         shape = tuple(payload.meta["shape"])
-        dense = self._decode(payload, shape).reshape(shape)
-        return dense * np.float32(scale) if scale != 1 else dense
+        return self._decode_scaled(payload, shape, scale).reshape(shape)
 
     def wire_bytes(self, payload: Payload) -> int:
         """Exact bytes of the payload's tensor frames (the header's meta is ``payload.header_nbytes``)."""
@@ -154,6 +153,11 @@ class Codec(ABC):
     @abstractmethod
     def _decode(self, payload: Payload, shape: tuple[int, ...]) -> np.ndarray:
         """Payload -> flat float32 vector of ``prod(shape)`` elements."""
+
+    def _decode_scaled(self, payload: Payload, shape: tuple[int, ...], scale: float) -> np.ndarray:
+        """``_decode`` times ``scale``; a codec that can scale fewer values than it decodes overrides it."""
+        flat = self._decode(payload, shape)
+        return flat * np.float32(scale) if scale != 1 else flat
 
 
 def index_dtype(n: int) -> np.dtype:
