@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Mapping
+from collections.abc import Mapping
 
 from geomx.errors import ConfigError
 from geomx.profiles import CENTRAL_DC

@@ -38,7 +38,7 @@ from typing import Any
 METRICS_DIR = "metrics"
 
 _lock = threading.Lock()
-_writer: "MetricsWriter | None" = None
+_writer: MetricsWriter | None = None
 _comm_wait_s = 0.0
 
 
@@ -49,7 +49,7 @@ class MetricsWriter:
         folder = Path(run_dir) / METRICS_DIR
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / f"{role}-{_safe(dc)}-{os.getpid()}.jsonl"
-        self._file = open(self.path, "a", buffering=1)
+        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - the writer's lifetime; close() ends it
         self._lock = threading.Lock()
         self.started = time.time()
         self.write("start", role=role, dc=dc, pid=os.getpid())

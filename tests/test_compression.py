@@ -189,7 +189,7 @@ def test_decompress_with_a_scale_equals_the_decoded_tensor_times_the_scale_and_l
     plain, scaled = codec.decompress(payload), codec.decompress(payload, scale=3)
     np.testing.assert_array_equal(scaled, plain * np.float32(3))
     assert scaled.dtype == np.float32 and scaled.shape == (50, 100)
-    assert all(np.array_equal(a, b) for a, b in zip(payload.arrays, before))
+    assert all(np.array_equal(a, b) for a, b in zip(payload.arrays, before, strict=False))
 
 
 def test_qsgd_with_at_most_7_levels_packs_two_entries_per_byte():
@@ -227,7 +227,7 @@ def test_powersgd_recovers_an_exactly_rank_r_matrix_and_its_residual_shrinks():
         sent += codec.decompress(codec.compress(np.zeros_like(full), state))
         norms.append(np.linalg.norm(state["powersgd"]["error"]))
         np.testing.assert_allclose(sent + state["powersgd"]["error"], full, atol=1e-4)
-    assert all(b < a for a, b in zip(norms, norms[1:]))
+    assert all(b < a for a, b in zip(norms, norms[1:], strict=False))
     assert norms[-1] < 1e-5 * np.linalg.norm(full)
 
 

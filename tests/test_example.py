@@ -53,7 +53,7 @@ def test_report_of_the_run_agrees_with_what_the_workers_and_the_emulator_measure
     assert roles == links, "the roles' byte counters and the emulated links disagree"
     # dense HiPS: each DC sends one model copy up and receives one down per step (plus headers)
     assert 0.9 < s["compression_ratio"] < 1.05, s["compression_ratio"]
-    assert 0 < s["compute_utilization"] < 1 and 0 < s["efficiency"]
+    assert 0 < s["compute_utilization"] < 1 and s["efficiency"] > 0
     assert s["lower_bound_s"] == pytest.approx(s["compute_s"] + s["wire_s"] + s["round_trips_s"])
     # servers report their queue depths
     assert run.server_queues and all("held_requests" in q for q in run.server_queues)

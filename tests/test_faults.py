@@ -418,7 +418,8 @@ def test_server_keeps_requests_that_arrive_before_its_member_table(tmp_path, del
             else:
                 procs.start(spec.argv, {**os.environ, **spec.env}, run_dir / f"{spec.name}.log")
         wait_until(lambda: all(p.poll() is not None for p in procs.procs), 40, "every process exiting")
-        codes = {s.name: p.returncode for s, p in zip([s for s in specs if s.name != delayed], procs.procs)}
+        started = [s for s in specs if s.name != delayed]
+        codes = {s.name: p.returncode for s, p in zip(started, procs.procs, strict=True)}
         assert all(c == 0 for c in codes.values()), f"{codes}\n{logs(run_dir)}"
     finally:
         procs.close()

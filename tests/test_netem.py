@@ -214,7 +214,7 @@ def test_link_jitter_varies_delay_within_two_std_and_never_reorders():
         link.close()
     assert got == list(range(40))
     assert sched.times == sorted(sched.times)                 # never reordered
-    delays = [at - t for at, t in zip(sched.times, sent)]
+    delays = [at - t for at, t in zip(sched.times, sent, strict=False)]
     assert min(delays) >= delay - 2 * jitter
     assert max(delays) <= delay + 2 * jitter + 0.003          # + serialization, the enqueue call, noise
     assert statistics.pstdev(delays) > jitter / 4
@@ -315,13 +315,13 @@ def test_links_in_opposite_directions_are_independent():
         a, c = net.van("a0", "a", em), net.van("c0", CENTRAL_DC, em)
         up, down = [bulk(i, 256 * 1024) for i in range(12)], [bulk(i, 256 * 1024) for i in range(12)]
         t0 = time.monotonic()      # 0.5 s each way; a shared link would need 1 s
-        for m_up, m_down in zip(up, down):
+        for m_up, m_down in zip(up, down, strict=False):
             a.send(c.address, m_up, dst_dc=CENTRAL_DC)
             c.send(a.address, m_down, dst_dc="a")
         done = [van.inbox.wait_for(12, timeout=4.0)[-1][0] for van in (c, a)]
         if sorted(em.stats()["links"]) != ["a->central", "central->a"]:
             pytest.fail(f"links {sorted(em.stats()['links'])}")
-        for last, msgs, src in zip(done, (up, down), ("a0", "c0")):
+        for last, msgs, src in zip(done, (up, down), ("a0", "c0"), strict=False):
             fraction = wire_bytes(msgs, src) * 8 / (last - t0) / rate
             assert fraction >= 0.95, f"{src}'s direction got {fraction:.3f} of its rate"
 

@@ -69,7 +69,8 @@ def test_a_run_too_short_for_a_whole_emulator_second_still_reports_wan_bytes_per
 
     # ready at 0.2 s, two steps done by 0.8 s: no step after the first whole second (1.0 s), so per-step bytes
     # divide the whole training phase (prorated from 0.2 s: 0.8 x 1000 bytes) by its 2 steps
-    links = {"t0_unix": 100.0, "links": {"a->central": {"src_dc": "a", "dst_dc": "central", "series": [1000], "bytes": 1000},
+    links = {"t0_unix": 100.0, "links": {"a->central": {"src_dc": "a", "dst_dc": "central", "series": [1000],
+                                                        "bytes": 1000},
                                          "central->a": {"src_dc": "central", "dst_dc": "a", "series": [500],
                                                         "bytes": 500}}}
     run = Run(path=Path("."), name="x", manifest={"topology": "flat"}, sent={}, sent_messages={}, dense_bytes=None,

@@ -68,10 +68,10 @@ def simulate(*, algorithm: str, k1: int, k2: int, weights: str, samples: list[fl
         anchor, buf = init.copy(), None
         flight = None           # (period sent, models sent, new global model)
 
-        def dc_mean(d):
+        def dc_mean(d, w):
             return sum(samples[i] * w[i] for i in d) / sum(samples[i] for i in d)
 
-        def land():
+        def land(w, flight):
             _, sent, new = flight
             for i in range(n):
                 w[i] = new + (w[i] - sent[i])
@@ -83,18 +83,18 @@ def simulate(*, algorithm: str, k1: int, k2: int, weights: str, samples: list[fl
             if t % k1 == 0:
                 period = t // k1
                 if flight is not None and (period - flight[0] == overlap):
-                    land()
+                    land(w, flight)
                     flight = None
                 if period % k2:
-                    means = [dc_mean(d) for d in dcs]
-                    for d, m in zip(dcs, means):
+                    means = [dc_mean(d, w) for d in dcs]
+                    for d, m in zip(dcs, means, strict=False):
                         for i in d:
                             w[i] = m.copy()
                 else:
                     if weights == "samples":
                         avg = sum(samples[i] * w[i] for i in range(n)) / sum(samples)
                     else:
-                        avg = sum(dc_mean(d) for d in dcs) / len(dcs)
+                        avg = sum(dc_mean(d, w) for d in dcs) / len(dcs)
                     if algorithm == "diloco":
                         delta = anchor - avg
                         buf = delta.copy() if buf is None else outer_momentum * buf + delta

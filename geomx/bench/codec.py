@@ -5,7 +5,8 @@ One float32 gaussian tensor of about ``elements`` entries, shaped as a near-squa
 compresses it; the other codecs flatten it). Per codec (sparsifiers at ratio 0.001, PowerSGD rank 4, QSGD 4
 levels): one untimed warm-up step (PowerSGD's first Q, DGC's buffers), then ``repeats`` timed steps of
 ``compress`` and ``decompress`` with one CodecState, as a sender and a receiver would run them. Reported:
-the fastest time of each (other jobs on a shared machine only add time), throughput = input bytes / (compress + decompress) in GB/s (1e9 B/s), and
+the fastest time of each (other jobs on a shared machine only add time), throughput = input bytes /
+(compress + decompress) in GB/s (1e9 B/s), and
 compression ratio = input bytes / wire bytes (the payload's tensor frames; the header's meta is listed
 apart). numpy's element-wise work runs on one thread; PowerSGD's matrix products use BLAS threads.
 
@@ -96,7 +97,8 @@ def format_codec_report(r: dict) -> str:
         ["codec", "parameters", "compress (ms)", "decompress (ms)", "GB/s (in)", "wire bytes", "header bytes",
          "compression ratio"],
         [[row["codec"], _params(row["spec"]), f"{row['compress_s'] * 1e3:.1f}", f"{row['decompress_s'] * 1e3:.1f}",
-          "zero-copy" if row["codec"] == "none" else f"{row['gb_per_s']:.2f}", f"{row['wire_bytes']:,}", str(row["header_bytes"]),
+          "zero-copy" if row["codec"] == "none" else f"{row['gb_per_s']:.2f}", f"{row['wire_bytes']:,}",
+          str(row["header_bytes"]),
           f"{row['compression_ratio']:.1f}x"] for row in r["rows"]])
     met = "met" if r["bsc_vs_torch_topk"] >= r["target"] else "NOT met"
     n = r["elements"]

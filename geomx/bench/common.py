@@ -16,9 +16,9 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from geomx.errors import ConfigError, GeomxError
 
@@ -185,10 +185,8 @@ def machine_description() -> str:
     except Exception:   # torch missing or broken: the benchmark that needs it says so itself
         pass
     load = ""
-    try:
+    with suppress(OSError):
         load = f"; load average at the end {os.getloadavg()[0]:.1f}"
-    except OSError:
-        pass
     return f"{os.cpu_count()} CPU cores ({cpu}){mem}, {gpu}, Linux {platform.release()}, Python " \
            f"{platform.python_version()}{load}"
 

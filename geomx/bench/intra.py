@@ -116,7 +116,7 @@ def run_gloo(mb: float, workers: int, repeats: int, run_dir: Path, tag: str, tim
     procs, outs = [], []
     for r in range(workers):
         out = run_dir / f"gloo-{tag}-{r}.json"
-        log = open(run_dir / f"gloo-{tag}-{r}.log", "wb")
+        log = open(run_dir / f"gloo-{tag}-{r}.log", "wb")  # noqa: SIM115 - the child writes it; closed after wait
         procs.append((subprocess.Popen([sys.executable, "-m", "geomx.bench.intra", "gloo-worker", "--mb", str(mb),
                                         "--repeats", str(repeats), "--rank", str(r), "--world", str(workers),
                                         "--port", str(port), "--out", str(out)],
@@ -190,7 +190,8 @@ def format_intra_report(r: dict) -> str:
 
 def cmd_intra(args) -> int:
     result = bench_intra(args.mb, args.workers, args.repeats, run_dir=args.run_dir, timeout=args.timeout)
-    emit_report(args, "geomx bench intra: one DC's gradient sync vs gloo all_reduce", format_intra_report(result), result)
+    emit_report(args, "geomx bench intra: one DC's gradient sync vs gloo all_reduce", format_intra_report(result),
+                result)
     return 0
 
 

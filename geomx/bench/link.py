@@ -124,7 +124,7 @@ def _pings(van_a: Van, van_c: Van, inbox: _Inbox, pings: int, ping_bytes: int, r
     rtts: dict[bool, list[float]] = {False: [], True: []}
     inbox.clear()
     n = 0
-    for i in range(pings):
+    for _i in range(pings):
         for via in (False, True):   # interleaved: both paths see the same load
             t0 = time.monotonic()
             van_a.send(van_c.address, Message("ping", fields={"id": n, "via": via, "reply_to": van_a.address},
@@ -141,7 +141,8 @@ def format_link_report(result: dict) -> str:
     lines = [f"### WAN link: {rate / 1e6:g} Mbit/s, RTT {result['rtt_s'] * 1000:g} ms "
              f"(one-way {result['one_way_delay_s'] * 1000:g} ms), chunk {result['chunk_bytes'] // KIB} KiB",
              "",
-             "| message size | messages | MB sent | time (s) | goodput (Mbit/s) | of rate | steady (Mbit/s) | of rate |",
+             "| message size | messages | MB sent | time (s) | goodput (Mbit/s) | of rate "
+             "| steady (Mbit/s) | of rate |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for t in result["transfers"]:
         lines.append(f"| {_size(t['message_bytes'])} | {t['messages']} | {t['bytes'] / 1e6:.2f} | {t['seconds']:.3f} "

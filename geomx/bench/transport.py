@@ -72,7 +72,7 @@ def kv_worker_main(argv: list[str]) -> int:
         return 0
     echo = EchoClient(args.echo_port) if args.echo_port else None
     results = []
-    for mib, key, x in zip(sizes, keys, values):
+    for mib, key, x in zip(sizes, keys, values, strict=False):
         y = torch.empty_like(x)
         payload = np.random.default_rng(0).integers(0, 255, x.numel() * 4, dtype=np.uint8) if echo else None
         for _ in range(WARMUP_ROUNDS):              # warm-up (connections, allocator, page faults), both sides
@@ -144,7 +144,7 @@ class EchoServer:
 
     def __init__(self, run_dir: Path, idle_s: float) -> None:
         port_file = run_dir / "echo-port"
-        self.log = open(run_dir / "echo-server.log", "wb")
+        self.log = open(run_dir / "echo-server.log", "wb")  # noqa: SIM115 - lives as long as the server process
         self.proc = subprocess.Popen([sys.executable, "-m", "geomx.bench.transport", "echo-server", "--port-file",
                                       str(port_file), "--idle-s", str(idle_s)],
                                      env=bench_env(), stdout=self.log, stderr=subprocess.STDOUT)
@@ -260,7 +260,8 @@ def format_transport_report(result: dict) -> str:
         verdict = f"(no raw figure at >= {TARGET_FROM_MIB} MiB: the target was not checked)"
     text = [table, "",
             f"Median of {result['repeats']} round trips per size and variant, interleaved in the worker process "
-            f"(raw, pushpull, push+pull, raw, ...). MiB/s = 2 x tensor bytes / round-trip time. geomx: 1 worker -> global server "
+            f"(raw, pushpull, push+pull, raw, ...). MiB/s = 2 x tensor bytes / round-trip time. "
+            f"geomx: 1 worker -> global server "
             f"(flat topology, `lan`, float32 torch tensors, `out=` given); raw: pyzmq DEALER -> ROUTER echo in "
             f"another process, copy=False both ways. {verdict}"
             + (f" Peak RSS of the geomx worker process: {result['worker_peak_rss_bytes'] / MIB:,.0f} MiB."
@@ -360,7 +361,7 @@ def summarize_profiles(run_dir: Path, top: int = 12) -> dict:
             continue
         st = pstats.Stats(*files)
         entries = []
-        for (fn_file, line, name), (cc, nc, tt, ct, _) in st.stats.items():
+        for (fn_file, line, name), (_cc, nc, tt, ct, _) in st.stats.items():
             if any(w in name for w in _BLOCKING):
                 continue
             entries.append({"function": f"{_short(fn_file)}:{line}({name})", "calls": nc, "own_s": tt, "cum_s": ct})

@@ -95,7 +95,8 @@ def _training_args(manifest: dict) -> dict:
     if isinstance(per_dc, list):
         per_dc = per_dc[0] if len(set(per_dc)) == 1 else "/".join(map(str, per_dc))
     return {"steps": arg("--steps", 0), "train_args": _shared_train_args(cmd), "eval_every": arg("--eval-every", 0),
-            "model": arg("--model", "cnn"), "seed": arg("--seed", 0), "dcs": len(manifest.get("dcs", [])), "workers_per_dc": per_dc}
+            "model": arg("--model", "cnn"), "seed": arg("--seed", 0), "dcs": len(manifest.get("dcs", [])),
+            "workers_per_dc": per_dc}
 
 
 def _shared_train_args(cmd: list[str]) -> str:
@@ -117,7 +118,8 @@ def parse_row_steps(text: str | None, rows: list[BenchConfig]) -> dict[str, int]
         if not sep or not value.strip().isdigit():
             raise ConfigError(f"--row-steps: {item.strip()!r} is not CONFIG=STEPS (e.g. hips-hfa=200)")
         if name not in names:
-            raise ConfigError(f"--row-steps names {name!r}, which is not among the rows run: {', '.join(sorted(names))}")
+            raise ConfigError(f"--row-steps names {name!r}, which is not among the rows run: "
+                              f"{', '.join(sorted(names))}")
         if int(value) < 2:
             raise ConfigError(f"--row-steps: {name} must train >= 2 steps, got {value.strip()}")
         out[name] = int(value)
@@ -154,7 +156,8 @@ def bench_wan(*, profile: str | None = "transpacific", wan_rate: str | None = No
                                       target_acc=target_acc, run_dir=sub, timeout=timeout, train_args=shared_args))
         _compare(results)
         result = {"steps": steps, "train_args": " ".join(shared_args), "eval_every": eval_every, "dcs": dcs,
-                  "workers_per_dc": workers_per_dc, "model": model, "seed": seed, "target_acc": target_acc, "rows": results}
+                  "workers_per_dc": workers_per_dc, "model": model, "seed": seed, "target_acc": target_acc,
+                  "rows": results}
         if out_dir:
             result["files"] = _write_outputs(result, Path(out_dir), [Path(r["run_dir"]) for r in results], command)
     return result

@@ -25,6 +25,7 @@ from geomx.metrics import METRICS_DIR
 from geomx.netem.emulator import STATS_FILE
 from geomx.profiles import CENTRAL_DC
 from geomx.sync.slowdown import ENV as SLOWDOWN_ENV
+import contextlib
 
 INFRA_EXIT_GRACE_S = 30.0
 
@@ -110,7 +111,7 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
         **base, **central, "DMLC_ROLE": "worker", "DMLC_ROLE_MASTER_WORKER": "1", "DMLC_NUM_ALL_WORKER": str(N)},
         echo=True))
     index = 0
-    for d, (dc, n) in enumerate(zip(topo.dc_names, topo.workers_per_dc)):
+    for d, (dc, n) in enumerate(zip(topo.dc_names, topo.workers_per_dc, strict=False)):
         local = {"DMLC_PS_ROOT_URI": h, "DMLC_PS_ROOT_PORT": str(dc_ports[d]), "DMLC_NUM_WORKER": str(n),
                  "DMLC_NUM_SERVER": "0" if flat else "1", "GEOMX_DC": dc}
         specs.append(RoleSpec(f"{dc}-scheduler", "scheduler", node, {**base, **local, "DMLC_ROLE": "scheduler"}))
@@ -209,7 +210,7 @@ class Launcher:
     def _start(self, spec: RoleSpec) -> None:
         log_path = self.run_dir / f"{spec.name}.log"
         env = {**os.environ, **spec.env}
-        log_file = open(log_path, "wb")
+        log_file = open(log_path, "wb")  # noqa: SIM115 - the role writes it until it exits; closed in stop()
         if spec.echo and not self.quiet:
             proc = subprocess.Popen(spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     start_new_session=True)
@@ -288,10 +289,8 @@ class Launcher:
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _tail(path: Path, lines: int) -> str:

@@ -45,7 +45,7 @@ class Topology:
     def num_all_workers(self) -> int:
         return sum(self.workers_per_dc)
 
-    def validate(self) -> "Topology":
+    def validate(self) -> Topology:
         if self.dcs < 1:
             raise ConfigError(f"--dcs must be >= 1, got {self.dcs}")
         if len(self.workers_per_dc) != self.dcs:

@@ -14,7 +14,8 @@ import itertools
 import logging
 import threading
 import zlib
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -35,7 +36,7 @@ class Handle:
         self._event = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
-        self._callbacks: list[Callable[["Handle"], None]] = []
+        self._callbacks: list[Callable[[Handle], None]] = []
         self._lock = threading.Lock()
 
     def done(self) -> bool:
@@ -55,18 +56,18 @@ class Handle:
             raise self._error
         return self._result
 
-    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
         with self._lock:
             if not self._event.is_set():
                 self._callbacks.append(fn)
                 return
         fn(self)
 
-    def then(self, fn: Callable[[Any], Any], what: str | None = None) -> "Handle":
+    def then(self, fn: Callable[[Any], Any], what: str | None = None) -> Handle:
         """A handle that finishes with ``fn(result)`` once this one has finished (errors pass through)."""
         nxt = Handle(self._po, what or self.what, self.server)
 
-        def go(h: "Handle") -> None:
+        def go(h: Handle) -> None:
             if h.error is not None:
                 nxt._finish(error=h.error)
                 return

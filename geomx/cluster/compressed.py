@@ -29,7 +29,8 @@ compressed.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Hashable
+from typing import Any
+from collections.abc import Hashable
 
 import numpy as np
 

@@ -105,7 +105,8 @@ class GlobalServer(KVServer):
                 raise Refused(f"key {key!r} is initialized twice by the master worker")
             if self.policy is None:
                 self.policy = self._choose_policy()
-                self.info = {"mode": self.mode, "mixedsync": self.mixedsync, "server_optimizer": self.optimizer is not None,
+                self.info = {"mode": self.mode, "mixedsync": self.mixedsync,
+                             "server_optimizer": self.optimizer is not None,
                              "num_all_workers": self.num_all_workers,
                              "compression": self.compression.to_wire() if self.compression else None}
                 if self.compression is not None:

@@ -9,6 +9,7 @@ Control messages carry the tier's name; everything else is data and goes to the 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -16,7 +17,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from geomx import metrics
 from geomx.config import NodeConfig
@@ -61,15 +62,15 @@ class NodeInfo:
                 "addr": self.addr, "pid": self.pid}
 
     @classmethod
-    def from_wire(cls, d: dict) -> "NodeInfo":
+    def from_wire(cls, d: dict) -> NodeInfo:
         return cls(**{k: d[k] for k in ("id", "kind", "tier_role", "dc", "rank", "addr", "pid")})
 
 
 class Tier:
     """This node's membership in one scheduler's cluster."""
 
-    def __init__(self, po: "Postoffice", name: str, scheduler: tuple[str, int], scheduler_dc: str,
-                 tier_role: str, declared: dict, on_table: Callable[["Tier"], None] | None = None) -> None:
+    def __init__(self, po: Postoffice, name: str, scheduler: tuple[str, int], scheduler_dc: str,
+                 tier_role: str, declared: dict, on_table: Callable[[Tier], None] | None = None) -> None:
         self.on_table = on_table
         self.po, self.name, self.scheduler_dc, self.tier_role = po, name, scheduler_dc, tier_role
         self.scheduler_addr = tcp_address(*scheduler)
@@ -243,10 +244,9 @@ class Postoffice:
     def _write_traffic(self) -> None:
         extra: dict = {}
         for fn in self.metrics_fields:
-            try:
+            # a dict changed size under us on the receive thread: next time
+            with contextlib.suppress(RuntimeError):
                 extra.update(fn())
-            except RuntimeError:   # a dict changed size under us on the receive thread: next time
-                pass
         self.metrics.write("traffic", **self.van.counters(), **extra)
 
     # internals ----------------------------------------------------------------------------------------------

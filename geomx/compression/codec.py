@@ -72,18 +72,18 @@ class CodecState:
         self.seed = seed
         self._slots: dict[str, dict[str, Any]] = {}
 
-    def slot(self, codec: "Codec") -> dict[str, Any]:
+    def slot(self, codec: Codec) -> dict[str, Any]:
         """The codec's own dict in this state (created empty on first use)."""
         return self._slots.setdefault(codec.name, {})
 
-    def rng(self, codec: "Codec") -> np.random.Generator:
+    def rng(self, codec: Codec) -> np.random.Generator:
         """The codec's random generator, seeded from (seed, codec name) so codecs do not share a stream."""
         slot = self.slot(codec)
         if "rng" not in slot:
             slot["rng"] = np.random.default_rng([self.seed, *codec.name.encode()])
         return slot["rng"]
 
-    def next_step(self, codec: "Codec") -> int:
+    def next_step(self, codec: Codec) -> int:
         """0 on the first call for ``codec``, then 1, 2, ...: the codec's step counter (warm-up schedules)."""
         slot = self.slot(codec)
         slot["step"] = slot.get("step", -1) + 1
@@ -130,7 +130,7 @@ class Codec(ABC):
         sent entries (error feedback calls it on every step)."""
         flat -= self._decode(payload, tuple(payload.meta["shape"]))
 
-    def downlink(self) -> "Codec":
+    def downlink(self) -> Codec:
         """The codec a server uses for what it sends back (bidirectional compression): the codec itself,
         unless part of it belongs to the senders of gradients only (DGC's momentum)."""
         return self

@@ -14,7 +14,7 @@ Codecs that keep their own memory (``dgc``, ``powersgd``) are refused: their res
 """
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
 
 import numpy as np
 

@@ -37,7 +37,8 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Mapping
+from typing import Any
+from collections.abc import Hashable, Mapping
 
 from geomx.compression.codec import Codec
 from geomx.compression.registry import make_codec
@@ -84,7 +85,7 @@ class CompressionPolicy:
         return {"lan": self.lan, "wan": self.wan, "small": self.small, "size_lower_bound": self.size_lower_bound}
 
     @classmethod
-    def from_wire(cls, wire: Mapping[str, Any]) -> "CompressionPolicy":
+    def from_wire(cls, wire: Mapping[str, Any]) -> CompressionPolicy:
         if not isinstance(wire, Mapping) or set(wire) != _PER_TIER_KEYS:
             raise ConfigError(f"a compression policy on the wire has exactly the keys "
                               f"{sorted(_PER_TIER_KEYS)}, got {wire!r}")

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import fields
-from typing import Callable, TypeVar
+from typing import TypeVar
+from collections.abc import Callable
 
 from geomx.errors import ConfigError
 

@@ -33,7 +33,7 @@ from geomx.profiles import CENTRAL_DC
 log = logging.getLogger("geomx.kvstore")
 
 
-def create(name: str | None = None, *, env: dict | None = None) -> "KVStore":
+def create(name: str | None = None, *, env: dict | None = None) -> KVStore:
     """Join the deployment described by the environment (set by ``geomx launch`` or by hand, see
     docs/environment.md) as a worker or as the master worker."""
     cfg = config_from_env(env)
@@ -179,7 +179,7 @@ class KVStore:
         everywhere; the master worker's value is the one every worker will pull."""
         keys, values = _pairs(key, value)
         handles = []
-        for k, v in zip(keys, values):
+        for k, v in zip(keys, values, strict=False):
             check_key(k)
             check_user_key(k)
             arr = np.ascontiguousarray(_as_numpy_view(v))     # init blocks until answered: no copy needed
@@ -188,8 +188,9 @@ class KVStore:
             if parts is None:
                 handles.append([self._client.init(k, arr)])
             else:
-                handles.append([self._client.init(p.key, piece) for p, piece in zip(parts, part_views(arr, parts))])
-        for k, hs in zip(keys, handles):
+                handles.append([self._client.init(p.key, piece)
+                                for p, piece in zip(parts, part_views(arr, parts), strict=True)])
+        for k, hs in zip(keys, handles, strict=False):
             for h in hs:
                 _, info = h.wait()
                 self._check_info(info)
@@ -201,14 +202,14 @@ class KVStore:
     def push(self, key, value, priority: int = 0) -> Handle | list[Handle]:
         """Send a gradient (zero-copy: leave ``value`` unchanged until the handle has finished)."""
         keys, values = _pairs(key, value)
-        hs = [self._track(self._request("push", k, v, None, priority)) for k, v in zip(keys, values)]
+        hs = [self._track(self._request("push", k, v, None, priority)) for k, v in zip(keys, values, strict=False)]
         return hs if isinstance(key, (list, tuple)) else hs[0]
 
     def pull(self, key, out=None, priority: int = 0) -> Handle | list[Handle]:
         """Fetch the current value (after this worker's earlier pushes of the key) into ``out``;
         ``handle.wait()`` also returns it as a numpy array."""
         keys, outs = _pairs(key, out) if out is not None else (_keys(key), [None] * len(_keys(key)))
-        hs = [self._track(self._request("pull", k, None, o, priority)) for k, o in zip(keys, outs)]
+        hs = [self._track(self._request("pull", k, None, o, priority)) for k, o in zip(keys, outs, strict=False)]
         return hs if isinstance(key, (list, tuple)) else hs[0]
 
     def pushpull(self, key, value, out=None, priority: int = 0, *, scope: str | None = None) -> Handle | list[Handle]:
@@ -222,7 +223,7 @@ class KVStore:
         op = "dc_pushpull" if scope == "dc" else "pushpull"
         keys, values = _pairs(key, value)
         outs = _pairs(key, out)[1] if out is not None else [None] * len(keys)
-        hs = [self._track(self._request(op, k, v, o, priority)) for k, v, o in zip(keys, values, outs)]
+        hs = [self._track(self._request(op, k, v, o, priority)) for k, v, o in zip(keys, values, outs, strict=False)]
         return hs if isinstance(key, (list, tuple)) else hs[0]
 
     def waitall(self, timeout: float | None = None) -> None:
@@ -279,7 +280,7 @@ class KVStore:
                                                else np.empty(shape, dtype))
             values = part_views(src, parts) if src is not None else [None] * len(parts)
             outs = part_views(into, parts) if into is not None else [None] * len(parts)
-            h = gather([self._send(op, p.key, v, o, priority) for p, v, o in zip(parts, values, outs)],
+            h = gather([self._send(op, p.key, v, o, priority) for p, v, o in zip(parts, values, outs, strict=False)],
                        lambda _: into, f"{op} of key {key!r}")
             target = into if into is target else None
         return h if op == "push" else h.then(_copier(out, target))

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 import msgpack
 import zmq
@@ -34,6 +34,7 @@ from geomx.transport.security import Curve
 from geomx.profiles import WanProfile, custom_profile, get_profile, parse_duration, parse_rate
 from geomx.transport.message import payload_nbytes
 from geomx.transport.van import receive_multipart
+import contextlib
 
 log = logging.getLogger("geomx.netem")
 
@@ -229,10 +230,8 @@ class WanEmulator:
                 json.dump(self.stats(), f)
             os.replace(tmp, os.path.join(self.run_dir, STATS_FILE))
         except BaseException:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
             raise
 
 

@@ -28,7 +28,7 @@ import logging
 import random
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from geomx.errors import ConfigError, GeomxError
 

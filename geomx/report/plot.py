@@ -65,7 +65,7 @@ def series_for(run: Run, *, label: str | None = None) -> RunSeries:
     if not curve:
         raise GeomxError(f"run {run.path} has no evaluated test accuracy (no step record with test_acc): "
                          f"nothing to plot; did the training script log test_acc?")
-    steps, times, accs = (list(col) for col in zip(*curve))
+    steps, times, accs = (list(col) for col in zip(*curve, strict=False))
     emulated = bool(run.links and run.links.get("links"))
     wan = cumulative_link_bytes(run, times) if emulated else straight_line_bytes(run, times)
     return RunSeries(label=label or default_label(run), short=label or run.name, steps=steps, times=times,
@@ -103,7 +103,7 @@ def link_throughput(run: Run) -> list[LinkSeries]:
     """Each link's Mbit/s per second of the emulator, shifted onto the training clock."""
     offset = run.links["t0_unix"] - run.start_t
     out = []
-    for name, lk in sorted(run.links["links"].items()):
+    for _name, lk in sorted(run.links["links"].items()):
         series = lk.get("series", [])
         out.append(LinkSeries(name=f"{lk['src_dc']}->{lk['dst_dc']}",
                               times=[second + offset for second in range(len(series))],
@@ -139,7 +139,7 @@ def build_figure(series: list[RunSeries]) -> Figure:
     fig = Figure(figsize=(FIGSIZE_IN[0], FIGSIZE_IN[1] + legend_in), dpi=DPI)
     ax_time, ax_bytes, ax_links = fig.subplots(1, 3)
     colors = [f"C{i % 10}" for i in range(len(series))]
-    for s, color in zip(series, colors):
+    for s, color in zip(series, colors, strict=False):
         ax_time.plot(s.times, s.accs, marker="o", markersize=3, color=color, label=s.label)
         _mark_ready(ax_time, s, color)
         bytes_label = s.label if s.emulated else f"{s.label}\n[{NO_EMULATOR}]"
@@ -169,7 +169,7 @@ def _draw_links(ax: Axes, series: list[RunSeries], colors: list[str], *, labelle
     styles = ["-", "--", "-.", ":"]
     several = sum(1 for s in series if s.links) > 1
     styled: dict[int, str] = {}       # line style index -> the link (or direction) it stands for
-    for s, color in zip(series, colors):
+    for s, color in zip(series, colors, strict=False):
         if s.links:
             _mark_ready(ax, s, color)
         lines = _direction_means(s.links) if several else s.links

@@ -134,7 +134,7 @@ class HFA:
         difference to the current model (the local steps taken meanwhile) is kept on top."""
         new = self.global_model(averaged)
         with torch.no_grad():
-            for (_, p), g, s in zip(self.params, new, sent or [None] * len(new)):
+            for (_, p), g, s in zip(self.params, new, sent or [None] * len(new), strict=False):
                 if s is None:
                     p.copy_(g)
                 else:
@@ -148,7 +148,7 @@ class HFA:
         """The weighted mean of every worker's model, into ``into`` (waits for it)."""
         self.start_global_mean([p.detach() for _, p in self.params], into).land_into()
 
-    def start_global_mean(self, models: list[torch.Tensor], into: list[torch.Tensor]) -> "InFlight":
+    def start_global_mean(self, models: list[torch.Tensor], into: list[torch.Tensor]) -> InFlight:
         """Send ``models`` (left untouched until the result landed) for the weighted global mean, which lands
         in ``into``. Under gradient compression the models travel as their change since ``base``, the model
         every worker started the round from: a codec built for gradients, with its residual, compresses a
@@ -156,7 +156,7 @@ class HFA:
         if not compressed(self.kv):
             return InFlight(self.start_average(None, self.global_scale, models, into), into)
         with torch.no_grad():
-            deltas = [m - b for m, b in zip(models, self.base)]
+            deltas = [m - b for m, b in zip(models, self.base, strict=False)]
         return InFlight(self.start_average(None, self.global_scale, deltas, deltas), into,
                         deltas=deltas, base=self.base)
 
@@ -203,7 +203,7 @@ class InFlight:
             h.wait()
         if self.deltas is not None:
             with torch.no_grad():
-                for b, d, out in zip(self.base, self.deltas, self.into):
+                for b, d, out in zip(self.base, self.deltas, self.into, strict=False):
                     out.copy_(b + d)
         return self.into
 
@@ -232,7 +232,7 @@ class DiLoCo(HFA):
     def global_model(self, averaged: list[torch.Tensor]) -> list[torch.Tensor]:
         """The outer step on the pseudo-gradient (global model before - average) gives the new global model."""
         with torch.no_grad():
-            for a, avg in zip(self.anchor, averaged):
+            for a, avg in zip(self.anchor, averaged, strict=False):
                 a.grad = a.detach() - avg
             self.outer.step()
         return [a.detach() for a in self.anchor]

@@ -51,7 +51,7 @@ class DGA:
                 h.wait()
             waited = time.perf_counter() - started
             with torch.no_grad():
-                for (_, p), (_, stale, mean) in zip(self.params, arrived):
+                for (_, p), (_, stale, mean) in zip(self.params, arrived, strict=False):
                     mean = mean.to(p.device)
                     if self.delay == 0:       # the mean itself: bit for bit FSA
                         p.grad = mean

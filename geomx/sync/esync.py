@@ -71,12 +71,12 @@ class ESync:
         state = np.zeros(n, np.float64)
         state[self.index] = per_step * n          # the servers divide by n: everyone reads every time back
         with torch.no_grad():
-            deltas = [p.detach() - s for (_, p), s in zip(self.params, self.start)]
+            deltas = [p.detach() - s for (_, p), s in zip(self.params, self.start, strict=False)]
         names = [name for name, _ in self.params] + [STATE_KEY]
         for h in self.kv.pushpull(names, deltas + [state], out=deltas + [state]):
             h.wait()
         with torch.no_grad():
-            for (_, p), s, d in zip(self.params, self.start, deltas):
+            for (_, p), s, d in zip(self.params, self.start, deltas, strict=False):
                 s.add_(d)
                 p.copy_(s)
         self.schedule.append(self._taken)

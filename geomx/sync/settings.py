@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping
+from collections.abc import Mapping
 
 from geomx.errors import ConfigError
 
@@ -77,7 +77,8 @@ def check(algorithm: str, options: Mapping, where: str = "") -> SyncSettings:
             raise ConfigError(f"{algorithm} {name.upper()} ({OPTIONS[name][0]}){where} must be >= 1 (local steps "
                               f"per DC average / DC averages per global average), got {getattr(s, name)}")
     if not 0 <= s.overlap <= s.k2:
-        raise ConfigError(f"{algorithm} overlap ({OPTIONS['overlap'][0]}){where}: DC periods a global average may travel "
+        raise ConfigError(f"{algorithm} overlap ({OPTIONS['overlap'][0]}){where}: DC periods a global average may "
+                          f"travel "
                           f"while training goes on must be in [0, K2 = {s.k2}] (it must land before the next one "
                           f"is sent), got {s.overlap}")
     if s.steps < 1:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 from geomx.errors import ConfigError
 
@@ -36,7 +36,7 @@ class Slowdown:
         self.slept_s = 0.0
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "Slowdown":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Slowdown:
         raw = (os.environ if env is None else env).get(ENV, "")
         return cls(factor=parse_factor(raw, ENV) if raw.strip() else 1.0)
 

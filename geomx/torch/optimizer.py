@@ -30,7 +30,7 @@ backward passes locally before pushing (fewer, larger WAN rounds).
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -123,7 +123,7 @@ class DistributedOptimizer:
             return
         results = self.synchronize()
         with torch.no_grad():
-            for (_, p), value in zip(self.params, results):
+            for (_, p), value in zip(self.params, results, strict=False):
                 if value is None:
                     continue
                 if self.server_updates:

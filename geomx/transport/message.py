@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import msgpack
 import numpy as np
@@ -114,7 +115,7 @@ def build_message(header: dict, frames: Sequence) -> Message:
     if len(specs) != len(frames):
         raise ProtocolError(f"header announces {len(specs)} tensors but {len(frames)} frames followed")
     tensors = []
-    for (dtype, shape), frame in zip(specs, frames):
+    for (dtype, shape), frame in zip(specs, frames, strict=False):
         count = math.prod(shape)
         if isinstance(frame, np.ndarray):
             if frame.dtype != dtype or frame.shape != shape:

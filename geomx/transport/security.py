@@ -42,7 +42,7 @@ class Curve:
         self.client_public, self.client_secret = _keypair(secret, "client")
 
     @classmethod
-    def from_env(cls, env=None) -> "Curve | None":
+    def from_env(cls, env=None) -> Curve | None:
         env = os.environ if env is None else env
         secret = env.get("GEOMX_SECRET")
         if not secret and env.get("GEOMX_SECRET_FILE"):

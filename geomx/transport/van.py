@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections import defaultdict
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import msgpack
 import numpy as np
@@ -276,7 +276,7 @@ class Van:
             return ()
         # only writable, contiguous, non-empty arrays that match the announced spec are received into
         return [t if isinstance(t, np.ndarray) and t.flags.c_contiguous and t.flags.writeable and t.nbytes
-                and (t.dtype, t.shape) == spec else None for t, spec in zip(targets, header["t"])]
+                and (t.dtype, t.shape) == spec else None for t, spec in zip(targets, header["t"], strict=False)]
 
     def _send_loop(self) -> None:
         try:

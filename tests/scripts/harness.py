@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import contextlib
 
 SCRIPTS = Path(__file__).resolve().parent
 TESTS = SCRIPTS.parent
@@ -104,10 +105,8 @@ def launch(tmp_path: Path, script: str | Path, *, dcs: int = 2, workers_per_dc=2
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def logs(run_dir: Path) -> str:
@@ -164,15 +163,11 @@ class Processes:
     def close(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
         for proc in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
             if proc.stdout is not None:
                 proc.stdout.close()
 
