@@ -74,10 +74,6 @@ def open_process_writer(run_dir: str | None, role: str, dc: str) -> MetricsWrite
         return _writer
 
 
-def process_writer() -> MetricsWriter | None:
-    return _writer
-
-
 def add_comm_wait(seconds: float) -> None:
     """Called by whoever blocks on the network on behalf of training (DistributedOptimizer.step)."""
     global _comm_wait_s

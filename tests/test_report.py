@@ -81,25 +81,44 @@ def test_a_run_too_short_for_a_whole_emulator_second_still_reports_wan_bytes_per
     assert abs(s["wan_bytes_per_step"] - 600) < 1e-6
 
 
-def test_time_to_accuracy_without_evaluations_takes_each_workers_evaluation_time_off_its_clock(tmp_path):
-    from geomx.report.run import load_run
-    from geomx.report.summary import summarize, time_to_accuracy
-
-    (tmp_path / "launch.json").write_text(json.dumps({"topology": "hips", "mode": "dist_sync", "dcs": ["a"]}))
-    (tmp_path / METRICS_DIR).mkdir()
+def _write_two_worker_run(run_dir):
+    """A run of one DC whose two workers reach 0.95 at step 4, having evaluated for 0.5 s and 0.25 s."""
+    (run_dir / "launch.json").write_text(json.dumps({"topology": "hips", "mode": "dist_sync", "dcs": ["a"]}))
+    (run_dir / METRICS_DIR).mkdir()
     for pid, spent in ((1, 0.5), (2, 0.25)):
         lines = [{"t": 0, "kind": "start", "role": "worker", "dc": "a", "pid": pid},
                  {"t": 1, "kind": "step", "step": 1, "loss": 1.0},
                  {"t": 3, "kind": "step", "step": 2, "loss": 0.5, "test_acc": 0.8, "eval_s": spent},
                  {"t": 4, "kind": "step", "step": 3, "loss": 0.4},
                  {"t": 6, "kind": "step", "step": 4, "loss": 0.3, "test_acc": 0.95, "eval_s": spent}]
-        (tmp_path / METRICS_DIR / f"worker-a-{pid}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        (run_dir / METRICS_DIR / f"worker-a-{pid}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_time_to_accuracy_without_evaluations_takes_each_workers_evaluation_time_off_its_clock(tmp_path):
+    from geomx.report.run import load_run
+    from geomx.report.summary import summarize, time_to_accuracy
+
+    _write_two_worker_run(tmp_path)
     run = load_run(tmp_path)
     assert time_to_accuracy(run, 0.9) == (4, 6.0)
     # the worker that evaluated for 2 x 0.5 s reached step 4 at 5.0 s of training, the other at 5.5 s
     assert time_to_accuracy(run, 0.9, without_evals=True) == (4, 5.5)
     s = summarize(run, 0.9)
     assert s["time_to_target_no_eval_s"] == 5.5 and s["eval_s"] == 0.75
+
+
+def test_report_into_a_pipe_closed_early_exits_quietly(tmp_path):
+    """`geomx report RUN | head` closes the pipe before the report is written: no BrokenPipe traceback."""
+    import subprocess
+    import sys
+
+    _write_two_worker_run(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "geomx.cli.main", "report", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()                       # the reader is gone before the first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert err == "", err
 
 
 RUN_TWICE_SCRIPT = """

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -88,10 +90,22 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     try:
-        return args.fn(args)
+        code = args.fn(args)
+        sys.stdout.flush()      # a reader that closed the pipe early shows here, not at interpreter exit
+        return code
     except GeomxError as exc:
         print(f"geomx: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        _discard_stdout()
+        return 128 + signal.SIGPIPE   # what `cat | head` reports: the reader left, nothing went wrong here
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null so that Python's final flush of what is still buffered fails no more."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -115,7 +115,7 @@ class Codec(ABC):
         payload.meta["shape"] = list(x.shape)
         return payload
 
-    def decompress(self, payload: Payload, state: CodecState | None = None, *, scale: float = 1.0) -> np.ndarray:
+    def decompress(self, payload: Payload, *, scale: float = 1.0) -> np.ndarray:
         """payload -> dense float32 tensor of the original shape, times ``scale`` (a receiver multiplying back
         the count of workers whose mean was sent). A new array when ``scale`` != 1."""
         shape = tuple(payload.meta["shape"])

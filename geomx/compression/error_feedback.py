@@ -52,10 +52,3 @@ class ErrorFeedback:
     def residual(self, key: Hashable) -> np.ndarray | None:
         """The key's current residual (flat float32), or None before its first step."""
         return self._residual.get(key)
-
-    def reset(self, key: Hashable | None = None) -> None:
-        """Forget one key's residual, or every key's."""
-        if key is None:
-            self._residual.clear()
-        else:
-            self._residual.pop(key, None)

@@ -243,5 +243,3 @@ def compressed(kv) -> bool:
     policy = kv.compression or {}
     return any((policy.get(tier) or {}).get("type", "none") != "none" for tier in ("lan", "wan", "small"))
 
-
-ALGORITHMS = {"hfa": HFA, "diloco": DiLoCo}
