@@ -21,3 +21,27 @@ def test_ci_runs_exactly_the_readme_test_command():
     _, tests = readme_commands()
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert tests in ci_lines
+
+
+def test_readme_commands_install_from_the_pinned_constraints_and_ci_checks_style():
+    demo, tests = readme_commands()
+    assert "-c constraints.txt" in demo and "-c constraints.txt" in tests
+    assert "ruff check geomx tests examples" in tests
+    assert tests.index("ruff check") < tests.index("pytest"), "style is checked before the tests run"
+
+
+def test_constraints_pin_every_dependency_of_the_package_and_its_extras():
+    import tomllib
+
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep and version, f"constraints.txt: {line!r} is not NAME==VERSION"
+            pins[name.lower().replace("_", "-")] = version
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = list(project["dependencies"]) + [d for extra in ("test", "examples")
+                                              for d in project["optional-dependencies"][extra]]
+    names = {re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0].lower().replace("_", "-") for d in wanted}
+    assert names - pins.keys() == set(), f"unpinned: {sorted(names - pins.keys())}"
+    assert pins["torch"] == "2.13.0", "the CPU build that lies on this machine's disk"
