@@ -33,7 +33,8 @@ DEFAULT_PARTITION_BYTES = 16 * 1024 * 1024
 class NodeConfig:
     role: str
     dc: str
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"                # the address other nodes reach this one by (advertised)
+    bind_host: str | None = None           # the address to listen on, if not ``host`` (0.0.0.0 behind NAT)
     port: int = 0                          # 0 = any free port (schedulers use their root port)
     scheduler: tuple[str, int] | None = None         # this DC's (or the central party's) scheduler
     global_scheduler: tuple[str, int] | None = None
@@ -54,6 +55,12 @@ class NodeConfig:
     op_timeout: float = 300.0
     partition_bytes: int = DEFAULT_PARTITION_BYTES   # tensors above this travel in parts (0: never)
     curve: object = None                   # geomx.transport.security.Curve when GEOMX_SECRET is set
+    scheduler_tier: str | None = None      # the tier of this DC's (or the central party's) scheduler, if not dc:DC
+
+    @property
+    def local_tier(self) -> str:
+        """Name of the tier of this node's local scheduler; the same for the scheduler and all its members."""
+        return self.scheduler_tier or f"dc:{self.dc}"
 
     @property
     def label(self) -> str:
@@ -149,6 +156,7 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
         raise ConfigError(f"GEOMX_MIXEDSYNC={mixedsync!r} is not one of {', '.join(MIXEDSYNC)}")
     cfg = NodeConfig(role=role, dc="", topology=topology, mode=mode, mixedsync=mixedsync)
     cfg.host = env.get("DMLC_NODE_HOST") or env.get("GEOMX_HOST") or "127.0.0.1"
+    cfg.bind_host = env.get("GEOMX_BIND_HOST") or None
     cfg.port = _int(env, "PORT", role, 0)
     cfg.emulator = env.get("GEOMX_WAN_EMULATOR") or None
     cfg.curve = Curve.from_env(env)
@@ -179,11 +187,16 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
     if role == "master":
         cfg.num_global_servers = cfg.num_servers   # the central party's servers are the global servers
 
+    # GeoMX has no DC names: without GEOMX_DC a DC is named after its scheduler's address. The central party's
+    # roles are "central" then, but its scheduler (a plain DMLC_ROLE=scheduler, as in GeoMX's scripts) cannot
+    # tell that it is the central one: its tier is therefore named after its address for every member too
+    scheduler_name = "{}:{}".format(*cfg.scheduler) if cfg.scheduler else None
     if role in ("global_scheduler", "global_server", "master"):
         cfg.dc = env.get("GEOMX_DC") or CENTRAL_DC
     else:
-        # GeoMX has no DC names: without GEOMX_DC a DC is named after its scheduler's address
-        cfg.dc = env.get("GEOMX_DC") or "{}:{}".format(*cfg.scheduler)  # type: ignore[str-format]
+        cfg.dc = env.get("GEOMX_DC") or scheduler_name  # type: ignore[assignment]
+    if scheduler_name is not None:
+        cfg.scheduler_tier = f"dc:{env.get('GEOMX_DC') or scheduler_name}"
     _check_counts(cfg)
     return cfg
 

@@ -29,11 +29,11 @@ def run_scheduler(cfg: NodeConfig) -> int:
         tier, expected, (host, port) = "global", {"server": cfg.num_global_servers,
                                                   "worker": cfg.num_global_workers}, cfg.global_scheduler
     else:
-        tier, expected, (host, port) = f"dc:{cfg.dc}", {"server": cfg.num_servers,
+        tier, expected, (host, port) = cfg.local_tier, {"server": cfg.num_servers,
                                                         "worker": cfg.num_workers}, cfg.scheduler
     scheduler = Scheduler(tier=tier, dc=cfg.dc, expected=expected, host=host, port=port, emulator=cfg.emulator,
                           heartbeat_timeout=cfg.heartbeat_timeout, connect_timeout=cfg.connect_timeout,
-                          bind_host=os.environ.get("GEOMX_BIND_HOST") or None, security=cfg.curve,
+                          bind_host=cfg.bind_host, security=cfg.curve,
                           metrics=metrics.open_process_writer(cfg.run_dir, cfg.role, cfg.dc))
     return scheduler.serve()
 

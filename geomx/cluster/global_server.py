@@ -173,7 +173,7 @@ def run_global_server(cfg: NodeConfig) -> int:
                        {"num_global_servers": cfg.num_global_servers, "num_global_workers": cfg.num_global_workers,
                         "num_all_workers": cfg.num_all_workers}, rank=cfg.rank, on_table=server.attach)
         # one rank for both tiers, so the master worker and the local servers agree on who owns a key
-        po.join(f"dc:{cfg.dc}", cfg.scheduler, cfg.dc, "server",
+        po.join(cfg.local_tier, cfg.scheduler, cfg.dc, "server",
                 {"num_workers": cfg.num_workers, "num_servers": cfg.num_servers}, rank=tier.me.rank,
                 on_table=server.attach)
         log.info("global server %d ready at %s", tier.me.rank, po.van.address)

@@ -151,7 +151,7 @@ def run_local_server(cfg: NodeConfig) -> int:
         po.join("global", cfg.global_scheduler, CENTRAL_DC, "worker",
                 {"num_global_servers": cfg.num_global_servers, "num_global_workers": cfg.num_global_workers,
                  "dc_workers": cfg.num_workers}, on_table=server.attach_global)
-        po.join(f"dc:{cfg.dc}", cfg.scheduler, cfg.dc, "server",
+        po.join(cfg.local_tier, cfg.scheduler, cfg.dc, "server",
                 {"num_workers": cfg.num_workers, "num_servers": cfg.num_servers}, rank=0,
                 on_table=server.attach_dc)
         log.info("local server of DC %s ready at %s", cfg.dc, po.van.address)

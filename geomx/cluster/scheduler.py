@@ -98,6 +98,13 @@ class Scheduler:
             log.warning("%s scheduler: registration from %r with malformed address %r dropped", self.tier, msg.src,
                         entry["addr"])
             return
+        if msg.get("tier") != self.tier:
+            # answered under the tier name the member used, so that it stops at once naming the cause
+            self.van.send(entry["addr"], Message("reject", fields={"tier": msg.get("tier"), "reason": (
+                f"the scheduler at {self.van.address} serves the {self.tier} tier, not {msg.get('tier')}: "
+                f"give this role and its scheduler the same GEOMX_DC (or leave it unset on both)")}, priority=1000),
+                dst_dc=entry["dc"])
+            return
         if self._members:
             self._send(entry, "reject", reason=f"the {self.tier} tier is already complete")
             return

@@ -74,7 +74,7 @@ class KVStore:
 
     def _join(self) -> None:
         cfg = self.cfg
-        dc_tier = self.po.join(f"dc:{cfg.dc}", cfg.scheduler, cfg.dc, "worker",
+        dc_tier = self.po.join(cfg.local_tier, cfg.scheduler, cfg.dc, "worker",
                                {"num_workers": cfg.num_workers, "num_servers": cfg.num_servers}, rank=cfg.rank)
         self._dc_tier = dc_tier
         serving: Tier = dc_tier

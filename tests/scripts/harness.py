@@ -54,7 +54,8 @@ def make_topology(*, dcs: int = 2, workers_per_dc=2, global_servers: int = 1, mo
 
 def launch(tmp_path: Path, script: str | Path, *, dcs: int = 2, workers_per_dc=2, global_servers: int = 1,
            mode: str = "dist_sync", topology: str = "hips", wan: str = "lan", env: dict | None = None,
-           timeout: float = 90, name: str = "run", edit_plan=None, watch=None, **flags) -> tuple[int, Path, str]:
+           timeout: float = 90, name: str = "run", edit_plan=None, watch=None, script_args: tuple[str, ...] = (),
+           **flags) -> tuple[int, Path, str]:
     """Run ``script`` (its text, or a path) on a whole deployment; returns (exit code, run dir, output).
 
     ``edit_plan(specs)`` may change the planned processes (e.g. one role's environment) before they start.
@@ -69,7 +70,8 @@ def launch(tmp_path: Path, script: str | Path, *, dcs: int = 2, workers_per_dc=2
     run_dir = tmp_path / name
     run_dir.mkdir(parents=True, exist_ok=True)
     out = io.StringIO()
-    launcher = launch_mod.Launcher(topo, [sys.executable, str(path)], run_dir=run_dir, quiet=False, out=out)
+    launcher = launch_mod.Launcher(topo, [sys.executable, str(path), *script_args], run_dir=run_dir, quiet=False,
+                                   out=out)
     original_plan = launch_mod.plan
     if edit_plan is not None:
         def edited(*args, **kwargs):
