@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from geomx.bench.cli import add_bench_parser
     add_bench_parser(sub)
+    from geomx.cli.doctor import add_doctor_parser
+    add_doctor_parser(sub)
     from geomx.report.cli import add_plot_parser, add_report_parser
     add_report_parser(sub)
     add_plot_parser(sub)

@@ -1,0 +1,315 @@
+"""``geomx doctor``: find what would make a hand-started deployment hang or fail, before it is started.
+
+It reads the environment of one role (this process's) or of every role (``--env-file NAME=PATH``, one file of
+``KEY=VALUE`` lines per role), and reports each problem as one line naming the role, the variable (or host and
+port) and the fix:
+
+* each role's own variables, as the role would read them at start-up (missing, malformed, impossible counts);
+* across roles: the counts every member of a tier declares against its scheduler's, the DC names of a tier,
+  the global tier's counts against the DCs given, two schedulers on one address, the secret held on every side;
+* on the network (unless ``--no-network``): every scheduler named is reached over TCP (and the time of that
+  connect is printed as a round-trip estimate), and a role meant for this machine can listen on its address.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import ipaddress
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from geomx.config import NodeConfig, config_from_env
+from geomx.errors import ConfigError, GeomxError
+
+CONNECT_TIMEOUT_S = 1.0
+
+
+@dataclass(frozen=True)
+class Problem:
+    role: str
+    what: str        # what is wrong, naming the variable, host or port
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.role}: {self.what} -> {self.fix}"
+
+
+@dataclass
+class Role:
+    name: str
+    env: Mapping[str, str]
+    cfg: NodeConfig | None = None
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """``KEY=VALUE`` lines (an ``export`` prefix, quotes and ``#`` comments allowed)."""
+    env: dict[str, str] = {}
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the environment file {path}: {exc.strerror}") from None
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.removeprefix("export ").partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise ConfigError(f"{path}:{n}: {raw!r} is not KEY=VALUE")
+        env[key.strip()] = value.strip().strip("'\"")
+    return env
+
+
+# -- one role -------------------------------------------------------------------------------------------------
+
+def check_role(role: Role) -> list[Problem]:
+    try:
+        role.cfg = config_from_env(role.env)
+    except ConfigError as exc:
+        return [Problem(role.name, str(exc), "set the variable as docs/environment.md describes")]
+    return []
+
+
+# -- across roles ---------------------------------------------------------------------------------------------
+
+def _declared(cfg: NodeConfig) -> dict[str, int]:
+    return {"DMLC_NUM_WORKER": cfg.num_workers, "DMLC_NUM_SERVER": cfg.num_servers}
+
+
+def check_local_tiers(roles: list[Role]) -> list[Problem]:
+    """Every member of a local tier counts it as its scheduler does and uses the scheduler's tier name."""
+    problems: list[Problem] = []
+    by_address: dict[tuple[str, int], list[Role]] = {}
+    for r in roles:
+        if r.cfg is not None and r.cfg.scheduler is not None:
+            by_address.setdefault(r.cfg.scheduler, []).append(r)
+    any_scheduler = any(r.cfg is not None and r.cfg.role == "scheduler" for r in roles)
+    for (host, port), members in by_address.items():
+        schedulers = [r for r in members if r.cfg.role == "scheduler"]
+        if any_scheduler and not schedulers:
+            # the schedulers were given, and none of them is at this address
+            for r in members:
+                problems.append(Problem(r.name, f"no scheduler among the roles given listens on {host}:{port} "
+                                                f"(DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT)",
+                                        "point DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT at its DC's scheduler"))
+            continue
+        reference = schedulers[0] if schedulers else members[0]
+        for r in members:
+            if r is reference:
+                continue
+            for name, value in _declared(r.cfg).items():
+                want = _declared(reference.cfg)[name]
+                if value != want:
+                    problems.append(Problem(r.name, f"{name}={value} but {reference.name} (same scheduler "
+                                                    f"{host}:{port}) has {want}",
+                                            f"give every role of that tier the same {name}"))
+            if r.cfg.local_tier != reference.cfg.local_tier:
+                problems.append(Problem(r.name, f"GEOMX_DC makes its tier {r.cfg.local_tier} but {reference.name} "
+                                                f"(same scheduler {host}:{port}) is in {reference.cfg.local_tier}",
+                                        "set GEOMX_DC to the same name on every role of a DC, or on none"))
+        workers = [r for r in members if r.cfg.role in ("worker", "master")]
+        if len(workers) > reference.cfg.num_workers:
+            problems.append(Problem(reference.name, f"DMLC_NUM_WORKER={reference.cfg.num_workers} but "
+                                                    f"{len(workers)} workers use the scheduler {host}:{port}",
+                                    "count every worker of the DC in DMLC_NUM_WORKER"))
+    return problems
+
+
+def check_global_tier(roles: list[Role]) -> list[Problem]:
+    problems: list[Problem] = []
+    cfgs = [r for r in roles if r.cfg is not None]
+    in_global = [r for r in cfgs if r.cfg.global_scheduler is not None]
+    for name, get in (("DMLC_PS_GLOBAL_ROOT_URI/PORT", lambda c: c.global_scheduler),
+                      ("DMLC_NUM_GLOBAL_SERVER", lambda c: c.num_global_servers),
+                      ("DMLC_NUM_GLOBAL_WORKER", lambda c: c.num_global_workers)):
+        values = {}
+        for r in in_global:
+            values.setdefault(get(r.cfg), []).append(r.name)
+        if len(values) > 1:
+            seen = "; ".join(f"{v} on {', '.join(names)}" for v, names in values.items())
+            problems.append(Problem("global tier", f"{name} differs between roles: {seen}",
+                                    f"give every role of the global tier the same {name}"))
+    # the DCs given: every local tier but the central party's (the one its global servers and master are in),
+    # with the worker count its scheduler (or else its first role) declares
+    central = {r.cfg.local_tier for r in cfgs if r.cfg.role in ("global_server", "master")}
+    dcs: dict[str, int] = {}
+    for r in sorted(cfgs, key=lambda r: r.cfg.role != "scheduler"):
+        if r.cfg.role in ("worker", "server", "scheduler") and r.cfg.local_tier not in central:
+            dcs.setdefault(r.cfg.local_tier, r.cfg.num_workers)
+    declared = {r.cfg.num_global_workers for r in cfgs if r.cfg.role == "server" and r.cfg.topology == "hips"}
+    if len(declared) == 1 and (n := next(iter(declared))) != len(dcs):
+        problems.append(Problem("global tier", f"DMLC_NUM_GLOBAL_WORKER={n} but the roles given form {len(dcs)} DCs",
+                                "set DMLC_NUM_GLOBAL_WORKER to the number of DCs"))
+    elif len(declared) == 1:
+        # every DC is among the roles given: the world's worker count is known
+        total = sum(dcs.values())
+        for r in cfgs:
+            if r.cfg.role in ("worker", "master", "global_server") and r.cfg.num_all_workers != total:
+                problems.append(Problem(r.name, f"DMLC_NUM_ALL_WORKER={r.cfg.num_all_workers} but the DCs given "
+                                                f"have {total} workers in all",
+                                        "set DMLC_NUM_ALL_WORKER to the sum of every DC's DMLC_NUM_WORKER"))
+    return problems
+
+
+def check_addresses(roles: list[Role]) -> list[Problem]:
+    """No two schedulers on one address."""
+    problems: list[Problem] = []
+    owners: dict[tuple[str, int], str] = {}
+    for r in roles:
+        if r.cfg is None or r.cfg.role not in ("scheduler", "global_scheduler"):
+            continue
+        addr = r.cfg.global_scheduler if r.cfg.role == "global_scheduler" else r.cfg.scheduler
+        if addr in owners:
+            problems.append(Problem(r.name, f"its scheduler address {addr[0]}:{addr[1]} is also {owners[addr]}'s",
+                                    "give each scheduler its own port (DMLC_PS_ROOT_PORT / "
+                                    "DMLC_PS_GLOBAL_ROOT_PORT)"))
+        owners[addr] = r.name
+    return problems
+
+
+def _secret_digest(env: Mapping[str, str]) -> str | None:
+    secret = env.get("GEOMX_SECRET")
+    if not secret and env.get("GEOMX_SECRET_FILE"):
+        with contextlib.suppress(OSError):
+            secret = Path(env["GEOMX_SECRET_FILE"]).read_text().strip()
+    return hashlib.sha256(secret.encode()).hexdigest()[:12] if secret else None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def check_secrets(roles: list[Role]) -> list[Problem]:
+    """Every role holds the same secret, or (on loopback only) none does."""
+    digests = {r.name: _secret_digest(r.env) for r in roles}
+    held = {d for d in digests.values() if d is not None}
+    problems: list[Problem] = []
+    if len(held) > 1:
+        groups: dict[str | None, list[str]] = {}
+        for name, d in digests.items():
+            groups.setdefault(d, []).append(name)
+        problems.append(Problem("deployment", "roles hold different secrets: " + "; ".join(
+            f"{', '.join(names)} (secret #{i + 1})" for i, names in enumerate(groups.values())),
+            "give every role the same GEOMX_SECRET or GEOMX_SECRET_FILE content"))
+    for r in roles:
+        if digests[r.name] is None and (held or not _is_loopback(r.env.get("DMLC_NODE_HOST", "127.0.0.1"))):
+            problems.append(Problem(r.name, "no GEOMX_SECRET or GEOMX_SECRET_FILE" + (
+                " while other roles have one" if held else f" on {r.env.get('DMLC_NODE_HOST')}, off loopback"),
+                "set the deployment's secret on this role (its links would be refused or unauthenticated)"))
+    return problems
+
+
+# -- the network ----------------------------------------------------------------------------------------------
+
+def _connect_s(host: str, port: int, timeout: float) -> float | str:
+    """Seconds a TCP connect took, or why it failed."""
+    start = time.monotonic()
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return time.monotonic() - start
+    except TimeoutError:
+        return f"no answer within {timeout:g} s"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
+def check_reachable(roles: list[Role], timeout: float, notes: list[str]) -> list[Problem]:
+    problems: list[Problem] = []
+    targets: dict[tuple[str, int], tuple[str, str]] = {}
+    for r in roles:
+        if r.cfg is None:
+            continue
+        if r.cfg.scheduler is not None and r.cfg.role != "scheduler":
+            targets.setdefault(r.cfg.scheduler, (r.name, "DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT"))
+        if r.cfg.global_scheduler is not None and r.cfg.role != "global_scheduler":
+            targets.setdefault(r.cfg.global_scheduler, (r.name, "DMLC_PS_GLOBAL_ROOT_URI/DMLC_PS_GLOBAL_ROOT_PORT"))
+    for (host, port), (name, variables) in targets.items():
+        took = _connect_s(host, port, timeout)
+        if isinstance(took, str):
+            problems.append(Problem(name, f"the scheduler at {host}:{port} ({variables}) cannot be reached: {took}",
+                                    "start that scheduler first, or correct the address, or open the port"))
+        else:
+            notes.append(f"scheduler {host}:{port} reached; TCP connect {took * 1e3:.1f} ms (about one round trip)")
+    return problems
+
+
+def check_listen(role: Role) -> list[Problem]:
+    """The role can listen where it says it will (run on the machine the role is meant for)."""
+    cfg = role.cfg
+    if cfg is None:
+        return []
+    host = cfg.bind_host or cfg.host
+    if cfg.role == "global_scheduler":
+        port = cfg.global_scheduler[1]
+    elif cfg.role == "scheduler":
+        port = cfg.scheduler[1]
+    else:
+        port = cfg.port
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            variable = "GEOMX_BIND_HOST" if cfg.bind_host else "DMLC_NODE_HOST"
+            return [Problem(role.name, f"cannot listen on {host}:{port}: {exc.strerror}",
+                            f"set {variable} to an address of this machine (0.0.0.0 for all) and use a free port")]
+    return []
+
+
+def diagnose(envs: Mapping[str, Mapping[str, str]], *, network: bool = True, local: bool = False,
+             timeout: float = CONNECT_TIMEOUT_S) -> tuple[list[Problem], list[str]]:
+    """Problems of a deployment given as {role name: environment}, and notes on what was measured. ``local``:
+    the roles are meant for this machine (their listening addresses are checked)."""
+    roles = [Role(name, env) for name, env in envs.items()]
+    problems: list[Problem] = []
+    notes: list[str] = []
+    for r in roles:
+        problems += check_role(r)
+    problems += check_local_tiers(roles) + check_global_tier(roles) + check_addresses(roles) + check_secrets(roles)
+    if network:
+        problems += check_reachable(roles, timeout, notes)
+        if local:
+            for r in roles:
+                problems += check_listen(r)
+    return problems, notes
+
+
+def add_doctor_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("doctor", help="check a hand-started deployment's variables and network before starting it")
+    p.add_argument("--env-file", action="append", metavar="NAME=PATH", default=[],
+                   help="a role's environment as KEY=VALUE lines (repeatable: give every role to check them "
+                        "against each other); default: this process's environment, as one role")
+    p.add_argument("--no-network", action="store_true", help="check the variables only")
+    p.add_argument("--local", action="store_true",
+                   help="the roles run on this machine: check that each can listen on its address and port")
+    p.add_argument("--timeout", type=float, default=CONNECT_TIMEOUT_S, help="seconds per connection attempt")
+    p.set_defaults(fn=cmd_doctor)
+    return p
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import os
+
+    envs: dict[str, Mapping[str, str]] = {}
+    for item in args.env_file:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise GeomxError(f"--env-file {item!r} is not NAME=PATH")
+        envs[name] = read_env_file(Path(path))
+    if not envs:
+        envs = {"this role": dict(os.environ)}
+    problems, notes = diagnose(envs, network=not args.no_network, local=args.local or not args.env_file,
+                               timeout=args.timeout)
+    for note in notes:
+        print(note)
+    for p in problems:
+        print(p, file=sys.stdout)
+    print(f"{len(problems)} problem{'s' * (len(problems) != 1)} found in {len(envs)} role"
+          f"{'s' * (len(envs) != 1)}")
+    return 1 if problems else 0

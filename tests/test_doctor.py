@@ -1,0 +1,141 @@
+"""`geomx doctor` names each seeded misconfiguration of a hand-started deployment, in one line, within seconds."""
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from geomx.cli.doctor import diagnose
+
+SECRET = "doctor test secret, 16+ chars"
+
+
+def deployment(tmp_path: Path) -> dict[str, dict[str, str]]:
+    """The environments `geomx launch` gives a 2-DC x 2-worker deployment, with a secret, by role name."""
+    from geomx.cli.launch import plan
+    from geomx.cli.topology import load_topology
+
+    specs = plan(load_topology(None, dcs=2, workers_per_dc=2, wan="lan"), [sys.executable, "train.py"], tmp_path,
+                 secret=SECRET)
+    return {s.name: dict(s.env) for s in specs}
+
+
+def listening_schedulers(envs: dict[str, dict[str, str]]):
+    """Sockets listening where the schedulers would, so that reachability holds for the correct deployment."""
+    socks = []
+    for name, env in envs.items():
+        if name.endswith("scheduler"):
+            glob = name == "global-scheduler"
+            s = socket.socket()
+            s.bind((env["DMLC_PS_GLOBAL_ROOT_URI" if glob else "DMLC_PS_ROOT_URI"],
+                    int(env["DMLC_PS_GLOBAL_ROOT_PORT" if glob else "DMLC_PS_ROOT_PORT"])))
+            s.listen()
+            socks.append(s)
+    return socks
+
+
+def test_a_correct_deployment_has_no_problem_and_its_schedulers_are_reached(tmp_path):
+    envs = deployment(tmp_path)
+    socks = listening_schedulers(envs)
+    try:
+        problems, notes = diagnose(envs)
+    finally:
+        for s in socks:
+            s.close()
+    assert problems == []
+    assert len(notes) == 4 and all("reached" in n for n in notes)      # global, central, a, b
+
+
+def _set(role: str, **values):
+    def edit(envs):
+        envs[role].update({k: str(v) for k, v in values.items()})
+    return edit
+
+
+def _drop(role: str, *names):
+    def edit(envs):
+        for n in names:
+            envs[role].pop(n, None)
+    return edit
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# (case, how to break the deployment, what the one line must name)
+CASES = [
+    ("worker counts its DC differently", _set("a-worker-1", DMLC_NUM_WORKER=3), "DMLC_NUM_WORKER=3"),
+    ("wrong world size", _set("b-worker-0", DMLC_NUM_ALL_WORKER=5), "DMLC_NUM_ALL_WORKER=5"),
+    ("wrong number of DCs", lambda e: [e[n].update(DMLC_NUM_GLOBAL_WORKER="3") for n in e
+                                        if "DMLC_NUM_GLOBAL_WORKER" in e[n]], "DMLC_NUM_GLOBAL_WORKER=3"),
+    ("global server count differs", _set("a-server", DMLC_NUM_GLOBAL_SERVER=2), "DMLC_NUM_GLOBAL_SERVER"),
+    ("worker points at another port", _set("a-worker-0", DMLC_PS_ROOT_PORT=1), "DMLC_PS_ROOT_PORT"),
+    ("DC name differs from its scheduler's", _set("b-worker-1", GEOMX_DC="bee"), "GEOMX_DC"),
+    ("secret missing on one role", _drop("a-server", "GEOMX_SECRET"), "GEOMX_SECRET"),
+    ("two different secrets", _set("global-server-0", GEOMX_SECRET="another secret of 16+ chars"),
+     "different secrets"),
+    ("variable missing", _drop("master", "DMLC_NUM_ALL_WORKER"), "DMLC_NUM_ALL_WORKER"),
+    ("malformed number", _set("a-scheduler", DMLC_NUM_WORKER="two"), "DMLC_NUM_WORKER='two'"),
+    ("two schedulers on one port", lambda e: e["b-scheduler"].update(
+        DMLC_PS_ROOT_PORT=e["a-scheduler"]["DMLC_PS_ROOT_PORT"]), "also a-scheduler's"),
+    ("local server with two servers", _set("b-server", DMLC_NUM_SERVER=2), "DMLC_NUM_SERVER"),
+]
+
+
+@pytest.mark.parametrize("edit,named", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_each_seeded_misconfiguration_is_named_in_one_line(tmp_path, edit, named):
+    envs = deployment(tmp_path)
+    edit(envs)
+    began = time.monotonic()
+    problems, _ = diagnose(envs, network=False)
+    assert time.monotonic() - began < 5
+    assert problems, "the misconfiguration went unnoticed"
+    assert any(named in str(p) for p in problems), [str(p) for p in problems]
+    assert all("\n" not in str(p) and " -> " in str(p) for p in problems), "one line each, with the fix"
+
+
+def test_unreachable_scheduler_is_named_with_its_address_and_variables(tmp_path):
+    envs = deployment(tmp_path)
+    dead = _free_port()              # nothing listens there
+    for name in ("b-scheduler", "b-server", "b-worker-0", "b-worker-1"):
+        envs[name]["DMLC_PS_ROOT_PORT"] = str(dead)
+    socks = listening_schedulers({k: v for k, v in envs.items() if k != "b-scheduler"})
+    try:
+        began = time.monotonic()
+        problems, _ = diagnose(envs)
+    finally:
+        for s in socks:
+            s.close()
+    assert time.monotonic() - began < 5
+    lines = [str(p) for p in problems]
+    assert any(f"127.0.0.1:{dead}" in line and "DMLC_PS_ROOT_PORT" in line and "cannot be reached" in line
+               for line in lines), lines
+
+
+def test_role_that_cannot_listen_on_its_address_names_dmlc_node_host(tmp_path):
+    envs = {"a-server": deployment(tmp_path)["a-server"]}
+    envs["a-server"]["DMLC_NODE_HOST"] = "192.0.2.1"      # TEST-NET-1: no address of this machine
+    problems, _ = diagnose(envs, network=True, local=True, timeout=0.2)
+    assert any("cannot listen on 192.0.2.1" in str(p) and "DMLC_NODE_HOST" in str(p) for p in problems), problems
+
+
+def test_doctor_command_prints_one_line_per_problem_and_exits_1(tmp_path, capsys):
+    from geomx.cli.main import main
+
+    envs = deployment(tmp_path)
+    files = []
+    for name in ("a-scheduler", "a-worker-0"):
+        path = tmp_path / f"{name}.env"
+        env = envs[name] | ({"DMLC_NUM_WORKER": "3"} if name == "a-worker-0" else {})
+        path.write_text("".join(f"export {k}='{v}'\n" for k, v in env.items()))
+        files += ["--env-file", f"{name}={path}"]
+    assert main(["doctor", "--no-network", *files]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "1 problem found in 2 roles"
+    assert out[0].startswith("a-worker-0: DMLC_NUM_WORKER=3 but a-scheduler")
