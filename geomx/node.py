@@ -12,6 +12,7 @@ import sys
 
 from geomx.config import NodeConfig, config_from_env
 from geomx.errors import GeomxError
+from geomx.lifeline import watch_launcher
 from geomx.profiles import CENTRAL_DC
 
 
@@ -53,6 +54,7 @@ def run_role(cfg: NodeConfig) -> int:
 
 def main() -> int:
     setup_logging()
+    watch_launcher()
     try:
         if os.environ.get("GEOMX_ROLE") == "emulator":
             from geomx.netem.emulator import run_from_env

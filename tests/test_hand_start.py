@@ -66,3 +66,58 @@ def test_role_whose_dc_name_differs_from_its_schedulers_fails_fast_naming_geomx_
         assert "GEOMX_DC" in text and "dc:centre" in text and "dc:central" in text, text[-3000:]
     finally:
         procs.close()
+
+
+SLEEPER_SCRIPT = """
+import time
+import numpy as np
+import geomx
+import kvhelp as h
+kv = geomx.kvstore.create()
+kv.init(1, np.ones(3, np.float32))
+if not kv.is_master_worker:
+    (h.run_dir() / f"up-{h.worker_index()}").write_text("")
+    time.sleep(120)
+"""
+
+
+def _processes_of_run(run_dir) -> list[int]:
+    """Pids of the processes whose environment names this run directory."""
+    import glob
+
+    mark = f"GEOMX_RUN_DIR={run_dir}".encode()
+    pids = []
+    for path in glob.glob("/proc/[0-9]*/environ"):
+        try:
+            with open(path, "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    pids.append(int(path.split("/")[2]))
+        except OSError:
+            continue
+    return pids
+
+
+def test_no_role_outlives_a_launcher_killed_with_sigkill(tmp_path):
+    """SIGKILL leaves the launcher no chance to stop its roles (each runs in its own session): the roles,
+    the WAN emulator included, notice that the launcher is gone and stop themselves within seconds."""
+    import signal
+    import subprocess
+
+    run_dir = tmp_path / "run"
+    script = write_script(tmp_path, SLEEPER_SCRIPT)
+    launcher = subprocess.Popen([PY, "-m", "geomx.cli.main", "launch", "--dcs", "2", "--workers-per-dc", "1",
+                                 "--wan", "regional", "--quiet", "--run-dir", str(run_dir), "--", PY, str(script)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: len(list(run_dir.glob("up-*"))) == 2, 60, "both workers initialized")
+        roles = _processes_of_run(run_dir)
+        # emulator, 4 schedulers, global server, 2 local servers, 2 workers (the master has finished)
+        assert len(roles) >= 10, roles
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(10)
+        wait_until(lambda: not _processes_of_run(run_dir), 15, "every role stopping after the launcher died")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in _processes_of_run(run_dir):
+            os.kill(pid, signal.SIGKILL)

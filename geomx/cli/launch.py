@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 from geomx.cli.topology import Topology
+from geomx.lifeline import ENV as LAUNCHER_PID_ENV
 from geomx.metrics import METRICS_DIR
 from geomx.netem.emulator import STATS_FILE
 from geomx.profiles import CENTRAL_DC
@@ -209,7 +210,7 @@ class Launcher:
 
     def _start(self, spec: RoleSpec) -> None:
         log_path = self.run_dir / f"{spec.name}.log"
-        env = {**os.environ, **spec.env}
+        env = {**os.environ, **spec.env, LAUNCHER_PID_ENV: str(os.getpid())}
         log_file = open(log_path, "wb")  # noqa: SIM115 - the role writes it until it exits; closed in stop()
         if spec.echo and not self.quiet:
             proc = subprocess.Popen(spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -28,6 +28,7 @@ from geomx.compression import parse_policy
 from geomx.config import MODES, NodeConfig, config_from_env
 from geomx.errors import ConfigError, GeomxError, KVError
 from geomx.kvstore.partition import check_user_key, part_views, plan_parts
+from geomx.lifeline import watch_launcher
 from geomx.profiles import CENTRAL_DC
 
 log = logging.getLogger("geomx.kvstore")
@@ -50,6 +51,7 @@ def create(name: str | None = None, *, env: dict | None = None) -> KVStore:
     if cfg.role not in ("worker", "master"):
         raise ConfigError(f"geomx.kvstore.create() runs on workers and the master worker, not on role "
                           f"{cfg.role!r}")
+    watch_launcher(env)
     return KVStore(cfg, name)
 
 
