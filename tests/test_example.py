@@ -28,10 +28,18 @@ def default_run(tmp_path_factory):
     return run_dir, run_example(run_dir, [])   # defaults: 2 DCs x 2 workers, regional WAN, dist_sync, Adam
 
 
-def test_example_reaches_95_percent_on_digits_in_the_default_topology_over_an_emulated_wan(default_run):
+# Accuracy bars below come from measured spread: the example's final test accuracy (360 images: one image is 0.28
+# points) over seeds 0-2 (0-4 where noted), with the pinned dependencies (constraints.txt); each bar sits a stated
+# margin below the worst run seen, so that a change of seed or library version, which moves results about as much,
+# does not cross it, while a real defect (a DC's gradients lost, a wrong average) costs far more than the margin.
+
+
+def test_example_reaches_93_percent_on_digits_in_the_default_topology_over_an_emulated_wan(default_run):
+    """Seeds 0-2: 0.972, 0.953, 0.981 (a lone DC's quarter of the data reaches about 0.90): bar 0.93, 2.3 points
+    below the worst."""
     run_dir, results = default_run
     finals = [r["final_test_acc"] for r in results]
-    assert min(finals) >= 0.95, finals
+    assert min(finals) >= 0.93, finals
     # FSA keeps every worker's model identical, so their test accuracies match exactly
     assert len(set(finals)) == 1, finals
     assert (run_dir / "wan_links.json").exists()
@@ -85,6 +93,7 @@ def test_dist_async_mixedsync_trains_the_dc_that_finishes_last_to_dense_accuracy
 
 @pytest.mark.parametrize("topology", ["flat"])
 def test_server_side_optimizer_trains_the_example_in_the_flat_topology(tmp_path, topology):
+    """Seeds 0-2: 0.958, 0.961, 0.961: bar 0.93, 2.8 points below the worst."""
     results = run_example(tmp_path, ["--epochs", "15", "--update-on", "server"], topology=topology, wan="lan")
     finals = [r["final_test_acc"] for r in results]
     assert min(finals) >= 0.93, finals
@@ -111,8 +120,11 @@ def dense_sgd_accuracy(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(COMPRESSIONS))
-def test_compressed_training_reaches_within_one_point_of_dense_accuracy(name, dense_sgd_accuracy, tmp_path):
-    """Synchronous training is deterministic, so the two runs differ only in the compression."""
+def test_compressed_training_reaches_within_three_points_of_dense_accuracy_at_the_same_seed(name, dense_sgd_accuracy,
+                                                                                           tmp_path):
+    """Synchronous training is deterministic, so the two runs differ only in the compression. Compressed minus dense
+    over seeds 0-4: Bi-Sparse -0.6/+0.6/+0.6/0/+0.3 points, MPQ -0.3/+0.6/+0.3/-0.3/-0.8, fp16 0/0/-0.3/-0.6/0;
+    with other library versions Bi-Sparse once -1.7 at seed 0. Bar: 3 points below dense, 1.3 below the worst."""
     from geomx.report.run import load_run
     from geomx.report.summary import summarize
 
@@ -120,7 +132,7 @@ def test_compressed_training_reaches_within_one_point_of_dense_accuracy(name, de
     results = run_example(tmp_path, [*SGD_ARGS, "--compression", json.dumps(spec)], wan="lan")
     finals = [r["final_test_acc"] for r in results]
     assert len(set(finals)) == 1, f"compressed FSA must keep the workers identical: {finals}"
-    assert finals[0] >= dense_sgd_accuracy - 0.01, (name, finals[0], dense_sgd_accuracy)
+    assert finals[0] >= dense_sgd_accuracy - 0.03, (name, finals[0], dense_sgd_accuracy)
     ratio = summarize(load_run(tmp_path), target_acc=None)["compression_ratio"]
     assert least <= ratio <= most, f"{name}: WAN bytes are 1/{ratio:.1f} of dense fp32"
 
@@ -161,14 +173,15 @@ def test_example_reads_mnist_idx_files_plain_or_gzipped(tmp_path):
     assert mod.CNN(28)(torch.from_numpy(x_test)).shape == (5, 10)
 
 
-def test_hfa_reaches_the_accuracy_of_fsa_within_one_point(default_run, tmp_path):
+def test_hfa_reaches_the_accuracy_of_fsa_within_three_points(default_run, tmp_path):
     """Same example, same defaults (2 DCs x 2 workers, regional WAN, Adam): K1 = 5 local steps per DC average,
-    K2 = 2 DC averages per global one; 220 steps end on a global average, so every worker holds the same model."""
+    K2 = 2 DC averages per global one; 220 steps end on a global average, so every worker holds the same model.
+    HFA minus FSA over seeds 0-2: +0.6, +0.8, -0.3 points: bar 3 points below FSA, 2.7 below the worst."""
     _, fsa = default_run
     results = run_example(tmp_path, [], sync="hfa", sync_k1=5, sync_k2=2)
     finals = [r["final_test_acc"] for r in results]
     assert len(set(finals)) == 1, finals
-    assert finals[0] >= fsa[0]["final_test_acc"] - 0.01, (finals, fsa[0]["final_test_acc"])
+    assert finals[0] >= fsa[0]["final_test_acc"] - 0.03, (finals, fsa[0]["final_test_acc"])
     # one WAN round per 10 steps instead of one per step
     assert all(r["steps"] == fsa[0]["steps"] for r in results)
 
