@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+import attacker
 import kvhelp
 from harness import (FAST_HEARTBEAT, REPO, Processes, check_ok, describe, launch, load_json, load_npz, logs,
                      make_topology, node_env, start_plan, wait_until, write_script)
@@ -260,6 +261,7 @@ import numpy as np
 import zmq
 import geomx
 import kvhelp as h
+import attacker
 
 kv = geomx.kvstore.create()
 kv.init("w", np.zeros(16, np.float32))
@@ -312,14 +314,27 @@ if me == 0:
         raw_tcp(addr)
         junk_frames(addr)
     h.dump("garbage-sent", [local_server, scheduler, global_server])
+    h.dump("forgeries-sent", attacker.attack((16,), max_request=12))
 kv.barrier(global_=True)
 out = [kv.pushpull("w", h.grad(3, me, step, "w", (16,))).wait() for step in range(3)]
 h.save(f"garbage-run-{me}", {"out": np.stack(out)})
 """
 
 
-def test_garbage_bytes_and_junk_frames_are_logged_and_dropped_and_training_stays_correct(tmp_path):
+def test_garbage_bytes_junk_frames_and_forgeries_are_dropped_and_training_stays_correct(tmp_path):
+    """Besides malformed input, a stranger sends what issue 18 found effective (tests/scripts/attacker.py):
+    forged member tables, barrier releases, shutdowns and aborts under every readable or guessable name, a
+    reply for every likely request id, pushes under the ids the metrics files show. check_ok: nobody stopped
+    (exit 0 everywhere); every pulled value is still the exact mean; refusals are logged in bursts."""
     run_dir = check_ok(launch(tmp_path, GARBAGE_SCRIPT))
+    forged = load_json(run_dir, "forgeries-sent")
+    assert {"worker-b", "server-a", "global_server-central"} <= set(forged["names"]) and forged["messages"] > 1000
+    logs_text = "".join(p.read_text() for p in run_dir.glob("*.log"))
+    assert attacker.ABORT_TEXT not in logs_text
+    for name in ("b-worker-0", "b-worker-1"):
+        text = (run_dir / f"{name}.log").read_text()
+        refusals = len(re.findall(r"refused|dropped", text))
+        assert 10 <= refusals <= 60, f"{name}: {refusals} lines for some 220 forged messages\n{text[-2000:]}"
     assert len(load_json(run_dir, "garbage-sent")) == 3
     for name in ("a-server", "a-scheduler", "global-server-0"):
         text = (run_dir / f"{name}.log").read_text()

@@ -94,6 +94,7 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
             base["GEOMX_PARTITION_BYTES"] = str(wan_partition_bytes(min(p.uplink_bps, p.downlink_bps)))
         specs.append(RoleSpec("wan-emulator", "emulator", node, {
             **base, "GEOMX_ROLE": "emulator", "GEOMX_EMULATOR_HOST": h, "GEOMX_EMULATOR_PORT": str(p_emu),
+            "GEOMX_EMULATOR_DCS": ",".join([CENTRAL_DC, *topo.dc_names]), "GEOMX_EMULATOR_HOSTS": h,
             **({"GEOMX_WAN_PROFILE": p.name} if p.name != "custom" else
                {"GEOMX_WAN_RATE": str(p.uplink_bps), "GEOMX_WAN_RTT": str(p.rtt_s),
                 "GEOMX_WAN_JITTER": str(p.jitter_s)})}))

@@ -232,17 +232,25 @@ class KVClient:
         """Van hook: the ``out`` array of the request a reply answers, if it came from the server asked."""
         if header["op"] != "reply" or len(header["t"]) != 1 or CODEC_FIELD in header["f"]:
             return []
+        req = header["f"].get("req")
         with self._lock:
-            entry = self._pending.get(header["f"].get("req"))
+            entry = self._pending.get(req) if isinstance(req, int) else None
         if entry is None or entry[2] is None or entry[0].server.id != header.get("src"):
             return []
         return [entry[2]]
 
     def handle_reply(self, msg: Message) -> None:
+        """A reply counts only from the server its request went to: the request id alone is guessable."""
+        req = msg.get("req")
         with self._lock:
-            entry = self._pending.pop(msg.get("req"), None)
+            entry = self._pending.get(req) if isinstance(req, int) else None
+            if entry is not None and entry[0].server.id == msg.src:
+                del self._pending[req]
+            else:
+                entry = None
         if entry is None:
-            log.warning("%s: reply to unknown request %r from %s dropped", self.po.node_id, msg.get("req"), msg.src)
+            self.po.refusals.note(msg.src, "%s: reply to request %r from %r dropped: no such request to that "
+                                  "sender", self.po.cfg.label, req, msg.src)
             return
         handle, convert, out = entry
         if msg.get("error"):

@@ -160,8 +160,8 @@ class KVServer:
             self._early.append(msg)
             return
         if client is None:
-            log.warning("%s: %r from unknown sender %r dropped (not a member of any tier this server serves)",
-                        self.po.cfg.label, msg.op, msg.src)
+            self.po.refusals.note(msg.src, "%s: %r from unknown sender %r dropped (not a member of any tier this "
+                                  "server serves)", self.po.cfg.label, msg.op, msg.src)
             return
         handler = {"init": self.on_init, "push": self._on_push, "pushpull": self._on_push, "pull": self._on_pull,
                    "cmd": self.on_command}.get(msg.op)
@@ -174,7 +174,7 @@ class KVServer:
             self.reply(msg, error=str(exc))
 
     def handle_other(self, msg: Message, client: NodeInfo) -> None:
-        log.warning("%s: unexpected %r from %s dropped", self.po.cfg.label, msg.op, client.label)
+        self.po.refusals.note(msg.src, "%s: unexpected %r from %s dropped", self.po.cfg.label, msg.op, client.label)
 
     def reply(self, request: Message, *, error: str | None = None, tensors=(), **fields) -> None:
         client = self.clients[request.src]

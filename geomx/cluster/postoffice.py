@@ -12,18 +12,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from collections.abc import Callable
 
 from geomx import metrics
 from geomx.config import NodeConfig
-from geomx.errors import ConfigError, DeadlineError, PeerLostError
+from geomx.errors import ConfigError, DeadlineError, PeerLostError, ProtocolError
 from geomx.transport.message import Message
-from geomx.transport.van import STALL_S, Van, tcp_address
+from geomx.transport.refusals import RefusalLog
+from geomx.transport.van import STALL_S, Van, is_tcp_address, new_node_id, tcp_address
 
 _METRICS_PERIOD_S = 1.0
 
@@ -31,6 +32,9 @@ log = logging.getLogger("geomx.postoffice")
 
 CONTROL_OPS = {"register", "table", "reject", "barrier", "barrier_done", "hb", "hb_ack", "bye", "shutdown",
                "abort"}
+# what a tier's scheduler sends its members; the other control ops go to schedulers only
+FROM_SCHEDULER = {"table", "reject", "barrier_done", "hb_ack", "shutdown", "abort"}
+TIER_ROLES = ("server", "worker")
 
 
 def describe_node(kind: str, rank, dc: str, addr: str, pid) -> str:
@@ -63,7 +67,15 @@ class NodeInfo:
 
     @classmethod
     def from_wire(cls, d: dict) -> NodeInfo:
-        return cls(**{k: d[k] for k in ("id", "kind", "tier_role", "dc", "rank", "addr", "pid")})
+        """A member table entry, checked: ValueError names what is malformed."""
+        if not isinstance(d, dict):
+            raise ValueError(f"member entry {d!r} is not a map")
+        info = cls(**{k: d.get(k) for k in ("id", "kind", "tier_role", "dc", "rank", "addr", "pid")})
+        if not all(isinstance(v, str) and v for v in (info.id, info.kind, info.dc)):
+            raise ValueError(f"member entry {d!r} lacks an id, kind or DC")
+        if info.tier_role not in TIER_ROLES or not isinstance(info.rank, int) or not is_tcp_address(info.addr):
+            raise ValueError(f"member entry {d!r} has a bad tier role, rank or address")
+        return info
 
 
 class Tier:
@@ -75,6 +87,9 @@ class Tier:
         self.po, self.name, self.scheduler_dc, self.tier_role = po, name, scheduler_dc, tier_role
         self.scheduler_addr = tcp_address(*scheduler)
         self.declared = declared
+        # echoed by the scheduler in every control message to us: proves the sender is the scheduler we
+        # registered with (a stranger never sees it), for the cost of one string comparison
+        self.token = secrets.token_hex(16)
         self.members: list[NodeInfo] = []
         self.me: NodeInfo | None = None
         self.closed = False             # the scheduler said shutdown: stop heartbeating
@@ -98,7 +113,7 @@ class Tier:
     def register(self, requested_rank: int | None) -> None:
         self.send_to_scheduler("register", tier_role=self.tier_role, kind=self.po.cfg.role, dc=self.po.cfg.dc,
                                addr=self.po.van.address, rank=requested_rank, declared=self.declared,
-                               pid=os.getpid(), hostname=socket.gethostname())
+                               pid=os.getpid(), hostname=socket.gethostname(), token=self.token)
         deadline = self.po.cfg.connect_timeout
         if not self.po.wait_event(self._table_ready, deadline):
             raise DeadlineError(f"{self.po.cfg.label}: no answer from the {self.name} scheduler at "
@@ -126,17 +141,32 @@ class Tier:
         return seq
 
     # control messages from the scheduler ------------------------------------------------------------------
+    def from_scheduler(self, msg: Message) -> bool:
+        """Whether ``msg`` carries the token this tier registered with (see ``token``)."""
+        return msg.get("auth") == self.token
+
     def handle(self, msg: Message) -> None:
-        self.last_ack = time.monotonic()
+        """A control message that :meth:`from_scheduler` accepted. A table is installed once, and only whole
+        and well formed (a malformed one is refused before anything is replaced)."""
         if msg.op == "table":
-            self.members = [NodeInfo.from_wire(d) for d in msg["members"]]
-            self.me = next(m for m in self.members if m.id == self.po.node_id)
+            if self.me is not None or self._table_ready.is_set():
+                raise ValueError("a second member table")
+            members = [NodeInfo.from_wire(d) for d in msg["members"]]
+            me = [m for m in members if m.id == self.po.node_id]
+            if len(me) != 1 or len({m.id for m in members}) != len(members):
+                raise ValueError("a member table that does not list this node once, or lists a node twice")
+            self.members, self.me = members, me[0]
+            self.last_ack = time.monotonic()
             if self.on_table is not None:
                 # runs on the receive thread, before any message from the new members can be handled
                 self.on_table(self)
             self._table_ready.set()
-        elif msg.op == "reject":
-            self._reject = msg["reason"]
+            return
+        self.last_ack = time.monotonic()
+        if msg.op == "reject":
+            if self._table_ready.is_set():
+                raise ValueError("a rejection after the member table")
+            self._reject = str(msg["reason"])
             self._table_ready.set()
         elif msg.op == "barrier_done":
             on_done = self._barriers.pop(msg["seq"], None)
@@ -153,7 +183,8 @@ class Postoffice:
     def __init__(self, cfg: NodeConfig, *, on_data: Callable[[Message], None] | None = None,
                  node_id: str | None = None) -> None:
         self.cfg = cfg
-        self.node_id = node_id or f"{cfg.role}-{cfg.dc}-{uuid.uuid4().hex[:10]}"
+        self.node_id = node_id or new_node_id(f"{cfg.role}-{cfg.dc}")
+        self.refusals = RefusalLog(log)
         self.tiers: dict[str, Tier] = {}
         self.on_data = on_data
         self.aborted: str | None = None
@@ -252,28 +283,29 @@ class Postoffice:
     # internals ----------------------------------------------------------------------------------------------
     def _dispatch(self, msg: Message) -> None:
         if msg.op in CONTROL_OPS:
-            if msg.op == "abort":
-                if not self._knows(msg.src):
-                    log.warning("%s: abort from unknown sender %r ignored", self.node_id, msg.src)
-                    return
-                self.abort(str(msg.get("reason", "aborted by a peer")), tell_schedulers=True)
-                return
-            tier = self.tiers.get(msg.get("tier"))
-            if tier is None:
-                log.warning("%s: control message %r for unknown tier %r from %s dropped", self.node_id, msg.op,
-                            msg.get("tier"), msg.src)
-                return
-            tier.handle(msg)
+            self._control(msg)
         elif self.on_data is not None:
             self.on_data(msg)
         else:
-            log.warning("%s: data message %r from %s dropped: this role serves no data", self.node_id, msg.op,
-                        msg.src)
+            self.refusals.note(msg.src, "%s: data message %r from %r dropped: this role serves no data",
+                               self.cfg.label, msg.op, msg.src)
 
-    def _knows(self, node_id: str) -> bool:
-        """A scheduler of one of our tiers, or a member of one."""
-        return any(node_id == f"scheduler-{name}" or any(m.id == node_id for m in tier.members)
-                   for name, tier in self.tiers.items())
+    def _control(self, msg: Message) -> None:
+        """Control ops count only from the scheduler of the tier they name (see ``Tier.token``)."""
+        name = msg.get("tier")
+        tier = self.tiers.get(name) if isinstance(name, str) else None
+        if tier is None or msg.op not in FROM_SCHEDULER or not tier.from_scheduler(msg):
+            self.refusals.note(msg.src, "%s: control message %r (tier %r) from %r refused: not from the scheduler "
+                               "of one of its tiers", self.cfg.label, msg.op, name, msg.src)
+            return
+        if msg.op == "abort":
+            self.abort(str(msg.get("reason", "aborted by a peer")), tell_schedulers=True)
+            return
+        try:
+            tier.handle(msg)
+        except (ValueError, TypeError, ProtocolError) as exc:
+            self.refusals.note(msg.src, "%s: control message %r from the %s scheduler refused: %s", self.cfg.label,
+                               msg.op, tier.name, exc)
 
     def _heartbeat_loop(self) -> None:
         interval, timeout = self.cfg.heartbeat_interval, self.cfg.heartbeat_timeout

@@ -15,9 +15,14 @@ from collections import defaultdict
 
 from geomx.cluster.postoffice import describe_node
 from geomx.transport.message import Message
-from geomx.transport.van import Van, is_tcp_address
+from geomx.transport.refusals import RefusalLog
+from geomx.transport.van import Van, is_tcp_address, new_node_id
 
 log = logging.getLogger("geomx.scheduler")
+
+# rejections a scheduler sends at all: each goes to an address the registration names, so without a cap a
+# stranger could make it open a socket to every address it lists
+MAX_REJECTIONS = 64
 
 
 class Scheduler:
@@ -26,8 +31,8 @@ class Scheduler:
                  bind_host: str | None = None, security=None, metrics=None) -> None:
         self.tier, self.dc, self.expected = tier, dc, dict(expected)
         self.heartbeat_timeout, self.connect_timeout = heartbeat_timeout, connect_timeout
-        self.van = Van(node_id=f"scheduler-{tier}", dc=dc, on_message=self._on_message, host=host, port=port,
-                       emulator=emulator, bind_host=bind_host, security=security)
+        self.van = Van(node_id=new_node_id(f"scheduler-{tier}"), dc=dc, on_message=self._on_message, host=host,
+                       port=port, emulator=emulator, bind_host=bind_host, security=security)
         self._lock = threading.Lock()
         self._pending: dict[str, dict] = {}           # node id -> registration
         self._members: dict[str, dict] = {}           # node id -> table entry (after rendezvous)
@@ -38,6 +43,8 @@ class Scheduler:
         self.failure: str | None = None
         self._started = time.monotonic()
         self._metrics = metrics           # geomx.metrics.MetricsWriter or None
+        self.refusals = RefusalLog(log)
+        self._rejections = 0
 
     @property
     def address(self) -> str:
@@ -69,8 +76,16 @@ class Scheduler:
 
     # -------------------------------------------------------------------------------------------------------
     def _send(self, entry: dict, op: str, **fields) -> None:
-        self.van.send(entry["addr"], Message(op, fields={"tier": self.tier, **fields}, priority=1000),
-                      dst_dc=entry["dc"])
+        # "auth" echoes the token the member registered with: how it knows this message is ours
+        self.van.send(entry["addr"], Message(op, fields={"tier": self.tier, "auth": entry["token"], **fields},
+                                             priority=1000), dst_dc=entry["dc"])
+
+    def _reject(self, entry: dict, reason: str) -> None:
+        self.refusals.note(entry["id"], "%s scheduler: registration from %s refused: %s", self.tier,
+                           self._label(entry), reason)
+        if self._rejections < MAX_REJECTIONS:
+            self._rejections += 1
+            self._send(entry, "reject", reason=reason)
 
     def _label(self, entry: dict) -> str:
         # a worker's rank in the global tier (flat topology) is not its rank in its DC: name the DC rank
@@ -82,21 +97,32 @@ class Scheduler:
             handler = {"register": self._register, "hb": self._heartbeat, "barrier": self._barrier,
                        "bye": self._bye, "abort": self._remote_abort}.get(msg.op)
             if handler is None:
-                log.warning("%s scheduler: unexpected %r from %s dropped", self.tier, msg.op, msg.src)
+                self.refusals.note(msg.src, "%s scheduler: unexpected %r from %r dropped", self.tier, msg.op,
+                                   msg.src)
+                return
+            if handler != self._register and msg.src not in self._members and msg.src not in self._pending:
+                # members' ops count only from the ids this scheduler admitted (ids are unguessable)
+                self.refusals.note(msg.src, "%s scheduler: %r from %r refused: not a member of the tier",
+                                   self.tier, msg.op, msg.src)
                 return
             try:
                 handler(msg)
             except Exception as exc:
-                log.warning("%s scheduler: bad %r from %s dropped: %s", self.tier, msg.op, msg.src, exc)
+                self.refusals.note(msg.src, "%s scheduler: bad %r from %r dropped: %s", self.tier, msg.op, msg.src,
+                                   exc)
 
     def _register(self, msg: Message) -> None:
         entry = {"id": msg.src, "kind": msg["kind"], "tier_role": msg["tier_role"], "dc": msg["dc"],
                  "addr": msg["addr"], "rank": msg.get("rank"), "pid": msg.get("pid", 0),
-                 "declared": msg.get("declared") or {}}
+                 "declared": msg.get("declared") or {}, "token": msg.get("token")}
         role = entry["tier_role"]
-        if not is_tcp_address(entry["addr"]):
-            log.warning("%s scheduler: registration from %r with malformed address %r dropped", self.tier, msg.src,
-                        entry["addr"])
+        if not is_tcp_address(entry["addr"]) or not isinstance(entry["token"], str) or not isinstance(msg.src, str) \
+                or not isinstance(entry["dc"], str) or not isinstance(entry["declared"], dict):
+            self.refusals.note(msg.src, "%s scheduler: malformed registration from %r (address %r) dropped",
+                               self.tier, msg.src, entry["addr"])
+            return
+        if msg.src in self._pending or msg.src in self._members:
+            self.refusals.note(msg.src, "%s scheduler: second registration from %r dropped", self.tier, msg.src)
             return
         if msg.get("tier") != self.tier:
             # answered under the tier name the member used, so that it stops at once naming the cause
@@ -106,10 +132,10 @@ class Scheduler:
                 dst_dc=entry["dc"])
             return
         if self._members:
-            self._send(entry, "reject", reason=f"the {self.tier} tier is already complete")
+            self._reject(entry, f"the {self.tier} tier is already complete")
             return
         if role not in self.expected or self.expected[role] == 0:
-            self._send(entry, "reject", reason=f"the {self.tier} tier has no place for a {role}")
+            self._reject(entry, f"the {self.tier} tier has no place for a {role}")
             return
         for name, want in self.expected.items():
             got = entry["declared"].get(f"num_{name}s")
@@ -119,7 +145,7 @@ class Scheduler:
                 return
         same = [e for e in self._pending.values() if e["tier_role"] == role]
         if len(same) >= self.expected[role]:
-            self._send(entry, "reject", reason=f"the {self.tier} tier expects only {self.expected[role]} {role}s")
+            self._reject(entry, f"the {self.tier} tier expects only {self.expected[role]} {role}s")
             return
         rank = entry["rank"]
         if rank is not None and (not 0 <= rank < self.expected[role] or any(e["rank"] == rank for e in same)):
@@ -167,16 +193,15 @@ class Scheduler:
 
     def _heartbeat(self, msg: Message) -> None:
         entry = self._members.get(msg.src)
-        if entry is None:
+        if entry is None:       # registered, table not sent yet
             return
         self._last_seen[msg.src] = time.monotonic()
         self._send(entry, "hb_ack")
 
     def _barrier(self, msg: Message) -> None:
         group, seq = msg["group"], int(msg["seq"])
-        if msg.src not in self._members:
-            log.warning("%s scheduler: barrier from non-member %r dropped", self.tier, msg.src)
-            return
+        if msg.src not in self._members or group not in ("all", *self.expected):
+            raise ValueError(f"barrier of group {group!r} before the member table or of no group of the tier")
         arrived = self._barriers[(group, seq)]
         arrived.add(msg.src)
         members = [e for e in self._members.values() if group == "all" or e["tier_role"] == group]
@@ -198,9 +223,6 @@ class Scheduler:
             self._done.set()
 
     def _remote_abort(self, msg: Message) -> None:
-        if msg.src not in self._members and msg.src not in self._pending:
-            log.warning("%s scheduler: abort from non-member %r ignored", self.tier, msg.src)
-            return
         self._fail(str(msg.get("reason", "aborted")), None, skip=msg.src)
 
     def _fail(self, reason: str, culprit: dict | None, *, skip: str | None = None,

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import msgpack
 import zmq
@@ -33,12 +33,17 @@ from geomx.netem.link import DeliveryScheduler, EmulatedLink
 from geomx.transport.security import Curve
 from geomx.profiles import WanProfile, custom_profile, get_profile, parse_duration, parse_rate
 from geomx.transport.message import payload_nbytes
-from geomx.transport.van import receive_multipart
+from geomx.transport.refusals import RefusalLog
+from geomx.transport.van import is_tcp_address, receive_multipart
 import contextlib
 
 log = logging.getLogger("geomx.netem")
 
 IDENTITY = b"geomx-wan-emulator"
+# without a list of DCs, at most this many links (each has a thread); with one, exactly the pairs of its DCs
+MAX_LINKS = 256
+# distinct destinations the emulator keeps a socket to
+MAX_DESTINATIONS = 1024
 STATS_FILE = "wan_links.json"
 _STATS_PERIOD_S = 0.5
 
@@ -51,10 +56,17 @@ class WanEmulator:
 
     def __init__(self, *, profile: WanProfile, host: str = "127.0.0.1", port: int = 0, run_dir: str | None = None,
                  chunk_bytes: int = 65536, seed: int = 0, context: zmq.Context | None = None,
-                 security: Curve | None = None) -> None:
+                 security: Curve | None = None, dcs: Iterable[str] | None = None,
+                 hosts: Iterable[str] | None = None) -> None:
+        """``dcs``: the DCs of the deployment (the central party included); a route naming another is dropped.
+        ``hosts``: the hosts messages may be relayed to (default: this host and the loopback); the emulator
+        never forwards anywhere else, so it cannot be used to reach a third party."""
         if not profile.emulated:
             raise ConfigError(f"WAN profile {profile.name!r} is not emulated: no emulator is needed")
         self.profile = profile
+        self.dcs = frozenset(dcs) if dcs is not None else None
+        self.hosts = frozenset(hosts) if hosts is not None else frozenset({host, "127.0.0.1", "localhost"})
+        self.refusals = RefusalLog(log)
         self._security = security   # with GEOMX_SECRET the emulator is a CurveZMQ peer like any node
         self.host = host
         self._port = port
@@ -151,10 +163,16 @@ class WanEmulator:
                 "links": links}
 
     def link(self, src_dc: str, dst_dc: str) -> EmulatedLink:
-        """The link src_dc -> dst_dc, created on first use."""
+        """The link src_dc -> dst_dc, created on first use; ValueError for DCs outside the configuration."""
         with self._links_lock:
             link = self._links.get((src_dc, dst_dc))
             if link is None:
+                if self.dcs is not None and not (src_dc in self.dcs and dst_dc in self.dcs):
+                    raise ValueError(f"route {src_dc!r} -> {dst_dc!r} names a DC outside this deployment "
+                                     f"({', '.join(sorted(self.dcs))})")
+                if src_dc == dst_dc or len(self._links) >= MAX_LINKS:
+                    raise ValueError(f"route {src_dc!r} -> {dst_dc!r} refused: a DC's own traffic or one link "
+                                     f"more than the {MAX_LINKS} allowed")
                 link = self._links[(src_dc, dst_dc)] = EmulatedLink(
                     name=f"{src_dc}->{dst_dc}", rate_bps=self.profile.rate_for(src_dc, dst_dc),
                     one_way_delay_s=self.profile.one_way_delay_s, jitter_s=self.profile.jitter_s,
@@ -169,7 +187,8 @@ class WanEmulator:
                 self._route(frames)
             except Exception as exc:    # malformed input is dropped, never fatal
                 self.dropped_messages += 1
-                log.warning("WAN emulator dropped a message from %r: %s", bytes(frames[0].bytes[:32]), exc)
+                peer = bytes(frames[0].bytes[:32])
+                self.refusals.note(peer, "WAN emulator dropped a message from %r: %s", peer, exc)
 
     def _route(self, frames: list) -> None:
         if len(frames) < 3:
@@ -181,8 +200,11 @@ class WanEmulator:
         if not isinstance(route, dict):
             raise ValueError("route frame is not a map")
         dst, src_dc, dst_dc, prio = route.get("dst"), route.get("src_dc"), route.get("dst_dc"), route.get("prio", 0)
-        if not (isinstance(dst, str) and dst.startswith("tcp://")):
-            raise ValueError(f"route has no tcp:// destination: {dst!r}")
+        if not is_tcp_address(dst):
+            raise ValueError(f"route has no tcp://host:port destination: {dst!r}")
+        if dst[6:].rpartition(":")[0] not in self.hosts or dst == self.address:
+            raise ValueError(f"route to {dst!r} refused: the emulator relays only to the hosts "
+                             f"{', '.join(sorted(self.hosts))} (GEOMX_EMULATOR_HOSTS)")
         if not (isinstance(src_dc, str) and isinstance(dst_dc, str) and src_dc and dst_dc):
             raise ValueError(f"route lacks src_dc/dst_dc: {src_dc!r} -> {dst_dc!r}")
         if not isinstance(prio, int) or isinstance(prio, bool):
@@ -194,6 +216,11 @@ class WanEmulator:
         """Delivery thread only: send the original frames to the destination's ROUTER."""
         sock = self._forward_sockets.get(dst)
         if sock is None:
+            if len(self._forward_sockets) >= MAX_DESTINATIONS:
+                self.dropped_messages += 1
+                self.refusals.note(dst, "WAN emulator dropped a message to %r: already forwarding to %d "
+                                   "destinations", dst, MAX_DESTINATIONS)
+                return
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.IDENTITY, IDENTITY)
             sock.setsockopt(zmq.SNDHWM, 0)
@@ -278,7 +305,9 @@ def run_from_env(env: Mapping[str, str] | None = None) -> int:
     """Run an emulator configured by environment variables until SIGTERM/SIGINT; returns the exit status 0.
 
     GEOMX_WAN_PROFILE or GEOMX_WAN_RATE + GEOMX_WAN_RTT [+ GEOMX_WAN_JITTER]; GEOMX_EMULATOR_HOST (default
-    127.0.0.1), GEOMX_EMULATOR_PORT (required), GEOMX_RUN_DIR (optional: where wan_links.json goes).
+    127.0.0.1), GEOMX_EMULATOR_PORT (required), GEOMX_RUN_DIR (optional: where wan_links.json goes),
+    GEOMX_EMULATOR_DCS (optional: the DCs, comma-separated, central included; routes naming others are
+    dropped), GEOMX_EMULATOR_HOSTS (optional: the hosts it may relay to; default its own host and loopback).
     """
     env = os.environ if env is None else env
     profile = profile_from_env(env)
@@ -294,8 +323,10 @@ def run_from_env(env: Mapping[str, str] | None = None) -> int:
             raise ValueError
     except ValueError:
         raise ConfigError(f"GEOMX_EMULATOR_PORT={port_text!r} is not a port number") from None
+    dcs, hosts = (env.get(var, "").replace(",", " ").split() or None
+                  for var in ("GEOMX_EMULATOR_DCS", "GEOMX_EMULATOR_HOSTS"))
     emulator = WanEmulator(profile=profile, host=host, port=port, run_dir=env.get("GEOMX_RUN_DIR") or None,
-                           security=Curve.from_env(env))
+                           security=Curve.from_env(env), dcs=dcs, hosts=hosts)
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -23,6 +23,7 @@ import heapq
 import itertools
 import logging
 import os
+import secrets
 import threading
 import time
 from collections import defaultdict
@@ -34,6 +35,7 @@ import zmq
 
 from geomx.errors import ConfigError, ProtocolError
 from geomx.transport.message import Message, build_message, decode_header, encode, payload_nbytes
+from geomx.transport.refusals import RefusalLog
 from geomx.transport.security import Curve
 
 log = logging.getLogger("geomx.van")
@@ -69,6 +71,26 @@ def keep_freed_buffers() -> None:
 
 
 STALL_S = 0.5
+# messages one peer may have waiting for the receive thread; past it ZeroMQ stops reading that peer's
+# connection, so a flood fills the sender's buffers (TCP back-pressure), not this process's memory. Senders
+# never block on it: their own queues absorb a burst.
+RECEIVE_QUEUE_PER_PEER = 256
+
+
+_ID_HEX = 24
+
+
+def new_node_id(prefix: str) -> str:
+    """An id nobody can guess (96 random bits): the sender checks of every receiver rest on it."""
+    return f"{prefix}-{secrets.token_hex(_ID_HEX // 2)}"
+
+
+def public_name(node_id: str) -> str:
+    """What logs, thread names and metrics files may show of an id: without the random part of a
+    :func:`new_node_id`, which must stay unknown outside the deployment (a metrics file or a thread name is
+    readable by more users than the processes are)."""
+    head, _, tail = node_id.rpartition("-")
+    return head if head and len(tail) == _ID_HEX and all(c in "0123456789abcdef" for c in tail) else node_id
 
 
 def tcp_address(host: str, port: int) -> str:
@@ -127,6 +149,7 @@ class Van:
         self.sent_messages: dict[str, int] = defaultdict(int)
         self.received_bytes = 0
         self.dropped_messages = 0
+        self.refusals = RefusalLog(log)
         # header -> an array (or None) per announced tensor to receive that frame into; called on the receive
         # thread, before the message is handed to on_message
         self.receive_into: Callable[[dict], Sequence[np.ndarray | None] | None] | None = None
@@ -143,7 +166,7 @@ class Van:
         keep_freed_buffers()
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.RCVHWM, 0)
+        router.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_PER_PEER)
         if self._security is not None:
             self._security.server(router)
         try:
@@ -158,7 +181,7 @@ class Van:
         self._router = router
         self._running = True
         for target, name in ((self._receive_loop, "recv"), (self._send_loop, "send")):
-            t = threading.Thread(target=target, name=f"van-{name}-{self.node_id}", daemon=True)
+            t = threading.Thread(target=target, name=f"van-{name}-{public_name(self.node_id)}", daemon=True)
             t.start()
             self._threads.append(t)
 
@@ -182,8 +205,9 @@ class Van:
 
     def counters(self) -> dict:
         """Cumulative traffic (see geomx.metrics, kind ``traffic``)."""
-        return {"node": self.node_id, "sent": dict(self.sent_bytes), "sent_messages": dict(self.sent_messages),
-                "received": self.received_bytes, "send_queue": len(self._queue)}
+        return {"node": public_name(self.node_id), "sent": dict(self.sent_bytes),
+                "sent_messages": dict(self.sent_messages), "received": self.received_bytes,
+                "send_queue": len(self._queue)}
 
     def stop(self, flush_timeout: float = 2.0) -> None:
         """Send what is queued (up to ``flush_timeout``), then close the sockets."""
@@ -252,8 +276,8 @@ class Van:
                 error = exc
         if msg is None:
             self.dropped_messages += 1
-            log.warning("%s dropped a malformed message from peer %r: %s", self.node_id, bytes(peer.bytes[:32]),
-                        error)
+            self.refusals.note(bytes(peer.bytes[:32]), "%s dropped a malformed message from peer %r: %s",
+                               public_name(self.node_id), bytes(peer.bytes[:32]), error)
             return
         self.handling_since = start = time.monotonic()
         try:

@@ -1,0 +1,178 @@
+"""A stranger with no secret (default settings) against what issue 18 found possible, in-process: malformed
+or forged member tables and control messages, guessable ids, a reply flood, relays through the WAN emulator
+to foreign DCs and addresses. The forgeries against a whole running deployment (tables, replies, aborts,
+shutdowns, pushes under readable ids, training checked exact) ride on the garbage test in test_faults.py,
+which launches one anyway (tests/scripts/attacker.py)."""
+from __future__ import annotations
+
+import resource
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from geomx.cluster.postoffice import Postoffice, Tier
+from geomx.netem.emulator import WanEmulator
+from geomx.profiles import custom_profile
+from geomx.transport.message import Message, encode
+from geomx.transport.refusals import RefusalLog
+from geomx.transport.van import Van, public_name
+from harness import Inbox
+
+
+# -- member tables are checked before they replace anything -------------------------------------------------
+
+def _tier() -> tuple[Postoffice, Tier]:
+    from geomx.config import config_from_env
+
+    cfg = config_from_env({"DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "1",
+                           "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1", "GEOMX_DC": "a",
+                           "DMLC_NUM_ALL_WORKER": "1"})
+    po = Postoffice(cfg)
+    tier = po.tiers["dc:a"] = Tier(po, "dc:a", ("127.0.0.1", 1), "a", "worker", {})
+    return po, tier
+
+
+def _entry(node_id, rank=0, role="worker", addr="tcp://127.0.0.1:5"):
+    return {"id": node_id, "kind": role, "tier_role": role, "dc": "a", "rank": rank, "addr": addr, "pid": 1}
+
+
+@pytest.mark.parametrize("members", [
+    "not a list",
+    [_entry("someone else")],                                          # does not list this node
+    [{"id": "x"}],                                                     # fields missing
+    [_entry("ME"), _entry("ME", 1)],                                   # this node twice
+    [_entry("ME", addr="http://evil")],                                # not a tcp address
+    [_entry("ME", role="admin")],                                      # no such tier role
+], ids=["not-a-list", "without-me", "incomplete", "twice", "bad-address", "bad-role"])
+def test_a_malformed_table_from_the_scheduler_replaces_nothing(members):
+    po, tier = _tier()
+    members = members if isinstance(members, str) else [{**m, "id": po.node_id if m["id"] == "ME" else m["id"]}
+                                                         for m in members]
+    po._dispatch(Message("table", src="scheduler", fields={"tier": "dc:a", "auth": tier.token, "members": members}))
+    assert tier.me is None and tier.members == []
+    good = [_entry(po.node_id), _entry("peer", 1, addr="tcp://127.0.0.1:6")]
+    po._dispatch(Message("table", src="scheduler", fields={"tier": "dc:a", "auth": tier.token, "members": good}))
+    assert tier.me.id == po.node_id and len(tier.members) == 2
+    # a second table, even with the token, changes nothing; without the token nothing counts at all
+    po._dispatch(Message("table", src="scheduler", fields={"tier": "dc:a", "auth": tier.token, "members": good[:1]}))
+    po._dispatch(Message("abort", src="scheduler", fields={"tier": "dc:a", "auth": "guess", "reason": "x"}))
+    po._dispatch(Message("shutdown", src="scheduler", fields={"tier": "dc:a"}))
+    assert len(tier.members) == 2 and po.aborted is None and not tier.closed
+    po._dispatch(Message("shutdown", src="scheduler", fields={"tier": "dc:a", "auth": tier.token}))
+    assert tier.closed
+    po.metrics is not None and po.metrics.close()
+
+
+def test_node_ids_are_random_and_their_public_names_hide_the_random_part():
+    po, _ = _tier()
+    other, _ = _tier()
+    assert po.node_id != other.node_id and public_name(po.node_id) == public_name(other.node_id) == "worker-a"
+    assert len(po.node_id) - len("worker-a-") == 24
+
+
+# -- a flood is bounded in memory and in log lines ----------------------------------------------------------
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def test_a_reply_flood_grows_the_receiver_by_less_than_100_mib_and_logs_a_few_lines():
+    """5,000 forged 128 KiB replies (625 MiB) sent as fast as the socket takes them, at a receiver that
+    refuses each (a dict lookup and a rate-limited log, as KVClient does) but whose receive thread is held
+    up meanwhile (as by a busy handler). The receive queue is bounded per peer, so the flood waits in the
+    sender's buffers, not the receiver's memory. Measured over 2 runs each on a loaded 2-core host: unbounded
+    (the old RCVHWM=0) the receiver took 1,712-1,752 replies in 3 s and grew by 237-242 MiB; bounded it took
+    about 300 and grew by 37 MiB."""
+    import logging
+
+    quiet = logging.getLogger("test.flood")
+    quiet.propagate = False            # the lines are counted by the RefusalLog, not printed
+    refused = RefusalLog(quiet)
+    pending: dict = {}
+    gate = threading.Event()
+
+    def refuse(msg: Message) -> None:
+        gate.wait(20)
+        if pending.get(msg.get("req")) is None:
+            refused.note(msg.src, "reply %r from %r dropped", msg.get("req"), msg.src)
+
+    receiver = Van(node_id="victim", dc="a", on_message=refuse)
+    receiver.start()
+    ctx = zmq.Context()
+    flood = ctx.socket(zmq.DEALER)
+    flood.setsockopt(zmq.SNDHWM, 16)
+    flood.setsockopt(zmq.LINGER, 0)
+    flood.connect(receiver.address)
+    frames = [bytes(f) for f in encode(Message("reply", src="server-a", fields={"req": 1},
+                                               tensors=[np.ones(32768, np.float32)]))]
+    try:
+        before = _rss_mib()
+        sent, end = 0, time.monotonic() + 3.0
+        while sent < 5_000 and time.monotonic() < end:
+            try:
+                flood.send_multipart(frames, flags=zmq.NOBLOCK)
+                sent += 1
+            except zmq.Again:                      # back-pressure: the receiver takes no more for now
+                time.sleep(0.002)
+        time.sleep(0.5)                            # what is in flight lands
+        grown = _rss_mib() - before
+        gate.set()
+        deadline = time.monotonic() + 30
+        while refused.total < sent and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        gate.set()
+        flood.close()
+        ctx.term()
+        receiver.stop()
+    assert grown < 100, f"the receiver grew by {grown:.0f} MiB holding {sent} forged replies"
+    assert refused.total == sent and refused.lines <= 10 + 3      # a burst, then one line per 10 s
+
+
+# -- the WAN emulator relays only within its configuration ---------------------------------------------------
+
+def test_the_emulator_relays_only_between_its_dcs_and_to_its_hosts():
+    emulator = WanEmulator(profile=custom_profile(1e9, 0.002), dcs=["central", "a", "b"])
+    emulator.start()
+    inbox = Inbox()
+    dst = Van(node_id="dst", dc="b", on_message=inbox)
+    dst.start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(emulator.address)
+
+    def relay(dst_addr, src_dc, dst_dc, tag):
+        route = msgpack.packb({"dst": dst_addr, "src_dc": src_dc, "dst_dc": dst_dc, "prio": 0})
+        frames = encode(Message("hello", src=tag))
+        sock.send_multipart([route, *frames])
+
+    try:
+        for i in range(2000):                                       # claimed DC names: no link, no thread each
+            relay(dst.address, f"dc{i}", "b", "unknown-dc")
+        relay(dst.address.replace("127.0.0.1", "192.0.2.1"), "a", "b", "foreign-host")   # a third party
+        relay(emulator.address, "a", "b", "loop")                                      # itself
+        relay(dst.address, "a", "b", "ok")
+        assert inbox.wait_for(1)
+        time.sleep(0.3)
+        assert [m.src for m in inbox.messages] == ["ok"]
+        assert list(emulator.stats()["links"]) == ["a->b"]
+        assert emulator.dropped_messages == 2002
+        assert threading.active_count() < 30
+    finally:
+        sock.close()
+        dst.stop()
+        emulator.stop()
+
+
+def test_the_launcher_tells_the_emulator_its_dcs_and_host(tmp_path):
+    from geomx.cli.launch import plan
+    from geomx.cli.topology import load_topology
+
+    topo = load_topology(workers_per_dc=1, wan="regional")
+    spec = next(s for s in plan(topo, ["x"], tmp_path) if s.kind == "emulator")
+    assert spec.env["GEOMX_EMULATOR_DCS"] == "central,a,b" and spec.env["GEOMX_EMULATOR_HOSTS"] == topo.host
