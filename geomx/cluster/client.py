@@ -38,6 +38,7 @@ class Handle:
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[Handle], None]] = []
         self._lock = threading.Lock()
+        self.error_raised = False        # wait() raised an error: the caller has it, kv.close() must not again
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -47,12 +48,15 @@ class Handle:
         try:
             finished = self._po.wait_event(self._event, timeout)
         except PeerLostError as exc:
+            self.error_raised = True
             raise PeerLostError(f"{self.what} failed: {exc}") from None
         if not finished:
+            self.error_raised = True
             who = self.server.label if self.server else "the servers"
             raise DeadlineError(f"{self.what}: no answer from {who} within {timeout:g} s (GEOMX_TIMEOUT sets the "
                                 f"limit)")
         if self._error is not None:
+            self.error_raised = True
             raise self._error
         return self._result
 
@@ -265,7 +269,11 @@ class KVClient:
             if out is not None and result is not None and not np.shares_memory(result, out):
                 # not received in place (a compressed reply, decoded here): the result still goes to ``out``,
                 # which may be one part of a larger tensor that nothing else fills
-                np.copyto(out, np.asarray(result).reshape(out.shape), casting="same_kind")
+                result = np.asarray(result)
+                if result.size != out.size:
+                    raise KVError(f"{handle.what}: the value has shape {result.shape}, the output shape "
+                                  f"{out.shape}")
+                np.copyto(out, result.reshape(out.shape), casting="same_kind")
                 result = out
             handle._finish(result)
         except Exception as exc:

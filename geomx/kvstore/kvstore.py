@@ -229,9 +229,11 @@ class KVStore:
         return hs if isinstance(key, (list, tuple)) else hs[0]
 
     def waitall(self, timeout: float | None = None) -> None:
+        """Wait for every request not yet waited for; raises the first error that no ``wait()`` raised."""
         outstanding, self._outstanding = self._outstanding, []
         for h in outstanding:
-            h.wait(timeout)
+            if not h.error_raised:
+                h.wait(timeout)
 
     def barrier(self, global_: bool = False) -> None:
         """Wait for every worker of this DC (``global_=True``: of every DC)."""
@@ -268,8 +270,11 @@ class KVStore:
         """One push, pull or pushpull of a user key: of the whole tensor, or of each of its parts."""
         check_key(key)
         src = _as_numpy_view(value) if value is not None else None
-        target = _receivable(out)
         shape, dtype, parts = self._layout.get(key, (None, None, None))
+        if out is not None and shape is not None and tuple(out.shape) != tuple(shape):
+            raise KVError(f"{op} of key {key!r} into an output of shape {tuple(out.shape)}, but the key has shape "
+                          f"{tuple(shape)}")
+        target = _receivable(out)
         if parts is None:
             h = self._send(op, key, src, target, priority)
         else:
@@ -285,7 +290,7 @@ class KVStore:
             h = gather([self._send(op, p.key, v, o, priority) for p, v, o in zip(parts, values, outs, strict=False)],
                        lambda _: into, f"{op} of key {key!r}")
             target = into if into is target else None
-        return h if op == "push" else h.then(_copier(out, target))
+        return h if op == "push" else h.then(_copier(key, out, target))
 
     def _send(self, op: str, key, value, out, priority: int) -> Handle:
         if op == "push":
@@ -297,7 +302,8 @@ class KVStore:
     def _track(self, h: Handle) -> Handle:
         # keep what waitall must still wait for or report; a finished handle would pin its reply in memory
         if len(self._outstanding) > 16:
-            self._outstanding = [x for x in self._outstanding if not x.done() or x.error is not None]
+            self._outstanding = [x for x in self._outstanding
+                                 if not x.error_raised and (not x.done() or x.error is not None)]
         self._outstanding.append(h)
         return h
 
@@ -358,7 +364,7 @@ def _receivable(out) -> np.ndarray | None:
     return view if view.flags.c_contiguous and view.flags.writeable and view.nbytes else None
 
 
-def _copier(out, received_into: np.ndarray | None = None):
+def _copier(key, out, received_into: np.ndarray | None = None):
     if out is None:
         return lambda arr: arr
 
@@ -366,8 +372,8 @@ def _copier(out, received_into: np.ndarray | None = None):
         if arr is received_into:             # the reply was received straight into ``out``
             return arr
         if tuple(out.shape) != tuple(arr.shape):
-            raise GeomxError(f"pull into an output of shape {tuple(out.shape)}, but the value has shape "
-                             f"{tuple(arr.shape)}")
+            raise KVError(f"pull of key {key!r} into an output of shape {tuple(out.shape)}, but the value has "
+                          f"shape {tuple(arr.shape)}")
         if isinstance(out, np.ndarray):
             np.copyto(out, arr)
         else:
