@@ -44,6 +44,10 @@ def _address(log_name: str, pattern: str) -> list[str]:
     return re.findall(pattern, (kvhelp.run_dir() / f"{log_name}.log").read_text())
 
 
+def local_server(dc: str) -> str:
+    return _address(f"{dc}-scheduler", rf"local server of DC {dc} \((tcp://[^,]+),")[0]
+
+
 def readable_names() -> list[str]:
     """The node names anyone who can read the run directory learns (metrics files), plus the guessable
     names of the schedulers before ids were random."""
@@ -56,7 +60,7 @@ def readable_names() -> list[str]:
 def attack(shape, max_request: int) -> dict:
     """Forge everything at every node whose address the logs show; returns what was sent."""
     evil = np.full(shape, EVIL, np.float32)
-    locals_ = {dc: _address(f"{dc}-scheduler", rf"local server of DC {dc} \((tcp://[^,]+),")[0] for dc in "ab"}
+    locals_ = {dc: local_server(dc) for dc in "ab"}
     workers_b = _address("b-scheduler", r"worker \d of DC b \((tcp://[^,]+),")
     global_0 = _address("global-server-0", r"global server 0 ready at (tcp://\S+)")[0]
     schedulers = [_address(log, r"listening on (tcp://\S+),")[0]
@@ -93,3 +97,60 @@ def attack(shape, max_request: int) -> dict:
     time.sleep(0.3)
     s.close()
     return {"names": names, "targets": sorted(targets), "messages": s.sent}
+
+
+OPS = ["init", "push", "pushpull", "pull", "cmd", "key_owner", "dc_pushpull", "reply", "table", "reject", "barrier",
+       "barrier_done", "hb", "hb_ack", "bye", "shutdown", "abort", "register", "no-such-op"]
+
+
+def _fuzz_value(rng: np.random.Generator, names: list[str]):
+    pick = rng.integers(9)
+    return [None, int(rng.integers(-3, 40)), "w", float(rng.standard_normal()), True, [1, "w"], {"w": 1},
+            names[int(rng.integers(len(names)))], rng.bytes(int(rng.integers(0, 12)))][pick]
+
+
+def fuzz_message(rng: np.random.Generator, names: list[str]) -> list[bytes]:
+    """One random message: any op, a readable or random sender, random values under the fields servers read,
+    tensors of random dtype and shape (or the key's, filled with EVIL), sometimes a header cut short."""
+    fields = {name: _fuzz_value(rng, names) for name in ("req", "key", "tier", "auth", "members", "after", "name",
+                                                          "args", "layout", "master", "count", "cm", "owner", "seq",
+                                                          "group", "reason", "error", "info", "redirect")
+              if rng.random() < 0.3}
+    if rng.random() < 0.5:
+        fields["key"] = "w"
+    if rng.random() < 0.5:
+        fields["req"] = int(rng.integers(1, 20))
+    tensors = []
+    for _ in range(int(rng.integers(0, 3))):
+        if rng.random() < 0.6:
+            tensors.append(np.full(16, EVIL, np.float32))
+        else:
+            dtype = ["float32", "float16", "int64", "uint8", "float64"][int(rng.integers(5))]
+            tensors.append(np.full(tuple(int(n) for n in rng.integers(0, 5, size=int(rng.integers(0, 3)))), 7,
+                                   dtype))
+    src = names[int(rng.integers(len(names)))] if rng.random() < 0.7 else rng.bytes(6).hex()
+    header = msgpack.packb({"op": OPS[int(rng.integers(len(OPS)))], "src": src, "f": fields,
+                            "p": int(rng.integers(-5, 2000)),
+                            "t": [[t.dtype.name, list(t.shape)] for t in tensors]})
+    if rng.random() < 0.05:
+        header = header[:int(rng.integers(len(header)))]
+    return [header] + [t.tobytes() for t in tensors]
+
+
+def fuzz(addresses: list[str], count: int, names: list[str], seed: int = 0, distinct: int = 2000) -> int:
+    """``count`` random messages to each address (``distinct`` different ones, repeated: making each costs
+    more than a receiver spends refusing it), senders from ``names`` or random; returns how many were sent."""
+    rng = np.random.default_rng(seed)
+    pool = [fuzz_message(rng, names) for _ in range(distinct)]
+    s = Stranger()
+    for addr in addresses:
+        sock = s.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 5000)
+        sock.connect(addr)
+        s.sockets[addr] = sock
+    for i in range(count):
+        for sock in s.sockets.values():
+            sock.send_multipart(pool[i % distinct])
+            s.sent += 1
+    s.close()
+    return s.sent
