@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from geomx.errors import ConfigError
 from geomx.profiles import CENTRAL_DC
-from geomx.transport.security import Curve
+from geomx.transport.security import Curve, link_security
 
 log = logging.getLogger("geomx.config")
 
@@ -54,7 +54,7 @@ class NodeConfig:
     connect_timeout: float = 120.0
     op_timeout: float = 300.0
     partition_bytes: int = DEFAULT_PARTITION_BYTES   # tensors above this travel in parts (0: never)
-    curve: object = None                   # geomx.transport.security.Curve when GEOMX_SECRET is set
+    security: object = None                # geomx.transport.security.Curve (GEOMX_SECRET) or Plain (GEOMX_AUTH_TOKEN)
     scheduler_tier: str | None = None      # the tier of this DC's (or the central party's) scheduler, if not dc:DC
 
     @property
@@ -159,10 +159,18 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
     cfg.bind_host = env.get("GEOMX_BIND_HOST") or None
     cfg.port = _int(env, "PORT", role, 0)
     cfg.emulator = env.get("GEOMX_WAN_EMULATOR") or None
-    cfg.curve = Curve.from_env(env)
-    if cfg.curve is None and not cfg.host.startswith("127.") and cfg.host != "localhost":
-        log.warning("%s listens on %s without GEOMX_SECRET: its links are neither authenticated nor encrypted",
-                    role, cfg.host)
+    cfg.security = link_security(env)
+    if not isinstance(cfg.security, Curve) and not cfg.host.startswith("127.") and cfg.host != "localhost":
+        if env.get("GEOMX_INSECURE") != "1":
+            raise ConfigError(f"{role} would listen on {cfg.host} without GEOMX_SECRET (or GEOMX_SECRET_FILE): "
+                              f"across hosts every link needs the shared secret; set GEOMX_INSECURE=1 to run "
+                              f"unauthenticated and unencrypted anyway")
+        log.warning("%s listens on %s without GEOMX_SECRET (GEOMX_INSECURE=1): its links are neither "
+                    "authenticated nor encrypted", role, cfg.host)
+    elif cfg.security is None:
+        (log.warning if env.get("GEOMX_INSECURE") == "1" else log.info)(
+            "%s runs unauthenticated (no GEOMX_SECRET or GEOMX_AUTH_TOKEN): it accepts every connection and "
+            "checks only who sent each message", role)
     cfg.run_dir = env.get("GEOMX_RUN_DIR") or None
     cfg.heartbeat_interval = _float(env, "GEOMX_HEARTBEAT_INTERVAL", cfg.heartbeat_interval)
     cfg.heartbeat_timeout = _float(env, "GEOMX_HEARTBEAT_TIMEOUT", cfg.heartbeat_timeout)

@@ -34,7 +34,7 @@ def run_scheduler(cfg: NodeConfig) -> int:
                                                         "worker": cfg.num_workers}, cfg.scheduler
     scheduler = Scheduler(tier=tier, dc=cfg.dc, expected=expected, host=host, port=port, emulator=cfg.emulator,
                           heartbeat_timeout=cfg.heartbeat_timeout, connect_timeout=cfg.connect_timeout,
-                          bind_host=cfg.bind_host, security=cfg.curve,
+                          bind_host=cfg.bind_host, security=cfg.security,
                           metrics=metrics.open_process_writer(cfg.run_dir, cfg.role, cfg.dc))
     return scheduler.serve()
 

@@ -105,3 +105,68 @@ def test_a_secure_launch_trains_through_the_wan_emulator_with_every_link_encrypt
     # every role got the secret; none got it on its command line
     specs = plan(topo, ["x"], tmp_path, secret="s" * 20)
     assert all(s.env["GEOMX_SECRET"] == "s" * 20 and "s" * 20 not in " ".join(s.argv) for s in specs)
+
+
+# -- authenticated by default: a per-run token (ZeroMQ PLAIN), no encryption, nothing per message -------------
+
+def test_with_the_launchers_token_a_stranger_cannot_connect_and_is_logged_once_per_address(caplog):
+    import logging
+
+    from geomx.transport.security import Plain
+
+    token = "per-run token of the launcher 0123"
+    inbox = Inbox()
+    server = Van(node_id="server", dc="a", on_message=inbox, security=Plain(token))
+    server.start()
+    ctx = zmq.Context()
+    strangers = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="geomx.security"):
+            for password in (None, "a guessed token of enough length"):
+                for _ in range(3):                      # several connections from one address
+                    sock = ctx.socket(zmq.DEALER)
+                    sock.linger = 0
+                    if password:
+                        sock.plain_username, sock.plain_password = b"geomx", password.encode()
+                    sock.connect(server.address)
+                    sock.send_multipart(encode(Message("abort", src="scheduler-dc:a", fields={"tier": "dc:a"})))
+                    strangers.append(sock)
+            time.sleep(1.0)
+            friend = Van(node_id="friend", dc="a", on_message=lambda m: None, security=Plain(token))
+            friend.start()
+            try:
+                friend.send(server.address, Message("hello"))
+                assert inbox.wait_for(1)
+            finally:
+                friend.stop()
+        assert [m.src for m in inbox.messages] == ["friend"]
+        refusals = [r.getMessage() for r in caplog.records if "refused a PLAIN connection" in r.getMessage()]
+        # 3 connections without credentials and 3 with a wrong token, all from 127.0.0.1: one line
+        assert len(refusals) == 1 and "127.0.0.1" in refusals[0], refusals
+    finally:
+        for sock in strangers:
+            sock.close()
+        ctx.term()
+        server.stop()
+
+
+def test_the_launcher_authenticates_by_default_and_insecure_says_so(tmp_path):
+    from geomx.cli.launch import Launcher, plan
+    from geomx.cli.topology import load_topology
+    from geomx.config import config_from_env
+    from geomx.transport.security import Plain, link_security
+
+    topo = load_topology(workers_per_dc=1)
+    assert Launcher(topo, ["x"], run_dir=tmp_path).auth_token is not None
+    assert Launcher(topo, ["x"], run_dir=tmp_path, insecure=True).auth_token is None
+    specs = plan(topo, ["x"], tmp_path, auth_token="t" * 20)
+    assert all(s.env["GEOMX_AUTH_TOKEN"] == "t" * 20 and "t" * 20 not in " ".join(s.argv) for s in specs)
+    assert isinstance(link_security(specs[-1].env), Plain)
+    # across hosts the token would travel in clear: such a role needs GEOMX_SECRET, or says GEOMX_INSECURE=1
+    env = {"DMLC_ROLE": "scheduler", "DMLC_PS_ROOT_URI": "10.0.0.5", "DMLC_PS_ROOT_PORT": "9000",
+           "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1", "DMLC_NODE_HOST": "10.0.0.5", "GEOMX_DC": "a",
+           "GEOMX_AUTH_TOKEN": "t" * 20}
+    with pytest.raises(ConfigError, match="without GEOMX_SECRET .* GEOMX_INSECURE=1"):
+        config_from_env(env)
+    assert config_from_env({**env, "GEOMX_INSECURE": "1"}).host == "10.0.0.5"
+    assert config_from_env({**env, "GEOMX_SECRET": SECRET}).security is not None

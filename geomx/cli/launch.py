@@ -22,6 +22,7 @@ from typing import TextIO
 
 from geomx.cli.topology import Topology
 from geomx.lifeline import ENV as LAUNCHER_PID_ENV
+from geomx.errors import ConfigError
 from geomx.metrics import METRICS_DIR
 from geomx.netem.emulator import STATS_FILE
 from geomx.profiles import CENTRAL_DC
@@ -72,7 +73,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | None = None,
-         secret: str | None = None) -> list[RoleSpec]:
+         secret: str | None = None, auth_token: str | None = None) -> list[RoleSpec]:
     """The processes of ``topo``, in start order, with the environment each one reads."""
     h = topo.host
     node = [sys.executable, "-m", "geomx.node"]
@@ -81,7 +82,8 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
     ports = ports or free_ports(3 + n_dcs, h)
     p_global, p_central, p_emu, dc_ports = ports[0], ports[1], ports[2], ports[3:]
     global_workers = N if flat else n_dcs
-    base = {**({"GEOMX_SECRET": secret} if secret else {}), "PYTHONUNBUFFERED": "1", "GEOMX_RUN_DIR": str(run_dir),
+    security = {"GEOMX_SECRET": secret} if secret else {"GEOMX_AUTH_TOKEN": auth_token} if auth_token else {}
+    base = {**security, "PYTHONUNBUFFERED": "1", "GEOMX_RUN_DIR": str(run_dir),
             "GEOMX_TOPOLOGY": topo.topology, "GEOMX_MODE": topo.mode, "GEOMX_MIXEDSYNC": topo.mixedsync,
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **topo.env}
     specs: list[RoleSpec] = []
@@ -151,9 +153,15 @@ def clear_previous_run(run_dir: Path) -> None:
 
 class Launcher:
     def __init__(self, topo: Topology, command: list[str], *, run_dir: Path, quiet: bool = False,
-                 out: TextIO | None = None, secure: bool = False) -> None:
-        # --secure: a fresh shared secret per run; every link then runs CurveZMQ (geomx.transport.security)
+                 out: TextIO | None = None, secure: bool = False, insecure: bool = False) -> None:
+        if secure and insecure:
+            raise ConfigError("--secure and --insecure contradict each other")
+        # --secure: a fresh shared secret per run; every link then runs CurveZMQ (geomx.transport.security).
+        # By default a fresh token per run that every connection presents (PLAIN: authenticated, not
+        # encrypted, free per message); --insecure: neither, and every process says so in its log
         self.secret = secrets.token_urlsafe(32) if secure else None
+        self.auth_token = secrets.token_urlsafe(32) if not secure and not insecure else None
+        self.insecure = insecure
         self.topo, self.command, self.run_dir, self.quiet = topo, command, Path(run_dir), quiet
         self.out = out or sys.stdout
         self.running: list[Running] = []
@@ -169,7 +177,10 @@ class Launcher:
         """Start everything, wait, tear down. Returns the exit code for the launcher."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         clear_previous_run(self.run_dir)
-        specs = plan(self.topo, self.command, self.run_dir, secret=self.secret)
+        specs = plan(self.topo, self.command, self.run_dir, secret=self.secret, auth_token=self.auth_token)
+        if self.insecure:
+            for spec in specs:
+                spec.env["GEOMX_INSECURE"] = "1"
         self._write_manifest(specs)
         interrupted = {"sig": None}
 

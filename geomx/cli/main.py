@@ -64,7 +64,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     topo = topology_from_args(args)
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     return Launcher(topo, command, run_dir=run_dir, quiet=args.quiet,
-                    secure=args.secure).run(timeout=args.timeout)
+                    secure=args.secure, insecure=args.insecure).run(timeout=args.timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no live progress, no echo of the workers' output")
     p.add_argument("--timeout", type=float, help="stop everything after this many seconds")
     p.add_argument("--secure", action="store_true",
-                   help="authenticate and encrypt every link (CurveZMQ, a fresh secret for this run)")
+                   help="authenticate and encrypt every link (CurveZMQ, a fresh secret for this run); by default "
+                        "every connection is authenticated with a fresh token (not encrypted)")
+    p.add_argument("--insecure", action="store_true",
+                   help="no authentication at all (every process logs it); message senders are still checked")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
     p.set_defaults(fn=cmd_launch)
 

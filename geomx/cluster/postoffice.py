@@ -198,7 +198,7 @@ class Postoffice:
         self.metrics_fields: list[Callable[[], dict]] = []
         self._metrics_thread: threading.Thread | None = None
         self.van = Van(node_id=self.node_id, dc=cfg.dc, on_message=self._dispatch, host=cfg.host, port=cfg.port,
-                       bind_host=cfg.bind_host, emulator=cfg.emulator, security=cfg.curve)
+                       bind_host=cfg.bind_host, emulator=cfg.emulator, security=cfg.security)
 
     def start(self) -> None:
         self.van.start()

@@ -30,7 +30,7 @@ import zmq
 
 from geomx.errors import ConfigError
 from geomx.netem.link import DeliveryScheduler, EmulatedLink
-from geomx.transport.security import Curve
+from geomx.transport.security import Curve, Plain, link_security
 from geomx.profiles import WanProfile, custom_profile, get_profile, parse_duration, parse_rate
 from geomx.transport.message import payload_nbytes
 from geomx.transport.refusals import RefusalLog
@@ -56,7 +56,7 @@ class WanEmulator:
 
     def __init__(self, *, profile: WanProfile, host: str = "127.0.0.1", port: int = 0, run_dir: str | None = None,
                  chunk_bytes: int = 65536, seed: int = 0, context: zmq.Context | None = None,
-                 security: Curve | None = None, dcs: Iterable[str] | None = None,
+                 security: Curve | Plain | None = None, dcs: Iterable[str] | None = None,
                  hosts: Iterable[str] | None = None) -> None:
         """``dcs``: the DCs of the deployment (the central party included); a route naming another is dropped.
         ``hosts``: the hosts messages may be relayed to (default: this host and the loopback); the emulator
@@ -326,7 +326,7 @@ def run_from_env(env: Mapping[str, str] | None = None) -> int:
     dcs, hosts = (env.get(var, "").replace(",", " ").split() or None
                   for var in ("GEOMX_EMULATOR_DCS", "GEOMX_EMULATOR_HOSTS"))
     emulator = WanEmulator(profile=profile, host=host, port=port, run_dir=env.get("GEOMX_RUN_DIR") or None,
-                           security=Curve.from_env(env), dcs=dcs, hosts=hosts)
+                           security=link_security(env), dcs=dcs, hosts=hosts)
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -1,9 +1,17 @@
-"""Authentication and encryption of every link (CurveZMQ), keyed by one shared secret.
+"""Who may connect: CurveZMQ (authenticated and encrypted, keyed by one shared secret) or ZeroMQ PLAIN
+(authenticated, not encrypted, keyed by a per-run token).
 
 WAN links cross the public internet: with ``GEOMX_SECRET`` set (``geomx launch --secure`` makes one per run),
 every socket runs CurveZMQ. Both key pairs are derived from the secret, so a peer that does not know it can
 neither complete a handshake (it does not know the servers' public key, and the ZAP handler admits only the
 derived client key) nor read the traffic (every message is encrypted and authenticated).
+
+Without a secret, ``geomx launch`` still authenticates every connection on its host: it makes a token per run
+(``GEOMX_AUTH_TOKEN``) that every socket presents through ZeroMQ's PLAIN mechanism. PLAIN sends the token in
+clear once per connection, which on one host's loopback only root can read; it costs a handshake per
+connection and nothing per message. Across hosts, use ``GEOMX_SECRET``.
+
+Either way, a refused connection is logged once per peer address (rate-limited), naming the address.
 """
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ import threading
 
 import zmq
 import zmq.utils.z85
+from zmq.auth.thread import ThreadAuthenticator
 
 from geomx.errors import ConfigError
 
@@ -55,7 +64,8 @@ class Curve:
 
     def server(self, sock: zmq.Socket) -> None:
         """Make a listening socket a CURVE server that admits only holders of the secret."""
-        self._ensure_authenticator(sock.context)
+        _ensure_authenticator(sock.context, lambda auth: auth.configure_curve_callback(
+            domain="*", credentials_provider=_OnlyKey(self.client_public)))
         sock.curve_secretkey = self.server_secret
         sock.curve_publickey = self.server_public
         sock.curve_server = True
@@ -65,16 +75,73 @@ class Curve:
         sock.curve_publickey = self.client_public
         sock.curve_secretkey = self.client_secret
 
-    def _ensure_authenticator(self, ctx: zmq.Context) -> None:
-        from zmq.auth.thread import ThreadAuthenticator
 
-        with _auth_lock:
-            if id(ctx) in _authenticators:
-                return
-            auth = ThreadAuthenticator(ctx, log=logging.getLogger("geomx.security.zap"))
+class Plain:
+    """A per-run token that every connection presents (ZeroMQ PLAIN): authentication without encryption."""
+
+    USER = "geomx"
+
+    def __init__(self, token: str) -> None:
+        if len(token) < _MIN_SECRET_CHARS:
+            raise ConfigError(f"GEOMX_AUTH_TOKEN must have at least {_MIN_SECRET_CHARS} characters (got {len(token)})")
+        self.token = token
+
+    def server(self, sock: zmq.Socket) -> None:
+        _ensure_authenticator(sock.context, lambda auth: auth.configure_plain(domain="*",
+                                                                             passwords={self.USER: self.token}))
+        sock.plain_server = True
+
+    def client(self, sock: zmq.Socket) -> None:
+        sock.plain_username = self.USER.encode()
+        sock.plain_password = self.token.encode()
+
+
+def link_security(env=None) -> Curve | Plain | None:
+    """What protects a node's links: CurveZMQ with GEOMX_SECRET/GEOMX_SECRET_FILE, else PLAIN with
+    GEOMX_AUTH_TOKEN (geomx launch sets it), else nothing."""
+    env = os.environ if env is None else env
+    curve = Curve.from_env(env)
+    if curve is not None:
+        return curve
+    token = env.get("GEOMX_AUTH_TOKEN")
+    return Plain(token) if token else None
+
+
+def _ensure_authenticator(ctx: zmq.Context, configure) -> None:
+    """One ZAP handler per context (ZeroMQ asks it about every new connection to a server socket), told what
+    this socket admits (PLAIN passwords and CURVE keys are kept apart, so one handler serves both)."""
+    with _auth_lock:
+        auth = _authenticators.get(id(ctx))
+        if auth is None:
+            auth = _authenticators[id(ctx)] = _LoggingAuthenticator(ctx, log=logging.getLogger("geomx.security.zap"))
             auth.start()
-            auth.configure_curve_callback(domain="*", credentials_provider=_OnlyKey(self.client_public))
-            _authenticators[id(ctx)] = auth
+        configure(auth)
+
+
+def _refusal_log():
+    from geomx.transport.refusals import RefusalLog
+
+    return RefusalLog(log, burst=1)
+
+
+class _LoggingAuthenticator(ThreadAuthenticator):
+    """Logs each refused connection with the peer's address: once per address, then rate-limited."""
+
+    refusals = None
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        self._address = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
+        self._mechanism = msg[5].decode("utf-8", "replace") if len(msg) > 5 else "?"
+        await super().handle_zap_message(msg)
+
+    def _send_zap_reply(self, request_id, status_code, status_text, user_id="anonymous") -> None:
+        if status_code != b"200":
+            if self.refusals is None:
+                self.refusals = _refusal_log()
+            address = getattr(self, "_address", "?")
+            self.refusals.note(address, "refused a %s connection from %s: %s (it lacks this deployment's secret)",
+                               getattr(self, "_mechanism", "?"), address, status_text.decode("utf-8", "replace"))
+        super()._send_zap_reply(request_id, status_code, status_text, user_id)
 
 
 class _OnlyKey:
@@ -82,7 +149,4 @@ class _OnlyKey:
         self.key = key
 
     def callback(self, domain: str, key: bytes) -> bool:
-        ok = key == self.key
-        if not ok:
-            log.warning("refused a connection whose CURVE key is not derived from this deployment's secret")
-        return ok
+        return key == self.key
