@@ -80,12 +80,12 @@ class Scheduler:
         self.van.send(entry["addr"], Message(op, fields={"tier": self.tier, "auth": entry["token"], **fields},
                                              priority=1000), dst_dc=entry["dc"])
 
-    def _reject(self, entry: dict, reason: str) -> None:
+    def _reject(self, entry: dict, reason: str, **fields) -> None:
         self.refusals.note(entry["id"], "%s scheduler: registration from %s refused: %s", self.tier,
                            self._label(entry), reason)
         if self._rejections < MAX_REJECTIONS:
             self._rejections += 1
-            self._send(entry, "reject", reason=reason)
+            self._send(entry, "reject", reason=reason, **fields)
 
     def _label(self, entry: dict) -> str:
         # a worker's rank in the global tier (flat topology) is not its rank in its DC: name the DC rank
@@ -126,10 +126,9 @@ class Scheduler:
             return
         if msg.get("tier") != self.tier:
             # answered under the tier name the member used, so that it stops at once naming the cause
-            self.van.send(entry["addr"], Message("reject", fields={"tier": msg.get("tier"), "reason": (
-                f"the scheduler at {self.van.address} serves the {self.tier} tier, not {msg.get('tier')}: "
-                f"give this role and its scheduler the same GEOMX_DC (or leave it unset on both)")}, priority=1000),
-                dst_dc=entry["dc"])
+            self._reject(entry, f"the scheduler at {self.van.address} serves the {self.tier} tier, not "
+                                f"{msg.get('tier')}: give this role and its scheduler the same GEOMX_DC (or leave "
+                                f"it unset on both)", tier=msg.get("tier"))
             return
         if self._members:
             self._reject(entry, f"the {self.tier} tier is already complete")
