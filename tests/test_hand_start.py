@@ -28,7 +28,7 @@ def _start_by_hand(tmp_path, edit_env) -> tuple[Processes, dict, object]:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     script = write_script(tmp_path, PUSHPULL_SCRIPT)
-    topo = make_topology(dcs=1, workers_per_dc=1, env={"GEOMX_TIMEOUT": "10", "GEOMX_CONNECT_TIMEOUT": "20"})
+    topo = make_topology(dcs=1, workers_per_dc=1, env={"GEOMX_TIMEOUT": "30", "GEOMX_CONNECT_TIMEOUT": "60"})
     procs, started = Processes(), {}
     for spec in plan(topo, [PY, str(script)], run_dir):
         env = {**os.environ, **spec.env}
@@ -59,9 +59,10 @@ def test_role_whose_dc_name_differs_from_its_schedulers_fails_fast_naming_geomx_
     procs, started, run_dir = _start_by_hand(tmp_path, rename_central_scheduler)
     try:
         master = started["master"]
-        wait_until(lambda: master.poll() is not None, 15, "the master worker stopping")
+        wait_until(lambda: master.poll() is not None, 45, "the master worker stopping")
         assert master.returncode != 0
-        assert time.monotonic() - began < 15, "a misnamed tier must be refused at registration, not time out"
+        # well before GEOMX_CONNECT_TIMEOUT (60 s): refused at registration, not timed out
+        assert time.monotonic() - began < 40
         text = (run_dir / "master.log").read_text()
         assert "GEOMX_DC" in text and "dc:centre" in text and "dc:central" in text, text[-3000:]
     finally:
