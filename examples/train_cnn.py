@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import json
-import os
+import itertools
 import struct
 import sys
 import time
@@ -25,9 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import geomx.kvstore
 import geomx.optim
-from geomx.torch import DistributedOptimizer
+from geomx.torch import DistributedOptimizer, loop
 
 
 class CNN(nn.Module):
@@ -116,17 +114,6 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return acc
 
 
-def parse_compression(text: str):
-    """``fp16`` or a JSON object such as ``{"type": "bsc", "threshold": 0.01}``."""
-    text = text.strip()
-    if not text.startswith("{"):
-        return text
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"--compression is not valid JSON: {exc}") from None
-
-
 def adam(params: list, lr: float) -> torch.optim.Optimizer:
     """Adam with the fused kernel where this torch has it on CPU (2.4+): on the wide model's 6.7M parameters a
     step takes 5 ms instead of 45 ms, which matters once the WAN no longer dominates (HFA, DiLoCo)."""
@@ -142,29 +129,16 @@ def main(argv=None) -> int:
     p.add_argument("--data-dir", help="directory with the IDX files for --data mnist/fashion-mnist")
     p.add_argument("--model", choices=["cnn", "wide"], default="cnn")
     p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: run every epoch)")
+    loop.add_arguments(p, steps=0, steps_help="stop after this many steps (0: run every epoch)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--optimizer", choices=["adam", "sgd", "dcasgd"], default="adam",
                    help="dcasgd: geomx.optim.DCASGD, for --update-on server in dist_async (MixedSync)")
     p.add_argument("--lr", type=float, default=0.003)
     p.add_argument("--momentum", type=float, default=0.9, help="for --optimizer sgd and dcasgd")
-    p.add_argument("--update-on", choices=["worker", "server"], default="worker",
-                   help="where the optimizer runs: on every worker, or on the global servers")
     p.add_argument("--split-by-class", action="store_true", help="non-iid slices (sorted by label)")
-    p.add_argument("--data-slice-idx", type=int, default=None,
-                   help="this worker's slice (default: GEOMX_WORKER_INDEX set by geomx launch)")
-    p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: every epoch)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compression", default=None, type=parse_compression,
-                   help='gradient compression: a codec name (fp16) or a JSON dict, e.g. \'{"type": "bsc", '
-                        '"threshold": 0.01}\' (docs/compression.md)')
     args = p.parse_args(argv)
 
-    torch.set_num_threads(1)
-    torch.manual_seed(args.seed)
-    kv = geomx.kvstore.create()
-    if args.compression is not None:
-        kv.set_gradient_compression(args.compression)
+    kv = loop.start(args)
     if args.data == "digits":
         x_train, x_test, y_train, y_test = load_digits()
     else:
@@ -179,7 +153,7 @@ def main(argv=None) -> int:
         inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     else:
         inner = geomx.optim.DCASGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    index = args.data_slice_idx if args.data_slice_idx is not None else int(os.environ.get("GEOMX_WORKER_INDEX", 0))
+    index = loop.worker_index(args)
     idx = worker_slice(y_train, index, kv.num_all_workers, args.split_by_class, args.seed)
     # the synchronization algorithm comes from geomx launch --sync (GEOMX_SYNC); HFA weighs models by samples
     opt = DistributedOptimizer(inner, model, kvstore=kv, update_on_server=args.update_on == "server",
@@ -194,45 +168,23 @@ def main(argv=None) -> int:
     xt, yt = torch.from_numpy(x_test), torch.from_numpy(y_test)
     steps_per_epoch = len(idx) // args.batch_size
     rng = np.random.default_rng(args.seed + 1000 + index)
-    step, start, history = 0, time.perf_counter(), []
-    total_steps = args.steps or args.epochs * steps_per_epoch
-    for epoch in range(10 ** 9):          # until total_steps (ESync: fast workers run through more epochs)
-        order = torch.from_numpy(rng.permutation(len(idx)))
-        for b in range(steps_per_epoch):
-            batch = order[b * args.batch_size:(b + 1) * args.batch_size]
-            opt.zero_grad()
-            loss = F.cross_entropy(model(xs[batch]), ys[batch])
-            loss.backward()
-            opt.step()
-            if opt.progress == step:
-                continue        # ESync: a faster worker's extra local step inside a round
-            step = opt.progress
-            last = step >= total_steps
-            if last:
-                opt.finish()        # HFA/DiLoCo with overlap: the last global average lands first
-            if (args.eval_every and step % args.eval_every == 0) or (
-                    not args.eval_every and b == steps_per_epoch - 1) or last:
-                eval_started = time.perf_counter()
-                acc = evaluate(model, xt, yt)
-                eval_s = time.perf_counter() - eval_started    # the report can leave the probe's cost out
-                history.append({"step": step, "epoch": epoch, "loss": loss.item(), "test_acc": acc,
-                                "wall_s": time.perf_counter() - start})
-                geomx.metrics.log(step=step, loss=loss.item(), test_acc=acc, eval_s=eval_s)
-                print(f"epoch {epoch} step {step} loss {loss.item():.4f} test accuracy {acc:.4f}", flush=True)
-            else:
-                geomx.metrics.log(step=step, loss=loss.item())
-            if last:
-                break
-        if step >= total_steps:
-            break
+
+    def batches():          # until the loop stops (ESync: fast workers run through more epochs)
+        for epoch in itertools.count():
+            order = torch.from_numpy(rng.permutation(len(idx)))
+            for b in range(steps_per_epoch):
+                batch = order[b * args.batch_size:(b + 1) * args.batch_size]
+                yield epoch, b == steps_per_epoch - 1, lambda batch=batch: F.cross_entropy(model(xs[batch]), ys[batch])
+
+    start = time.perf_counter()
+    step, history = loop.run_steps(opt, batches(), total_steps=args.steps or args.epochs * steps_per_epoch,
+                                   eval_every=args.eval_every,
+                                   evaluate=lambda: {"test_acc": evaluate(model, xt, yt)},
+                                   describe=lambda f: f"test accuracy {f['test_acc']:.4f}")
     final = history[-1]["test_acc"]
     print(f"final test accuracy {final:.4f} after {step} steps in {time.perf_counter() - start:.1f} s "
           f"(communication wait {opt.comm_wait_s:.1f} s)", flush=True)
-    run_dir = os.environ.get("GEOMX_RUN_DIR")
-    if run_dir:
-        Path(run_dir, f"result-{kv.dc}-{kv.rank}.json").write_text(json.dumps(
-            {"dc": kv.dc, "rank": kv.rank, "final_test_acc": final, "steps": step, "history": history,
-             "comm_wait_s": opt.comm_wait_s}))
+    loop.write_result(kv, opt, step, history, final_test_acc=final)
     kv.close()
     return 0
 

@@ -123,7 +123,7 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
             specs.append(RoleSpec(f"{dc}-server", "server", node, {**base, **local, **glob, "DMLC_ROLE": "server"}))
         for r in range(n):
             env = {**base, **local, "DMLC_ROLE": "worker", "DMLC_NUM_ALL_WORKER": str(N), "GEOMX_RANK": str(r),
-                   "GEOMX_WORKER_INDEX": str(index)}
+                   "GEOMX_WORKER_INDEX": str(index), "GEOMX_DC_INDEX": str(d), "GEOMX_NUM_DCS": str(n_dcs)}
             if flat:
                 env.update(glob)
             if (dc, r) in topo.slowdown:

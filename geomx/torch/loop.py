@@ -1,0 +1,114 @@
+"""The step loop of a training script on geomx (examples/train_cnn.py, examples/train_lm.py share it).
+
+    kv = start(args)                                   # threads, seed, kvstore, --compression
+    opt = DistributedOptimizer(inner, model, kvstore=kv, update_on_server=args.update_on == "server")
+    step, history = run_steps(opt, batches, total_steps=..., eval_every=..., evaluate=..., describe=...)
+    write_result(kv, opt, step, history, final_test_acc=...)
+
+What it does for every script, so every ``--sync`` algorithm, codec, ``--update-on server`` and ``--mode
+dist_async`` work the same way in all of them: the run's length is :attr:`DistributedOptimizer.progress` (an
+ESync worker's extra local steps inside a round do not count), the last step lands what the algorithm still
+has on the way (``opt.finish()``) before the final evaluation, and every step goes to
+:func:`geomx.metrics.log` (with the evaluation's figures and the seconds it took, which reports leave out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+import geomx.kvstore
+from geomx import metrics
+
+# one batch: (epoch, last batch of its epoch?, a callable computing the batch's loss)
+Batch = tuple[int, bool, Callable[[], torch.Tensor]]
+
+
+def parse_compression(text: str):
+    """``fp16`` or a JSON object such as ``{"type": "bsc", "threshold": 0.01}``."""
+    text = text.strip()
+    if not text.startswith("{"):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--compression is not valid JSON: {exc}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser, *, steps: int, steps_help: str) -> None:
+    """The flags every geomx training script takes (the benchmarks set --steps, --eval-every and --seed)."""
+    p.add_argument("--steps", type=int, default=steps, help=steps_help)
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: every epoch)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--update-on", choices=["worker", "server"], default="worker",
+                   help="where the optimizer runs: on every worker, or on the global servers")
+    p.add_argument("--data-slice-idx", type=int, default=None,
+                   help="this worker's slice (default: GEOMX_WORKER_INDEX set by geomx launch)")
+    p.add_argument("--compression", default=None, type=parse_compression,
+                   help='gradient compression: a codec name (fp16) or a JSON dict, e.g. \'{"type": "bsc", '
+                        '"threshold": 0.01}\' (docs/compression.md)')
+
+
+def start(args: argparse.Namespace):
+    """One thread per worker (2 cores are shared by a whole deployment), the seed, the kvstore with the
+    deployment's gradient compression."""
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    kv = geomx.kvstore.create()
+    if args.compression is not None:
+        kv.set_gradient_compression(args.compression)
+    return kv
+
+
+def worker_index(args: argparse.Namespace) -> int:
+    """This worker's index among all training workers: --data-slice-idx, else what geomx launch set."""
+    return args.data_slice_idx if args.data_slice_idx is not None else int(os.environ.get("GEOMX_WORKER_INDEX", 0))
+
+
+def run_steps(opt, batches: Iterable[Batch], *, total_steps: int, eval_every: int,
+              evaluate: Callable[[], dict[str, float]], describe: Callable[[dict[str, float]], str],
+              after_step: Callable[[], None] | None = None) -> tuple[int, list[dict]]:
+    """Train until ``opt.progress`` reaches ``total_steps``; evaluate every ``eval_every`` steps (0: at the end
+    of every epoch) and after the last. ``after_step`` runs after every local step (a learning-rate
+    schedule). Returns (steps, evaluation history)."""
+    step, started, history = 0, time.perf_counter(), []
+    for epoch, epoch_end, compute_loss in batches:
+        opt.zero_grad()
+        loss = compute_loss()
+        loss.backward()
+        opt.step()
+        if after_step is not None:
+            after_step()
+        if opt.progress == step:
+            continue        # ESync: a faster worker's extra local step inside a round
+        step = opt.progress
+        last = step >= total_steps
+        if last:
+            opt.finish()        # HFA/DiLoCo with overlap: the last global average lands first
+        if (eval_every and step % eval_every == 0) or (not eval_every and epoch_end) or last:
+            eval_started = time.perf_counter()
+            figures = evaluate()
+            eval_s = time.perf_counter() - eval_started    # the report can leave the probe's cost out
+            history.append({"step": step, "epoch": epoch, "loss": loss.item(), **figures,
+                            "wall_s": time.perf_counter() - started})
+            metrics.log(step=step, loss=loss.item(), eval_s=eval_s, **figures)
+            print(f"epoch {epoch} step {step} loss {loss.item():.4f} {describe(figures)}", flush=True)
+        else:
+            metrics.log(step=step, loss=loss.item())
+        if last:
+            break
+    return step, history
+
+
+def write_result(kv, opt, step: int, history: list[dict], **final) -> None:
+    """``result-<dc>-<rank>.json`` in the run directory (what tests and recipes read back)."""
+    run_dir = os.environ.get("GEOMX_RUN_DIR")
+    if run_dir:
+        Path(run_dir, f"result-{kv.dc}-{kv.rank}.json").write_text(json.dumps(
+            {"dc": kv.dc, "rank": kv.rank, **final, "steps": step, "history": history,
+             "comm_wait_s": opt.comm_wait_s}))
