@@ -13,7 +13,9 @@ kind        fields
 ``start``   ``role``, ``dc``, ``pid``: first record of every file
 ``step``    ``step``; what the script passed (``loss``, ``test_acc``, ...); ``elapsed_s`` since the
             process's first record; ``comm_wait_s``: cumulative time the process waited for the network
-            (``DistributedOptimizer.step``), so compute = elapsed - comm_wait
+            (``DistributedOptimizer.step``), so compute = elapsed - comm_wait; ``wan_rounds`` and
+            ``wan_rounds_waited``: cross-DC rounds started so far, and those whose round trip the worker
+            waited out (``DistributedOptimizer.wan_rounds``)
 ``ready``   ``elapsed_s``, ``comm_wait_s``: the worker is set up (joined, keys initialized, initial model
             pulled) and starts training; reports measure training from here
 ``model``   ``keys``, ``dense_bytes``: fp32 bytes of every key this worker initialized (one dense copy)
@@ -40,6 +42,7 @@ METRICS_DIR = "metrics"
 _lock = threading.Lock()
 _writer: MetricsWriter | None = None
 _comm_wait_s = 0.0
+_wan_rounds: tuple[int, int] | None = None
 
 
 class MetricsWriter:
@@ -81,6 +84,13 @@ def add_comm_wait(seconds: float) -> None:
         _comm_wait_s += seconds
 
 
+def set_wan_rounds(started: int, waited: int) -> None:
+    """Called by DistributedOptimizer after every step: cross-DC rounds started so far, and those whose round
+    trip the worker waited out (step records carry both; reports charge one round trip per waited round)."""
+    global _wan_rounds
+    _wan_rounds = (int(started), int(waited))
+
+
 def comm_wait_s() -> float:
     return _comm_wait_s
 
@@ -90,8 +100,9 @@ def log(*, step: int, **numbers: Any) -> None:
     writer = _writer
     if writer is None:
         return
+    rounds = {} if _wan_rounds is None else {"wan_rounds": _wan_rounds[0], "wan_rounds_waited": _wan_rounds[1]}
     writer.write("step", step=int(step), elapsed_s=time.time() - writer.started, comm_wait_s=_comm_wait_s,
-                 **numbers)
+                 **rounds, **numbers)
 
 
 def ready() -> None:

@@ -52,7 +52,7 @@ def test_report_of_the_run_agrees_with_what_the_workers_and_the_emulator_measure
 
     run_dir, results = default_run
     run = load_run(run_dir)
-    s = summarize(run, target_acc=0.9)
+    s = summarize(run, 0.9)
     assert s["steps"] == results[0]["steps"] and s["workers"] == 4
     assert s["final_acc"] == pytest.approx(results[0]["final_test_acc"], abs=1e-6)
     assert s["best_acc"] >= s["final_acc"] and s["time_to_target_s"] is not None
@@ -67,7 +67,7 @@ def test_report_of_the_run_agrees_with_what_the_workers_and_the_emulator_measure
     assert run.server_queues and all("held_requests" in q for q in run.server_queues)
     assert main(["report", str(run_dir), "--target-acc", "0.9"]) == 0
     text = capsys.readouterr().out
-    assert "time to accuracy 0.900" in text and "efficiency" in text and f"{roles:,} / {links:,}" in text
+    assert "time to test accuracy 0.900" in text and "efficiency" in text and f"{roles:,} / {links:,}" in text
 
 
 def test_report_of_a_directory_that_is_no_run_names_it(tmp_path, capsys):

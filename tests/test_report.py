@@ -145,3 +145,34 @@ def test_a_second_launch_into_the_same_run_directory_reports_only_its_own_proces
     assert len(load_run(run_dir).workers) == 2
     assert not (run_dir / "b-worker-1.log").exists(), "a role of the first run left its log behind"
     assert (run_dir / "notes.txt").read_text() == "mine", "a file the user wrote was removed"
+
+
+def test_a_model_averaging_run_is_charged_one_round_trip_per_cross_dc_round_and_efficiency_stays_at_most_1(
+        tmp_path):
+    """A synthetic HFA run: 200 steps of 50 ms compute per worker, a global average every 50 steps that waits
+    250 ms (a 200 ms RTT and the bytes). Charging a round trip per step (the old bound: 10 s + 200 x 0.2 s)
+    made the "lower bound" 4.6x the measured 11 s."""
+    from geomx.report.summary import format_report, summarize
+
+    wan = {"profile": "transpacific", "uplink_bps": 100e6, "downlink_bps": 100e6, "rtt_s": 0.2}
+    (tmp_path / "launch.json").write_text(json.dumps({"topology": "hips", "mode": "dist_sync", "dcs": ["a", "b"],
+                                                      "wan": wan}))
+    (tmp_path / METRICS_DIR).mkdir()
+    for pid, dc in ((1, "a"), (2, "b")):
+        lines = [{"t": 0, "kind": "start", "role": "worker", "dc": dc, "pid": pid},
+                 {"t": 0, "kind": "ready", "elapsed_s": 0.0, "comm_wait_s": 0.0}]
+        for k in range(1, 201):
+            wait = 0.25 * (k // 50)
+            lines.append({"t": 0.05 * k + wait, "kind": "step", "step": k, "loss": 1.0, "elapsed_s": 0.05 * k + wait,
+                          "comm_wait_s": wait, "wan_rounds": k // 50, "wan_rounds_waited": k // 50})
+        # 4 global averages: one 1 MB model up per DC each time
+        lines.append({"t": 11, "kind": "traffic", "sent": {"central": 4_000_000}, "sent_messages": {"central": 4}})
+        (tmp_path / METRICS_DIR / f"worker-{dc}-{pid}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    s = summarize(load_run(tmp_path))
+    assert s["train_s"] == 11.0 and s["compute_s"] == 10.0
+    assert (s["wan_rounds"], s["wan_rounds_waited"], s["first_wan_step"]) == (4, 4, 50)
+    assert abs(s["round_trips_s"] - 0.8) < 1e-9 and abs(s["wire_s"] - 0.32) < 1e-9
+    assert abs(s["lower_bound_s"] - 11.12) < 1e-9           # serial: compute + wire + round trips
+    assert abs(s["overlapped_bound_s"] - 10.8) < 1e-9        # max(compute, wire) + round trips
+    assert abs(s["efficiency"] - 10.8 / 11.0) < 1e-9 and s["efficiency"] <= 1
+    assert "first at" in format_report(s) and "4 (4) / step 50" in format_report(s)

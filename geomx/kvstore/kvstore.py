@@ -145,7 +145,12 @@ class KVStore:
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise ConfigError(f"set_optimizer takes a torch.optim optimizer class, name or instance, not "
                                   f"{type(optimizer).__name__}")
-            kwargs = {**{k: v for k, v in optimizer.defaults.items() if _plain(v)}, **kwargs}
+            import inspect
+
+            # only what the class's constructor takes: AdamW's defaults hold decoupled_weight_decay, which its
+            # __init__ does not accept
+            accepted = inspect.signature(type(optimizer).__init__).parameters
+            kwargs = {**{k: v for k, v in optimizer.defaults.items() if _plain(v) and k in accepted}, **kwargs}
             return self.set_optimizer(type(optimizer), **kwargs)
         kwargs = {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
         bad = [k for k, v in kwargs.items() if not _plain(v)]

@@ -11,7 +11,8 @@ def cmd_report(args) -> int:
     from geomx.report.run import load_run
     from geomx.report.summary import format_report, summarize
 
-    summaries = [summarize(load_run(path), args.target_acc) for path in args.runs]
+    target = args.target_loss if args.target_loss is not None else args.target_acc
+    summaries = [summarize(load_run(path), target) for path in args.runs]
     if args.json:
         print(json.dumps(summaries if len(summaries) > 1 else summaries[0], indent=2))
     else:
@@ -23,6 +24,8 @@ def add_report_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="summarize run directories: time, accuracy, WAN bytes, efficiency")
     p.add_argument("runs", nargs="+", help="run directories written by geomx launch")
     p.add_argument("--target-acc", type=float, help="report the time to reach this test accuracy")
+    p.add_argument("--target-loss", type=float,
+                   help="report the time to reach this validation loss (runs that log val_loss: train_lm.py)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(fn=cmd_report)
     return p

@@ -46,10 +46,11 @@ class RunSeries:
     short: str                     # prefix of the link lines in panel 3
     steps: list[int]
     times: list[float]             # mean time of each evaluated step, s since training start
-    accs: list[float]              # mean test accuracy at that step
+    accs: list[float]              # mean test accuracy (or validation loss: the run's metric) at that step
     wan_mb: list[float]            # cumulative WAN MB at that time
     emulated: bool                 # False: wan_mb is the straight-line estimate
     ready_s: float = 0.0           # set-up done (last worker ready), s since training start
+    metric: str = "test accuracy"  # what accs are
     links: list[LinkSeries] = field(default_factory=list)
 
 
@@ -63,13 +64,13 @@ def series_for(run: Run, *, label: str | None = None) -> RunSeries:
     """The plotted numbers of one run; ``label`` replaces the default legend (directory name + manifest)."""
     curve = accuracy_curve(run)
     if not curve:
-        raise GeomxError(f"run {run.path} has no evaluated test accuracy (no step record with test_acc): "
-                         f"nothing to plot; did the training script log test_acc?")
+        raise GeomxError(f"run {run.path} has no evaluation (no step record with test_acc or val_loss): "
+                         f"nothing to plot; did the training script log test_acc or val_loss?")
     steps, times, accs = (list(col) for col in zip(*curve, strict=False))
     emulated = bool(run.links and run.links.get("links"))
     wan = cumulative_link_bytes(run, times) if emulated else straight_line_bytes(run, times)
     return RunSeries(label=label or default_label(run), short=label or run.name, steps=steps, times=times,
-                     accs=accs, wan_mb=[b / MB for b in wan], emulated=emulated,
+                     accs=accs, wan_mb=[b / MB for b in wan], emulated=emulated, metric=run.metric.label,
                      ready_s=max((w.ready_t for w in run.workers), default=0.0),
                      links=link_throughput(run) if emulated else [])
 
@@ -147,10 +148,10 @@ def build_figure(series: list[RunSeries]) -> Figure:
                       linestyle="-" if s.emulated else "--")
     # the clock starts at the first worker record, so the set-up (join, init, first pull) comes first
     ax_time.plot([], [], color="grey", linestyle=":", label="set-up done (workers ready)")
-    _decorate(ax_time, "Test accuracy vs wall time", "wall time since workers started (s)", "test accuracy",
-              legend=not shared)
-    _decorate(ax_bytes, "Test accuracy vs WAN traffic", "cumulative WAN traffic (MB)", "test accuracy",
-              legend=not shared)
+    metric = " / ".join(dict.fromkeys(s.metric for s in series))
+    title = metric[0].upper() + metric[1:]
+    _decorate(ax_time, f"{title} vs wall time", "wall time since workers started (s)", metric, legend=not shared)
+    _decorate(ax_bytes, f"{title} vs WAN traffic", "cumulative WAN traffic (MB)", metric, legend=not shared)
     _draw_links(ax_links, series, colors, labelled=not shared)
     if shared:
         handles, labels = ax_time.get_legend_handles_labels()

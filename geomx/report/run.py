@@ -5,6 +5,9 @@ Sources, all in the run directory:
 * ``launch.json``: the topology and the WAN profile (rates, RTT) of the run;
 * ``metrics/*.jsonl``: every process's records (schema in :mod:`geomx.metrics`);
 * ``wan_links.json``: the WAN emulator's per-link counters and throughput series (emulated runs only).
+
+A run's evaluation metric is what its workers logged: ``test_acc`` (higher is better) or, for a language model
+(examples/train_lm.py), ``val_loss`` (lower is better).
 """
 from __future__ import annotations
 
@@ -17,6 +20,25 @@ from geomx.metrics import METRICS_DIR, read_records
 from geomx.profiles import CENTRAL_DC
 
 
+@dataclass(frozen=True)
+class EvalMetric:
+    """What a run's evaluations measure, and which way is better."""
+    key: str                      # the step records' field
+    label: str
+    higher_is_better: bool
+
+    def reached(self, value: float, target: float) -> bool:
+        return value >= target if self.higher_is_better else value <= target
+
+    def best(self, values):
+        return max(values) if self.higher_is_better else min(values)
+
+
+EVAL_METRICS = {m.key: m for m in (EvalMetric("test_acc", "test accuracy", True),
+                                   EvalMetric("val_loss", "validation loss", False))}
+ACCURACY = EVAL_METRICS["test_acc"]
+
+
 @dataclass
 class WorkerSeries:
     """One training process's step records, times relative to the run's training start."""
@@ -25,13 +47,16 @@ class WorkerSeries:
     steps: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)        # seconds since the run's first worker record
     losses: list[float] = field(default_factory=list)
-    evals: list[tuple[int, float, float]] = field(default_factory=list)   # (step, time, test_acc)
+    evals: list[tuple[int, float, float]] = field(default_factory=list)   # (step, time, the run's metric)
     eval_spent: list[float] = field(default_factory=list)   # per eval: seconds spent evaluating, this one included
     elapsed_s: float = 0.0          # the process's own clock at its last step record
     comm_wait_s: float = 0.0        # cumulative network wait at its last step record
     ready_t: float = 0.0            # set-up done (time since training start; 0 without a ready record)
     ready_elapsed_s: float = 0.0
     ready_comm_wait_s: float = 0.0
+    wan_rounds: int | None = None           # cross-DC rounds started, at the last step (None: not recorded)
+    wan_rounds_waited: int | None = None    # of which the worker waited out the round trip
+    first_wan_step: int | None = None       # the first step record that counts a cross-DC round
 
     @property
     def compute_s(self) -> float:
@@ -52,6 +77,7 @@ class Run:
     links: dict | None                       # wan_links.json, if the run had a WAN emulator
     start_t: float                           # Unix time of the first worker record
     server_queues: list[dict]                # traffic records of servers (held_requests, send_queue, ...)
+    metric: EvalMetric = ACCURACY            # what the workers' evaluations measured
 
     @property
     def steps(self) -> int:
@@ -120,6 +146,8 @@ def load_run(path: str | Path) -> Run:
         if role == "worker" and steps:
             raw_workers.append((head, steps, next((r for r in records if r["kind"] == "ready"), None)))
     start_t = min((head["t"] for head, _, _ in raw_workers), default=0.0)
+    metric = next((EVAL_METRICS[k] for k in EVAL_METRICS
+                   if any(r.get(k) is not None for _, steps, _ in raw_workers for r in steps)), ACCURACY)
     for head, steps, ready in raw_workers:
         w = WorkerSeries(dc=head["dc"], pid=head["pid"])
         if ready is not None:
@@ -131,14 +159,18 @@ def load_run(path: str | Path) -> Run:
             w.times.append(t)
             if r.get("loss") is not None:
                 w.losses.append(float(r["loss"]))
-            if r.get("test_acc") is not None:
-                w.evals.append((int(r["step"]), t, float(r["test_acc"])))
+            if r.get("wan_rounds") is not None and r["wan_rounds"] > 0 and w.first_wan_step is None:
+                w.first_wan_step = int(r["step"])
+            if r.get(metric.key) is not None:
+                w.evals.append((int(r["step"]), t, float(r[metric.key])))
                 w.eval_spent.append((w.eval_spent[-1] if w.eval_spent else 0.0) + float(r.get("eval_s") or 0.0))
         w.elapsed_s = float(steps[-1].get("elapsed_s", 0.0))
         w.comm_wait_s = float(steps[-1].get("comm_wait_s", 0.0))
+        if steps[-1].get("wan_rounds") is not None:
+            w.wan_rounds, w.wan_rounds_waited = int(steps[-1]["wan_rounds"]), int(steps[-1]["wan_rounds_waited"])
         workers.append(w)
     links_file = path / "wan_links.json"
     links = json.loads(links_file.read_text()) if links_file.exists() else None
     return Run(path=path, name=path.name, manifest=manifest, workers=workers, sent=sent,
                sent_messages=sent_messages, dense_bytes=dense, links=links, start_t=start_t,
-               server_queues=queues)
+               server_queues=queues, metric=metric)

@@ -3,10 +3,12 @@
 Training is measured from the moment the first worker finished set-up (``ready``: joined, keys initialized,
 initial model pulled) to the last step; set-up is reported apart. Definitions:
 
-* accuracy at a step = mean test accuracy over the workers that evaluated it (the plots' curve); time to
-  target = the first moment at which the mean of every worker's latest test accuracy is at or above the
-  target (time-aligned: in dist_async a fast DC is at a later step than a slow one at the same moment, and
-  its models count when they exist; in synchronous runs this is when the last worker evaluated the step);
+* accuracy at a step = mean test accuracy over the workers that evaluated it (the plots' curve); a language
+  model's runs evaluate validation loss instead (``val_loss``, lower is better: "reaching" a target is getting
+  at or below it; :class:`geomx.report.run.EvalMetric`); time to target = the first moment at which the mean
+  of every worker's latest test accuracy is at or above the target (time-aligned: in dist_async a fast DC
+  is at a later step than a slow one at the same moment, and its models count when they exist; in
+  synchronous runs this is when the last worker evaluated the step);
 * WAN bytes = bytes the roles handed to the network between different DCs (the emulator counts the same);
   per step = bytes from the first whole second of the emulator's per-second series after the *last* worker
   finished set-up / the steps taken after that moment (counted from the first worker's set-up, another DC's
@@ -14,8 +16,15 @@ initial model pulled) to the last step; set-up is reported apart. Definitions:
 * compression ratio = the dense fp32 bytes the same protocol would move per step (one model copy up and one
   down per DC in HiPS, per worker in the flat topology) / the measured WAN bytes per step;
 * compute utilization = share of the workers' training time not spent waiting for the network;
-* lower bound = compute time + the busiest directed WAN link's bytes / its rate + one WAN round trip per
-  step; efficiency = lower bound / measured training time (1.0: only the WAN and compute cost time).
+* cross-DC rounds = what the workers' step records count (``wan_rounds``: every step in FSA and MixedSync,
+  every global average in HFA/DiLoCo; runs recorded before the count existed: every step); round trips = one
+  WAN RTT per round whose round trip a worker waits out (``wan_rounds_waited``: not HFA's overlapped global
+  averages, not MixedSync's overlap, one in D + 1 for DGA); first cross-DC step = the first step whose record
+  counts a round;
+* serial bound = compute time + the busiest directed WAN link's bytes / its rate + round trips: what a run
+  that never overlaps communication with compute needs; overlapped bound = max(compute, busiest link's bytes
+  / rate) + round trips: what no schedule can beat; efficiency = overlapped bound / measured training time
+  (1.0: only the WAN or compute, whichever is longer, and the round trips cost time; never above 1).
 """
 from __future__ import annotations
 
@@ -39,7 +48,8 @@ def accuracy_curve(run: Run) -> list[tuple[int, float, float]]:
 
 def time_to_accuracy(run: Run, target: float, *, without_evals: bool = False) -> tuple[int, float] | None:
     """(step, time s) of the first moment, once every worker has evaluated, at which the mean of the workers'
-    latest test accuracies reaches ``target``; the step is the one every worker had evaluated by then.
+    latest evaluations (test accuracy; validation loss: at or below) reaches ``target``; the step is the one
+    every worker had evaluated by then.
 
     ``without_evals``: each worker's clock runs without the time it spent evaluating (``eval_s`` in its step
     records), this evaluation included. Evaluation is the benchmark's probe, not training: on a compute-bound
@@ -49,9 +59,29 @@ def time_to_accuracy(run: Run, target: float, *, without_evals: bool = False) ->
     latest: dict[int, tuple[int, float]] = {}
     for t, i, step, acc in events:
         latest[i] = (step, acc)
-        if len(latest) == len(run.workers) and mean(a for _, a in latest.values()) >= target:
+        if len(latest) == len(run.workers) and run.metric.reached(mean(a for _, a in latest.values()), target):
             return min(s for s, _ in latest.values()), t
     return None
+
+
+def eval_at_step(run: Run, step: int) -> float | None:
+    """The mean evaluation at ``step`` over the workers that evaluated it (None: nobody did)."""
+    return next((value for s, _, value in accuracy_curve(run) if s == step), None)
+
+
+def time_at_step(run: Run, step: int) -> float | None:
+    """Seconds of training (from the first worker's set-up) until every worker had recorded ``step``."""
+    ready_t = min((w.ready_t for w in run.workers), default=0.0)
+    done = [next((t for s, t in zip(w.steps, w.times, strict=True) if s >= step), None) for w in run.workers]
+    return None if not done or None in done else max(done) - ready_t
+
+
+def eval_at_time(run: Run, seconds: float) -> float | None:
+    """The mean of every worker's latest evaluation ``seconds`` into training (from the first worker's set-up);
+    None when some worker had not evaluated by then."""
+    cut = seconds + min((w.ready_t for w in run.workers), default=0.0)
+    latest = [next((v for _, t, v in reversed(w.evals) if t <= cut), None) for w in run.workers]
+    return None if not latest or None in latest else mean(latest)
 
 
 def steady_start(run: Run) -> float:
@@ -94,7 +124,18 @@ def _steady_window(run: Run, link_bytes: dict[tuple[str, str], float], steps: in
     return training_link_bytes(run, steady_t), steady_steps
 
 
-def summarize(run: Run, target_acc: float | None = None) -> dict:
+def wan_rounds(run: Run) -> tuple[int, int, int | None]:
+    """(cross-DC rounds, rounds whose round trip was waited out, first step that crossed the WAN; None: no step
+    did), the most any worker recorded; a run recorded without the counts: one waited round per step."""
+    recorded = [w for w in run.workers if w.wan_rounds is not None]
+    if not recorded:
+        return run.steps, run.steps, 1 if run.steps else None
+    first = [w.first_wan_step for w in recorded if w.first_wan_step is not None]
+    return (max(w.wan_rounds for w in recorded), max(w.wan_rounds_waited for w in recorded),
+            min(first) if first else None)
+
+
+def summarize(run: Run, target: float | None = None) -> dict:
     m = run.manifest
     wan = m.get("wan", {})
     steps = run.steps
@@ -102,8 +143,8 @@ def summarize(run: Run, target_acc: float | None = None) -> dict:
     ready_t = min((w.ready_t for w in run.workers), default=0.0)
     train_s = run.wall_s - ready_t
     curve = accuracy_curve(run)
-    reached = time_to_accuracy(run, target_acc) if target_acc is not None else None
-    reached_train = time_to_accuracy(run, target_acc, without_evals=True) if target_acc is not None else None
+    reached = time_to_accuracy(run, target) if target is not None else None
+    reached_train = time_to_accuracy(run, target, without_evals=True) if target is not None else None
     link_bytes = training_link_bytes(run, ready_t)
     steady, steady_steps = _steady_window(run, link_bytes, steps)
     up = sum(v for (src, dst), v in steady.items() if dst == CENTRAL_DC and src != dst)
@@ -116,13 +157,19 @@ def summarize(run: Run, target_acc: float | None = None) -> dict:
         if run.workers else math.nan
     wire = _wire_time(link_bytes, wan)
     rtt = float(wan.get("rtt_s") or 0.0)
-    lower = compute + wire + steps * rtt
+    rounds, waited_rounds, first_wan_step = wan_rounds(run)
+    round_trips = waited_rounds * rtt
+    overlapped = max(compute, wire) + round_trips
+    final = curve[-1][2] if curve else math.nan
+    best = run.metric.best([a for _, _, a in curve]) if curve else math.nan
+    accuracy = run.metric.key == "test_acc"
     return {
         "run": run.name, "topology": m.get("topology"), "mode": m.get("mode"), "wan": wan.get("profile"),
         "workers": len(run.workers), "steps": steps, "setup_s": ready_t, "train_s": train_s,
         "step_s": train_s / steps if steps else math.nan,
-        "final_acc": curve[-1][2] if curve else math.nan, "best_acc": max((a for _, _, a in curve), default=math.nan),
-        "target_acc": target_acc, "time_to_target_s": reached[1] - ready_t if reached else None,
+        "metric": run.metric.key, "metric_label": run.metric.label, "final_eval": final, "best_eval": best,
+        "final_acc": final if accuracy else math.nan, "best_acc": best if accuracy else math.nan,
+        "target": target, "time_to_target_s": reached[1] - ready_t if reached else None,
         "steps_to_target": reached[0] if reached else None,
         "time_to_target_no_eval_s": reached_train[1] - ready_t if reached_train else None,
         "eval_s": mean(w.eval_spent[-1] if w.eval_spent else 0.0 for w in run.workers) if run.workers else 0.0,
@@ -131,8 +178,10 @@ def summarize(run: Run, target_acc: float | None = None) -> dict:
         "wan_bytes_down_per_step": down / steady_steps if steady_steps else math.nan, "wan_bytes_per_step": per_step,
         "dense_bytes": run.dense_bytes,
         "compression_ratio": dense_per_step / per_step if dense_per_step and per_step else math.nan,
-        "compute_s": compute, "compute_utilization": utilization, "wire_s": wire, "round_trips_s": steps * rtt,
-        "lower_bound_s": lower, "efficiency": lower / train_s if train_s > 0 else math.nan,
+        "compute_s": compute, "compute_utilization": utilization, "wire_s": wire, "wan_rounds": rounds,
+        "wan_rounds_waited": waited_rounds, "first_wan_step": first_wan_step, "round_trips_s": round_trips,
+        "lower_bound_s": compute + wire + round_trips, "overlapped_bound_s": overlapped,
+        "efficiency": overlapped / train_s if train_s > 0 else math.nan,
         "bytes_roles_vs_links": _consistency(run),
     }
 
@@ -166,7 +215,9 @@ def fmt_number(x, spec: str, suffix: str = "") -> str:
 def format_report(s: dict) -> str:
     num = fmt_number
     target = (f"{num(s['time_to_target_s'], '.1f', ' s')} (step {s['steps_to_target']})" if s["time_to_target_s"]
-              is not None else ("not reached" if s["target_acc"] is not None else "- (no --target-acc)"))
+              is not None else ("not reached" if s["target"] is not None else "- (no --target-acc / --target-loss)"))
+    spec = ".4f"
+    first_wan = "never" if s["first_wan_step"] is None else f"step {s['first_wan_step']}"
     if s["time_to_target_s"] is not None and s["eval_s"]:
         target += (f"; {num(s['time_to_target_no_eval_s'], '.1f', ' s')} without the workers' evaluations "
                    f"({num(s['eval_s'], '.1f', ' s')} each in the whole run)")
@@ -174,16 +225,19 @@ def format_report(s: dict) -> str:
         ("run", f"{s['run']} ({s['topology']}, {s['mode']}, WAN {s['wan']}, {s['workers']} workers)"),
         ("training wall time", f"{num(s['train_s'], '.1f', ' s')} for {s['steps']} steps "
                                f"({num(s['step_s'], '.3f', ' s')} per step; set-up {num(s['setup_s'], '.1f', ' s')})"),
-        ("final / best test accuracy", f"{num(s['final_acc'], '.4f')} / {num(s['best_acc'], '.4f')}"),
-        (f"time to accuracy {num(s['target_acc'], '.3f')}", target),
+        (f"final / best {s['metric_label']}", f"{num(s['final_eval'], spec)} / {num(s['best_eval'], spec)}"),
+        (f"time to {s['metric_label']} {num(s['target'], '.3f')}", target),
         ("WAN MB per step, up / down", f"{num(s['wan_bytes_up_per_step'] / MB, '.2f')} / "
                                        f"{num(s['wan_bytes_down_per_step'] / MB, '.2f')}"),
         ("WAN MB in the whole run (set-up included)", num(s["wan_bytes_total"] / MB, ".1f")),
         ("compression ratio vs dense fp32", num(s["compression_ratio"], ".2f", "x")),
         ("compute utilization", num(s["compute_utilization"], ".0%")),
-        ("lower bound: compute + busiest link + round trips", f"{num(s['lower_bound_s'], '.1f', ' s')} = "
+        ("cross-DC rounds (waited out) / first at", f"{s['wan_rounds']} ({s['wan_rounds_waited']}) / {first_wan}"),
+        ("serial bound: compute + busiest link + round trips", f"{num(s['lower_bound_s'], '.1f', ' s')} = "
          f"{num(s['compute_s'], '.1f')} + {num(s['wire_s'], '.1f')} + {num(s['round_trips_s'], '.1f')} s"),
-        ("efficiency (lower bound / measured)", num(s["efficiency"], ".2f")),
+        ("overlapped bound: max(compute, busiest link) + round trips",
+         f"{num(s['overlapped_bound_s'], '.1f', ' s')}"),
+        ("efficiency (overlapped bound / measured)", num(s["efficiency"], ".2f")),
     ]
     if s["bytes_roles_vs_links"]:
         roles, links = s["bytes_roles_vs_links"]

@@ -115,6 +115,12 @@ class HFA:
                 self.send_global()
         return time.perf_counter() - started
 
+    @property
+    def wan_rounds(self) -> tuple[int, int]:
+        """(cross-DC rounds started, those whose round trip the worker waits out): the global averages; with
+        ``overlap`` their round trips run behind local steps."""
+        return self.global_averages, 0 if self.overlap else self.global_averages
+
     def finish(self) -> float:
         """Land a global average still travelling (overlap > 0), e.g. after the last step; returns the seconds
         waited. Without it, a run that ends between a send and its landing ignores that average."""

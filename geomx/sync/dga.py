@@ -35,6 +35,12 @@ class DGA:
         self.kv = kv
         self.params = [(n, p) for n, p in params if p.requires_grad]
 
+    @property
+    def wan_rounds(self) -> tuple[int, int]:
+        """(cross-DC rounds started, round trips on the critical path): one round per step, and step k needs
+        round k - D, so D + 1 round trips run side by side."""
+        return self.steps, self.steps // (self.delay + 1)
+
     def step(self, optimizer: torch.optim.Optimizer, *, compute_s: float = 0.0) -> float:
         sent = []
         for i, (name, p) in enumerate(self.params):

@@ -59,6 +59,11 @@ class ESync:
         self.index = int(index)
         self.start = [p.detach().clone() for _, p in self.params]    # the model at the round's start
 
+    @property
+    def wan_rounds(self) -> tuple[int, int]:
+        """(cross-DC rounds started, those waited out): one per round, each waited for."""
+        return self.rounds, self.rounds
+
     def step(self, optimizer: torch.optim.Optimizer, *, compute_s: float = 0.0) -> float:
         optimizer.step()
         self._taken += 1

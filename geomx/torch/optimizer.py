@@ -90,6 +90,17 @@ class DistributedOptimizer:
         progress = getattr(self.sync, "progress", None)
         return self.steps_taken if progress is None else progress
 
+    @property
+    def wan_rounds(self) -> tuple[int, int]:
+        """(rounds that crossed the WAN, those whose round trip this worker waited out): what a report's lower
+        bound charges one WAN round trip each. FSA and MixedSync: one round per step, waited for except under
+        MixedSync's overlap; an algorithm (geomx.sync) counts its own (HFA: its global averages)."""
+        rounds = getattr(self.sync, "wan_rounds", None)
+        if rounds is not None:
+            return rounds
+        overlapped = self.kv.type == "dist_async" and self.kv.cfg.mixedsync != "wait"
+        return self.steps_taken, 0 if overlapped else self.steps_taken
+
     # the wrapped optimizer's API ---------------------------------------------------------------------------
     @property
     def param_groups(self):
@@ -119,6 +130,7 @@ class DistributedOptimizer:
             waited = self.sync.step(self.optimizer, compute_s=compute)
             self.comm_wait_s += waited
             metrics.add_comm_wait(waited)
+            metrics.set_wan_rounds(*self.wan_rounds)
             self.slowdown.compute_starts()
             return
         results = self.synchronize()
@@ -132,6 +144,7 @@ class DistributedOptimizer:
                     p.grad = value if value.device == p.device else value.to(p.device)
         if not self.server_updates:
             self.optimizer.step()
+        metrics.set_wan_rounds(*self.wan_rounds)
         self.slowdown.compute_starts()
 
     def finish(self) -> None:
