@@ -27,13 +27,13 @@ MIB = 1024 * 1024
 
 # -- paths and run directories ---------------------------------------------------------------------------------
 
-def train_script_path() -> Path:
-    """examples/train_cnn.py next to the installed geomx package (editable install or source checkout)."""
+def train_script_path(name: str = "train_cnn.py") -> Path:
+    """examples/<name> next to the installed geomx package (editable install or source checkout)."""
     import geomx
 
-    path = Path(geomx.__file__).resolve().parent.parent / "examples" / "train_cnn.py"
+    path = Path(geomx.__file__).resolve().parent.parent / "examples" / name
     if not path.is_file():
-        raise ConfigError(f"the WAN benchmark runs examples/train_cnn.py, which is not at {path}: geomx must be "
+        raise ConfigError(f"the WAN benchmark runs examples/{name}, which is not at {path}: geomx must be "
                           f"installed from a source checkout (pip install -e .) for this benchmark")
     return path
 

@@ -88,3 +88,8 @@ _compressed("hips-fp16", "HiPS + FP16 (dist_sync)", {"type": "fp16"})
 _compressed("hips-mpq", "HiPS + MPQ 1% (dist_sync)", {"type": "mpq", "threshold": 0.01})
 _compressed("hips-powersgd", "HiPS + PowerSGD rank 4 on the WAN (dist_sync)",
             {"wan": {"type": "powersgd", "rank": 4}, "size_lower_bound": 1000})
+# the control: each DC trains alone on its own data (its workers average their models every step), nothing
+# crosses the WAN after set-up; a target it reaches too needs no cooperation between DCs
+NEVER = 10 ** 9
+register(BenchConfig("no-wan", "no WAN: each DC alone (DC average every step, no global average)",
+                     env=launch_env({"algorithm": "hfa", "k1": 1, "k2": NEVER})))

@@ -1,12 +1,16 @@
 """``geomx bench wan``: the time-to-accuracy matrix over an emulated WAN.
 
-Each registered configuration (:mod:`geomx.bench.configs`: flat PS, HiPS FSA, HiPS MixedSync, and whatever
-later features register) trains ``examples/train_cnn.py`` with the same model, data, hyperparameters, seed
-and number of steps, one configuration after another on the same machine, ``--dcs`` x ``--workers-per-dc``
-workers behind the WAN profile. Every figure comes from the run's own records (``geomx report``'s
-definitions, :mod:`geomx.report.summary`): time to the target accuracy, final accuracy, WAN bytes per step
-(training phase), set-up excluded; speedup and byte reduction are against the flat parameter server of the
-same invocation. With ``--out-dir`` the table goes to ``<dir>/wan-<model>-<profile>.md`` next to its plot.
+Each registered configuration (:mod:`geomx.bench.configs`: flat PS, HiPS FSA, HiPS MixedSync, ..., and the
+no-WAN control, where each DC trains alone) trains the workload (:mod:`geomx.bench.workloads`:
+``examples/train_cnn.py`` on the digits, or ``--workload lm``: ``examples/train_lm.py``) with the same model,
+data, hyperparameters, seed and number of steps, one configuration after another on the same machine,
+``--dcs`` x ``--workers-per-dc`` workers behind the WAN profile. Every figure comes from the run's own records
+(``geomx report``'s definitions, :mod:`geomx.report.summary`): time and steps to the target (test accuracy, or
+validation loss for the LM; ``--target-step N``: what HiPS FSA reached at step N in the same invocation, so
+the target needs cooperation), the evaluation at a fixed training-time budget, the first step that crossed the
+WAN, WAN bytes per step (training phase), set-up excluded; speedup and byte reduction are against the flat
+parameter server of the same invocation, and a row that misses the target says "not reached". With
+``--out-dir`` the table goes to ``<dir>/wan-<model>-<profile>.md`` next to its plot.
 """
 from __future__ import annotations
 
@@ -18,17 +22,21 @@ import sys
 import time
 from pathlib import Path
 
+from geomx.bench import workloads
 from geomx.bench.common import command_line, emit_report, launch, markdown_table, run_directory, train_script_path
 from geomx.bench.configs import BASELINE, BenchConfig, select
+from geomx.bench.workloads import Workload, workload_of_command
 from geomx.errors import ConfigError, GeomxError
 from geomx.profiles import PROFILES
 
 MB = 1e6
+TARGET_ROW = "hips-fsa"        # --target-step: the target is this row's evaluation at that step
 
 
 def run_config(config: BenchConfig, *, profile: str | None, wan_rate: str | None, wan_rtt: str | None, dcs: int,
-               workers_per_dc: int, model: str, steps: int, eval_every: int, seed: int, target_acc: float | None,
-               run_dir: Path, timeout: float, train_args: tuple[str, ...] = ()) -> dict:
+               workers_per_dc: int, workload: Workload, model: str, steps: int, eval_every: int, seed: int,
+               run_dir: Path, timeout: float, train_args: tuple[str, ...] = ()) -> float:
+    """Train one row in a whole deployment; returns the deployment's wall time (s)."""
     from geomx.cli.topology import load_topology
 
     topo = load_topology(None, dcs=dcs, workers_per_dc=workers_per_dc, wan=None if wan_rate else profile,
@@ -39,18 +47,16 @@ def run_config(config: BenchConfig, *, profile: str | None, wan_rate: str | None
         raise ConfigError(f"WAN profile {topo.profile.name!r} is not emulated: the WAN benchmark needs the emulator "
                           f"(choose another --profile)")
     topo.env.update(config.env)
-    command = [sys.executable, str(train_script_path()), "--model", model, "--steps", str(steps),
-               "--eval-every", str(eval_every), "--seed", str(seed), *train_args, *config.train_args]
-    wall = launch(topo, command, run_dir, timeout, f"WAN bench ({config.name})")
-    return {**tabulate_run(config, run_dir, target_acc=target_acc, workers=topo.num_all_workers, steps=steps),
-            "deployment_s": wall}
+    command = [sys.executable, str(train_script_path(workload.script)), workload.model_flag, model, "--steps",
+               str(steps), "--eval-every", str(eval_every), "--seed", str(seed), *train_args, *config.train_args]
+    return launch(topo, command, run_dir, timeout, f"WAN bench ({config.name})")
 
 
-def tabulate_run(config: BenchConfig, run_dir: Path, *, target_acc: float | None, workers: int | None = None,
-                 steps: int | None = None) -> dict:
+def tabulate_run(config: BenchConfig, run_dir: Path, *, target: float | None, workers: int | None = None,
+                 steps: int | None = None, budget_s: float | None = None) -> dict:
     """One row of the table from a finished run directory (``geomx report``'s figures)."""
     from geomx.report.run import load_run
-    from geomx.report.summary import summarize
+    from geomx.report.summary import eval_at_time, summarize
 
     run = load_run(run_dir)
     if (workers is not None and len(run.workers) != workers) or (steps is not None and run.steps != steps):
@@ -61,21 +67,48 @@ def tabulate_run(config: BenchConfig, run_dir: Path, *, target_acc: float | None
     description = known.description if known else (f"{wan.get('uplink_bps', 0) / 1e6:g} Mbit/s, "
                                                     f"{wan.get('rtt_s', 0) * 1000:g} ms RTT")
     return {"config": config.name, "label": config.label, "profile": wan.get("profile"),
-            "profile_description": description, "run_dir": str(run_dir), **summarize(run, target_acc)}
+            "profile_description": description, "run_dir": str(run_dir), **summarize(run, target),
+            "eval_at_budget": eval_at_time(run, budget_s) if budget_s is not None else None}
 
 
-def retabulate(*, from_runs: str, configs: str | None, target_acc: float | None, out_dir: str | None,
-               command: str | None = None) -> dict:
+def tabulate(rows: list[BenchConfig], base: Path, *, target: float | None, target_step: int | None,
+             budget_s: float | None, expected: dict[str, tuple[int, int]] | None = None) -> dict:
+    """Every row's figures from its run directory under ``base``. ``target_step``: the target is HiPS FSA's
+    evaluation at that step in these runs; the budget (unless given) is flat's time for target_step / 10 steps."""
+    from geomx.report.run import load_run
+    from geomx.report.summary import eval_at_step, time_at_step
+
+    if target_step is not None:
+        fsa = load_run(base / TARGET_ROW)
+        target = eval_at_step(fsa, target_step)
+        if target is None:
+            evaluated = sorted({s for w in fsa.workers for s, _, _ in w.evals})
+            raise ConfigError(f"--target-step {target_step}: HiPS FSA evaluated steps {evaluated}, not "
+                              f"{target_step} (pick a multiple of --eval-every, or the last step)")
+        if budget_s is None:
+            budget_s = time_at_step(load_run(base / BASELINE), max(1, target_step // 10))
+    results = []
+    for c in rows:
+        workers, steps = (expected or {}).get(c.name, (None, None))
+        results.append(tabulate_run(c, base / c.name, target=target, workers=workers, steps=steps,
+                                    budget_s=budget_s))
+    _compare(results)
+    return {"target": target, "target_step": target_step, "budget_s": budget_s, "rows": results}
+
+
+def retabulate(*, from_runs: str, configs: str | None, target: float | None, out_dir: str | None,
+               command: str | None = None, target_step: int | None = None, budget_s: float | None = None) -> dict:
     """The table (and plot) again from the run directories a ``--run-dir`` invocation kept, with the current
     definitions: nothing is re-run."""
     base = Path(from_runs)
     rows = [c for c in select(configs) if (base / c.name).is_dir()]
     if not rows or rows[0].name != BASELINE:
         raise ConfigError(f"{base} holds no {BASELINE}/ run directory (keep runs with geomx bench wan --run-dir)")
-    results = [tabulate_run(c, base / c.name, target_acc=target_acc) for c in rows]
-    _compare(results)
+    if target_step is not None and not (base / TARGET_ROW).is_dir():
+        raise ConfigError(f"--target-step needs the {TARGET_ROW} row's run, which {base} does not hold")
     manifest = json.loads((base / BASELINE / "launch.json").read_text())
-    result = {**_training_args(manifest), "target_acc": target_acc, "rows": results}
+    result = {**_training_args(manifest), **tabulate(rows, base, target=target, target_step=target_step,
+                                                     budget_s=budget_s)}
     if out_dir:
         started = manifest.get("started")
         when = time.strftime("%Y-%m-%d %H:%M %Z", time.localtime(started)) if started else "at an unknown time"
@@ -87,6 +120,7 @@ def retabulate(*, from_runs: str, configs: str | None, target_acc: float | None,
 def _training_args(manifest: dict) -> dict:
     """Steps, model, seed... of a kept run, from its launch manifest and training command."""
     cmd = manifest.get("command", [])
+    work = workload_of_command(cmd)
 
     def arg(flag: str, default):
         return type(default)(cmd[cmd.index(flag) + 1]) if flag in cmd else default
@@ -95,8 +129,8 @@ def _training_args(manifest: dict) -> dict:
     if isinstance(per_dc, list):
         per_dc = per_dc[0] if len(set(per_dc)) == 1 else "/".join(map(str, per_dc))
     return {"steps": arg("--steps", 0), "train_args": _shared_train_args(cmd), "eval_every": arg("--eval-every", 0),
-            "model": arg("--model", "cnn"), "seed": arg("--seed", 0), "dcs": len(manifest.get("dcs", [])),
-            "workers_per_dc": per_dc}
+            "workload": work.name, "model": arg(work.model_flag, work.default_model), "seed": arg("--seed", 0),
+            "dcs": len(manifest.get("dcs", [])), "workers_per_dc": per_dc}
 
 
 def _shared_train_args(cmd: list[str]) -> str:
@@ -128,49 +162,72 @@ def parse_row_steps(text: str | None, rows: list[BenchConfig]) -> dict[str, int]
 
 def bench_wan(*, profile: str | None = "transpacific", wan_rate: str | None = None, wan_rtt: str | None = None,
               configs: str | None = None, steps: int = 6, eval_every: int = 0, dcs: int = 2, workers_per_dc: int = 2,
-              model: str = "wide", seed: int = 0, target_acc: float | None = None, run_dir: str | None = None,
+              model: str | None = None, seed: int = 0, target: float | None = None, run_dir: str | None = None,
               out_dir: str | None = None, timeout: float = 900.0, command: str | None = None,
-              row_steps: str | None = None, train_args: str | None = None) -> dict:
+              row_steps: str | None = None, train_args: str | None = None, workload: str = "digits",
+              target_step: int | None = None, budget_s: float | None = None) -> dict:
+    work = workloads.workload(workload)
+    model = workloads.model_for(work, model)
     if steps < 2:
         raise ConfigError(f"--steps must be >= 2, got {steps}")
     if bool(wan_rate) != bool(wan_rtt):
         raise ConfigError("--wan-rate and --wan-rtt go together")
-    if target_acc is not None and not 0 < target_acc <= 1:
-        raise ConfigError(f"--target-acc is a test accuracy in (0, 1], got {target_acc}")
+    if target is not None and target_step is not None:
+        raise ConfigError("--target-step sets the target (HiPS FSA's evaluation at that step): give no other target")
+    if target is not None and work.name == "digits" and not 0 < target <= 1:
+        raise ConfigError(f"--target-acc is a test accuracy in (0, 1], got {target}")
     rows = select(configs)
+    if target_step is not None and TARGET_ROW not in {c.name for c in rows}:
+        raise ConfigError(f"--target-step needs the {TARGET_ROW} row (add it to --configs)")
     per_row = parse_row_steps(row_steps, rows)
+    if target_step is not None and not 1 <= target_step <= per_row.get(TARGET_ROW, steps):
+        raise ConfigError(f"--target-step {target_step} is not a step {TARGET_ROW} trains "
+                          f"(1..{per_row.get(TARGET_ROW, steps)})")
     shared_args = tuple(shlex.split(train_args or ""))
-    for flag in ("--model", "--steps", "--eval-every", "--seed"):
+    for flag in (work.model_flag, "--steps", "--eval-every", "--seed"):
         if flag in shared_args:
             raise ConfigError(f"--train-args must not set {flag}: the benchmark's own option sets it for every row")
-    train_script_path()         # a clear error before anything starts
+    train_script_path(work.script)         # a clear error before anything starts
     eval_every = eval_every or max(1, steps // 20)
-    results = []
+    expected = {}
     with run_directory(run_dir, "wan") as rd:      # runs are kept only with --run-dir
+        walls = {}
         for config in rows:
             sub = rd / config.name
             sub.mkdir(parents=True, exist_ok=True)
-            results.append(run_config(config, profile=profile, wan_rate=wan_rate, wan_rtt=wan_rtt, dcs=dcs,
-                                      workers_per_dc=workers_per_dc, model=model,
-                                      steps=per_row.get(config.name, steps), eval_every=eval_every, seed=seed,
-                                      target_acc=target_acc, run_dir=sub, timeout=timeout, train_args=shared_args))
-        _compare(results)
+            row_steps_n = per_row.get(config.name, steps)
+            walls[config.name] = run_config(config, profile=profile, wan_rate=wan_rate, wan_rtt=wan_rtt, dcs=dcs,
+                                            workers_per_dc=workers_per_dc, workload=work, model=model,
+                                            steps=row_steps_n, eval_every=eval_every, seed=seed, run_dir=sub,
+                                            timeout=timeout, train_args=shared_args)
+            expected[config.name] = (dcs * workers_per_dc, row_steps_n)
+        table = tabulate(rows, rd, target=target, target_step=target_step, budget_s=budget_s, expected=expected)
+        for r in table["rows"]:
+            r["deployment_s"] = walls[r["config"]]
         result = {"steps": steps, "train_args": " ".join(shared_args), "eval_every": eval_every, "dcs": dcs,
-                  "workers_per_dc": workers_per_dc, "model": model, "seed": seed, "target_acc": target_acc,
-                  "rows": results}
+                  "workers_per_dc": workers_per_dc, "workload": work.name, "model": model, "seed": seed, **table}
         if out_dir:
-            result["files"] = _write_outputs(result, Path(out_dir), [Path(r["run_dir"]) for r in results], command)
+            result["files"] = _write_outputs(result, Path(out_dir), [Path(r["run_dir"]) for r in result["rows"]],
+                                             command)
     return result
 
 
 def _compare(results: list[dict]) -> None:
-    """Speedup and byte reduction of every row against the flat PS (the first row)."""
+    """Speedup and byte reduction of every row against the flat PS (the first row). With a target, speedup
+    is the ratio of times to the target, and there is none when either row missed it (never a ratio of
+    training times across different numbers of steps); without one, the ratio of training times of rows that
+    trained the same number of steps."""
     base = results[0]
+    with_target = any(r["target"] is not None for r in results)
     for r in results:
-        if base["time_to_target_s"] and r["time_to_target_s"]:
-            r["speedup"], r["speedup_basis"] = base["time_to_target_s"] / r["time_to_target_s"], "time to target"
+        if with_target:
+            reached = base["time_to_target_s"] and r["time_to_target_s"]
+            r["speedup"] = base["time_to_target_s"] / r["time_to_target_s"] if reached else None
+            r["speedup_basis"] = "time to target"
         else:
-            r["speedup"], r["speedup_basis"] = base["train_s"] / r["train_s"], "training time"
+            same = r["steps"] == base["steps"] and r["train_s"]
+            r["speedup"] = base["train_s"] / r["train_s"] if same else None
+            r["speedup_basis"] = "training time"
         r["speedup_no_eval"] = base["time_to_target_no_eval_s"] / r["time_to_target_no_eval_s"] \
             if base.get("time_to_target_no_eval_s") and r.get("time_to_target_no_eval_s") else math.nan
         r["byte_reduction"] = base["wan_bytes_per_step"] / r["wan_bytes_per_step"] \
@@ -181,7 +238,8 @@ def _compare(results: list[dict]) -> None:
 def _write_outputs(result: dict, out_dir: Path, run_dirs: list[Path], command: str | None,
                    note: str | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"wan-{result['model']}-{result['rows'][0]['profile']}"
+    prefix = "" if result.get("workload", "digits") == "digits" else f"{result['workload']}-"
+    stem = f"wan-{prefix}{result['model']}-{result['rows'][0]['profile']}"
     files = {"table": str(out_dir / f"{stem}.md")}
     try:
         from geomx.report.plot import plot_runs
@@ -208,56 +266,81 @@ def _write_outputs(result: dict, out_dir: Path, run_dirs: list[Path], command: s
 def format_wan_report(r: dict) -> str:
     from geomx.report.summary import fmt_number as num
 
-    target = r["target_acc"]
-    rows = []
+    target, rows = r["target"], []
+    first = r["rows"][0]
+    metric = first.get("metric_label", "test accuracy")
+    spec = ".4f"
+    budget = r.get("budget_s")
     for x in r["rows"]:
-        ttt = num(x["time_to_target_s"], ".1f", " s") if target is not None else "-"
-        if target is not None and x["time_to_target_s"] is None:
-            ttt = "not reached"
+        reached = x["time_to_target_s"] is not None
+        ttt = "-" if target is None else (num(x["time_to_target_s"], ".1f", " s") if reached else "not reached")
+        steps_to = "-" if target is None else (str(x["steps_to_target"]) if reached else "not reached")
         no_eval = (num(x.get("time_to_target_no_eval_s"), ".1f", " s") + " / "
                    + num(x.get("speedup_no_eval"), ".2f", "x"))
-        rows.append([x["label"], str(x["steps"]), ttt, no_eval if x["time_to_target_s"] is not None else "-",
-                     num(x["final_acc"], ".4f"), num(x["train_s"], ".1f"), num(x["step_s"], ".2f"),
-                     num(x["wan_bytes_per_step"] / MB, ".2f"), num(x["speedup"], ".2f", "x"),
+        first_wan = "never" if x.get("first_wan_step") is None else str(x["first_wan_step"])
+        speedup = num(x["speedup"], ".2f", "x") if x["speedup"] is not None else (
+            "not reached" if target is not None else "-")
+        rows.append([x["label"], str(x["steps"]), ttt, steps_to, no_eval if reached else "-",
+                     num(x.get("eval_at_budget"), spec) if budget is not None else "-",
+                     num(x["final_eval"], spec), first_wan, num(x["train_s"], ".1f"), num(x["step_s"], ".2f"),
+                     num(x["wan_bytes_per_step"] / MB, ".2f"), speedup,
                      num(x["byte_reduction"], ".2f", "x"), num(x["step_time_vs_flat"], ".2f"),
                      num(x["compute_utilization"], ".0%"), num(x["efficiency"], ".2f")])
-    first = r["rows"][0]
-    header = ["configuration", "steps", f"time to {num(target, '.2f')} acc" if target is not None else "time to target",
-              "without evaluations: time / speedup", "final acc", "training s", "s / step", "WAN MB / step",
-              "speedup vs flat", "WAN bytes: flat / this",
-              "step time / flat", "compute util.", "efficiency"]
+    header = ["configuration", "steps", f"time to {metric} {num(target, '.4g')}" if target is not None
+              else "time to target", "steps to target", "without evaluations: time / speedup",
+              f"{metric} at {num(budget, '.1f', ' s')}" if budget is not None else f"{metric} at budget",
+              f"final {metric}", "first cross-DC step", "training s", "s / step", "WAN MB / step",
+              "speedup vs flat", "WAN bytes: flat / this", "step time / flat", "compute util.", "efficiency"]
     basis = {x["speedup_basis"] for x in r["rows"]}
     recipe = f" `{r['train_args']}`" if r.get("train_args") else ""
-    return "\n".join([
+    work = workloads.workload(r.get("workload", "digits"))
+    lines = [
         f"{r['dcs']} DCs x {r['workers_per_dc']} workers, WAN `{first['profile']}` ({first['profile_description']}), "
-        f"examples/train_cnn.py `--model {r['model']}`{recipe}, steps per row as listed, evaluation every "
-        f"{r['eval_every']} steps, seed {r['seed']}; the rows ran one after another on this machine.", "",
+        f"examples/{work.script} `{work.model_flag} {r['model']}`{recipe}, steps per row as listed, evaluation every "
+        f"{r['eval_every']} steps, seed {r['seed']}; the rows ran one after another on this machine.", ""]
+    if r.get("target_step") is not None:
+        lines += [f"Target: {metric} {num(target, '.4g')}, what HiPS FSA reached at step {r['target_step']} in this "
+                  f"run. Budget: {num(budget, '.1f', ' s')} of training (flat PS's time for "
+                  f"{max(1, r['target_step'] // 10)} steps).", ""]
+    control = next((x for x in r["rows"] if x["config"] == "no-wan"), None)
+    if control is not None and target is not None and control["time_to_target_s"] is not None:
+        lines += ["**The target is too easy: the no-WAN control (each DC training alone, nothing crossing the WAN) "
+                  "reaches it too.**", ""]
+    lines += [
         markdown_table(header, rows, [False] + [True] * (len(header) - 1)), "",
         f"Training time starts when the first worker finished set-up (joined, keys initialized, initial model pulled). "
         f"WAN MB / step = training-phase bytes on all DC <-> central links / steps (MB = 10^6 bytes). Speedup = "
-        f"flat's {' or '.join(sorted(basis))} / this row's. Efficiency = (compute + busiest WAN link's bytes / its "
-        f"rate + one round trip per step) / training time. Without evaluations: each worker's clock less the "
+        f"flat's {' or '.join(sorted(basis))} / this row's (\"not reached\": this row or flat missed the target). "
+        f"{metric[0].upper() + metric[1:]} at the budget: the mean of every worker's latest evaluation by then. First "
+        f"cross-DC step: the first step that started a round across the WAN (\"never\": the no-WAN control). "
+        f"Efficiency = (max(compute, busiest WAN link's bytes / its rate) + one round trip per cross-DC round the "
+        f"workers waited out) / training time. Without evaluations: each worker's clock less the "
         f"time it spent evaluating (the benchmark's probe, every {r['eval_every']} steps), and the speedup on that "
-        f"basis. Definitions: `geomx report` (geomx/report/summary.py)."])
+        f"basis. Definitions: `geomx report` (geomx/report/summary.py)."]
+    return "\n".join(lines)
 
 
 def cmd_wan(args) -> int:
+    target = args.target_loss if args.target_loss is not None else args.target_acc
     if args.from_runs:
-        result = retabulate(from_runs=args.from_runs, configs=args.configs, target_acc=args.target_acc,
-                            out_dir=args.out_dir, command=command_line(args))
+        result = retabulate(from_runs=args.from_runs, configs=args.configs, target=target,
+                            out_dir=args.out_dir, command=command_line(args), target_step=args.target_step,
+                            budget_s=args.budget_s)
     else:
         result = bench_wan(profile=args.profile, wan_rate=args.wan_rate, wan_rtt=args.wan_rtt, configs=args.configs,
                            steps=args.steps, eval_every=args.eval_every, dcs=args.dcs,
                            workers_per_dc=args.workers_per_dc, model=args.model, seed=args.seed,
-                           target_acc=args.target_acc, run_dir=args.run_dir, out_dir=args.out_dir,
+                           target=target, run_dir=args.run_dir, out_dir=args.out_dir,
                            timeout=args.timeout, command=command_line(args), row_steps=args.row_steps,
-                           train_args=args.train_args)
+                           train_args=args.train_args, workload=args.workload, target_step=args.target_step,
+                           budget_s=args.budget_s)
     emit_report(args, "geomx bench wan: time to accuracy over an emulated WAN", format_wan_report(result), result)
     return 0
 
 
 def add_parser(bsub) -> argparse.ArgumentParser:
     from geomx.bench.configs import CONFIGS
+    from geomx.bench.workloads import WORKLOADS
 
     p = bsub.add_parser("wan", help="configurations (flat PS, HiPS FSA, MixedSync, ...) over an emulated WAN: "
                                     "time to accuracy, WAN bytes, efficiency")
@@ -268,19 +351,29 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     p.add_argument("--wan-rtt", help="custom WAN round-trip time, e.g. 2ms (with --wan-rate)")
     p.add_argument("--configs", help=f"comma-separated rows (default all: {', '.join(CONFIGS)}); "
                                      f"{BASELINE} always runs as the baseline")
+    p.add_argument("--workload", choices=list(WORKLOADS), default="digits",
+                   help="what every row trains: digits (examples/train_cnn.py, quick) or lm (examples/train_lm.py, "
+                        "a byte-level GPT on the standard library's source; validation loss)")
     p.add_argument("--target-acc", type=float, help="test accuracy whose time to reach is compared")
+    p.add_argument("--target-loss", type=float, help="validation loss whose time to reach is compared (lm)")
+    p.add_argument("--target-step", type=int, metavar="N",
+                   help="the target is the evaluation HiPS FSA reaches at step N in this run (a target that needs "
+                        "cooperation); N must be an evaluated step")
+    p.add_argument("--budget-s", type=float, help="compare every row's evaluation this many seconds into training "
+                                                  "(default with --target-step: flat's time for N / 10 steps)")
     p.add_argument("--steps", type=int, default=6, help="training steps per configuration (default 6)")
     p.add_argument("--row-steps", metavar="CONFIG=N,...",
                    help="rows that train another number of steps than --steps, e.g. hips-hfa=200 (HFA with K1 x K2 = "
                         "200 averages across DCs first at step 200); speedups compare times to the target")
     p.add_argument("--train-args", metavar="ARGS",
-                   help="extra examples/train_cnn.py arguments for every row (the training recipe), e.g. "
+                   help="extra arguments of the workload's script for every row (the training recipe), e.g. "
                         "\"--optimizer sgd --lr 0.1\"")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (default steps / 20)")
     p.add_argument("--dcs", type=int, default=2, help="data centers (default 2)")
     p.add_argument("--workers-per-dc", type=int, default=2, help="workers per DC (default 2)")
-    p.add_argument("--model", choices=["wide", "cnn"], default="wide",
-                   help="workload: examples/train_cnn.py --model wide (~6.7M-parameter MLP, default) or cnn")
+    p.add_argument("--model", choices=sorted({m for w in WORKLOADS.values() for m in w.models}),
+                   help="the workload's model: digits: wide (~6.7M-parameter MLP, default) or cnn; lm: tiny "
+                        "(default), small or base")
     p.add_argument("--seed", type=int, default=0, help="training seed, the same for every row (default 0)")
     p.add_argument("--out-dir", help="write the table and the plot here (e.g. docs/benchmarks)")
     p.add_argument("--from-runs", metavar="DIR", help="run nothing: tabulate again the runs an earlier "
