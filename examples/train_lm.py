@@ -193,16 +193,15 @@ def load_corpus(data_dir: str | None = None, cache_dir: str | None = None) -> Co
 
 def read_corpus(files: list[tuple[str, Path]]) -> Corpus:
     digest = hashlib.sha256()
-    chunks, offsets, binary = [], [0], []
+    chunks, offsets, names = [], [0], []
     for rel, path in files:
         data = path.read_bytes()
         if b"\0" in data[:8192]:
-            binary.append(rel)
-            continue
+            continue                  # a binary file (--data-dir): not text
         digest.update(rel.encode() + b"\0" + len(data).to_bytes(8, "big") + data)
         chunks.append(data)
         offsets.append(offsets[-1] + len(data))
-    names = [rel for rel, _ in files if rel not in set(binary)]
+        names.append(rel)
     tokens = np.frombuffer(b"".join(chunks), dtype=np.uint8).copy()
     return Corpus(tokens, np.array(offsets, np.int64), names, digest.hexdigest())
 

@@ -34,6 +34,7 @@ def _write_tree(root: Path, packages: int = 6, files: int = 40) -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("".join(f"#P{p}F{f:03d} line {i:03d}\n" for i in range(150)))
     (root / "top.py").write_text("#Ptop\n" * 10)
+    (root / "blob.bin").write_bytes(b"\0\1\2" * 100)        # binary: not part of a text corpus
 
 
 def _origins(data: np.ndarray) -> set[tuple[str, str]]:
@@ -49,6 +50,7 @@ def test_corpus_split_is_deterministic_and_disjoint(lm, tmp_path):
     again = lm.load_corpus(str(root), str(cache))          # from the cache this time
     assert len(list(cache.glob("*.npz"))) == 1
     assert again.names == first.names == sorted(first.names) and again.digest == first.digest
+    assert "blob.bin" not in first.names and len(first.names) == 241
     assert np.array_equal(again.tokens, first.tokens)
     val = first.is_validation()
     # the split is by a hash of the relative path: fixed, about 5% of 241 files, never empty here
