@@ -10,7 +10,7 @@ from geomx.profiles import PROFILES, WanProfile, get_profile
 __version__ = "0.1.0"
 
 __all__ = ["ConfigError", "DCASGD", "DeadlineError", "DiLoCo", "GeomxError", "HFA", "KVError", "PeerLostError",
-           "ProtocolError", "PROFILES", "WanProfile", "get_profile", "kvstore", "metrics", "optim", "sync",
+           "ProtocolError", "PROFILES", "WanProfile", "get_profile", "kvstore", "metrics", "optim", "statefile", "sync",
            "__version__"]
 
 # public classes of submodules that import torch, loaded on first use
@@ -20,7 +20,7 @@ _LAZY = {"DCASGD": "geomx.optim", "HFA": "geomx.sync.averaging", "DiLoCo": "geom
 def __getattr__(name):
     # submodules that import torch or zmq load on first use, so `import geomx` stays cheap
     import importlib
-    if name in ("kvstore", "torch", "optim", "sync"):
+    if name in ("kvstore", "torch", "optim", "statefile", "sync"):
         return importlib.import_module(f"geomx.{name}")
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)

@@ -29,8 +29,9 @@ compressed.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Hashable
 
 import numpy as np
 
@@ -95,6 +96,52 @@ class Stream:
         payload = (self.feedback.compress(0, x, self.state) if self.feedback is not None
                    else self.codec.compress(x, self.state))
         return payload.arrays, {CODEC_FIELD: {"c": self.codec.name, "m": payload.meta, "n": count}}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"codec": self.codec.name, "codec_state": self.state.state_dict(),
+                "feedback": self.feedback.state_dict() if self.feedback is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["codec"] != self.codec.name:
+            raise ValueError(f"saved stream of codec {state['codec']!r} cannot continue as {self.codec.name!r}")
+        self.state.load_state_dict(state["codec_state"])
+        if self.feedback is not None and state["feedback"] is not None:
+            self.feedback.load_state_dict(state["feedback"])
+
+
+@dataclass
+class WireKeyState:
+    """What a :class:`ServerWire` remembers of one key: the reply streams (codec memory, residuals) and what
+    went to each client. Created by :meth:`ServerWire.key_state`, which supplies the stream factories."""
+    new_down: Callable[[], Stream]                   # the round's stream (one for every client)
+    new_client_stream: Callable[[str], Stream]       # a client's own stream (dist_async, weights)
+    down: Stream | None = None
+    down_sent: tuple | None = None                   # (value, arrays, fields): the round's reply, encoded once
+    seen: dict[str, np.ndarray] = field(default_factory=dict)          # weights each client holds
+    down_streams: dict[str, Stream] = field(default_factory=dict)      # per client
+
+    def state_dict(self, value: np.ndarray | None) -> dict[str, Any]:
+        """``value``: the key's current value; the encoded round reply is kept only if it is that value's."""
+        sent = self.down_sent if self.down_sent is not None and self.down_sent[0] is value else None
+        return {"down": self.down.state_dict() if self.down is not None else None,
+                "down_sent": None if sent is None else {"arrays": list(sent[1]), "fields": sent[2]},
+                "seen": {src: v for src, v in self.seen.items()},
+                "down_streams": {src: s.state_dict() for src, s in self.down_streams.items()}}
+
+    def load_state_dict(self, state: dict[str, Any], value: np.ndarray | None) -> None:
+        self.down = None
+        if state["down"] is not None:
+            self.down = self.new_down()
+            self.down.load_state_dict(state["down"])
+        sent = state["down_sent"]
+        self.down_sent = None if sent is None else (value, sent["arrays"], sent["fields"])
+        # a client whose weights are the current value holds that very array (replies compare by identity)
+        self.seen = {src: value if value is not None and np.array_equal(v, value) else v
+                     for src, v in state["seen"].items()}
+        self.down_streams = {}
+        for src, saved in state["down_streams"].items():
+            stream = self.down_streams[src] = self.new_client_stream(src)
+            stream.load_state_dict(saved)
 
 
 def decode(codec: Codec, cm: Any, tensors: list[np.ndarray], shape: tuple) -> np.ndarray:
@@ -194,38 +241,54 @@ class ServerWire(_Side):
             raise WireError(f"key {st.key!r} travels uncompressed ({st.describe()}), but the push is compressed")
         return decode(codec, cm, tensors, st.shape)
 
+    def key_state(self, st) -> WireKeyState:
+        """The key's (empty) wire state; its streams are made on first use."""
+        codec = self.codec(st.key, st.shape, st.dtype)
+
+        def new_down() -> Stream:
+            return Stream(codec.downlink(), _seed(st.key, self.salt))
+
+        def new_client_stream(src: str) -> Stream:
+            return Stream(codec.downlink(), _seed(st.key, f"{self.salt}/{src}"), always_feedback=self.weights)
+
+        return WireKeyState(new_down, new_client_stream)
+
+    def _of(self, st) -> WireKeyState:
+        if st.wire is None:
+            st.wire = self.key_state(st)
+        return st.wire
+
     def on_new_value(self, st, value: np.ndarray) -> None:
         """A synchronous round's mean gradient: encode it once for every client."""
         codec = self.codec(st.key, st.shape, st.dtype)
         if codec is None or self.per_client:
             return
-        stream = st.state.get("down")
-        if stream is None:
-            stream = st.state["down"] = Stream(codec.downlink(), _seed(st.key, self.salt))
-        st.state["down_sent"] = (value, *stream.encode(value))
+        ws = self._of(st)
+        if ws.down is None:
+            ws.down = ws.new_down()
+        ws.down_sent = (value, *ws.down.encode(value))
 
     def note_dense(self, st, src: str, value: np.ndarray) -> None:
         """``value`` went to ``src`` whole (init): weight changes for ``src`` start from it."""
         if self.weights:
-            st.state.setdefault("seen", {})[src] = value
+            self._of(st).seen[src] = value
 
     def encode_reply(self, st, src: str, value: np.ndarray) -> tuple[list[np.ndarray], dict]:
         codec = self.codec(st.key, st.shape, st.dtype)
         if codec is None:
             return [value], {}
+        ws = self._of(st)
         if not self.per_client or (not self.weights and value is st.value):
             # a round's mean gradient, encoded once by on_new_value; or the value the client already holds
-            sent = st.state.get("down_sent")
+            sent = ws.down_sent
             if sent is not None and sent[0] is value:
                 return sent[1], sent[2]
             return [value], {}
-        streams = st.state.setdefault("down_streams", {})
-        stream = streams.get(src)
+        stream = ws.down_streams.get(src)
         if stream is None:
-            stream = streams[src] = Stream(codec.downlink(), _seed(st.key, f"{self.salt}/{src}"),
-                                           always_feedback=self.weights)
+            stream = ws.down_streams[src] = ws.new_client_stream(src)
         if self.weights:
-            seen = st.state.setdefault("seen", {})
+            seen = ws.seen
             last = seen.get(src)
             if last is None:                # no weights went to src yet: send them whole
                 seen[src] = value

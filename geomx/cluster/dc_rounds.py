@@ -20,6 +20,13 @@ class DCRounds:
         self.counts: dict[tuple, int] = {}                       # (key, client) -> DC rounds pushed
         self.open: dict[tuple, tuple[Round, list[Message]]] = {}  # (key, n) -> (sum so far, requests held)
 
+    def state_dict(self) -> dict:
+        """The DC rounds each worker took per key; rounds still open hold requests and are not saved."""
+        return {"counts": [[key, src, n] for (key, src), n in self.counts.items()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.counts = {(key, src): n for key, src, n in state["counts"]}
+
     def on_push(self, msg: Message, client: NodeInfo) -> None:
         server = self.server
         st = server.key_state(msg)

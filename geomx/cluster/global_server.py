@@ -37,6 +37,7 @@ class GlobalServer(KVServer):
         self.mode: str = "dist_sync"
         self.mixedsync: str = "wait"               # dist_async: do local servers wait for the WAN (config.MIXEDSYNC)
         self.optimizer: tuple | None = None      # (class, kwargs)
+        self.optimizer_name: str | None = None     # as the master worker named it
         self.compression: CompressionPolicy | None = None
         self.policy: UpdatePolicy | None = None
         self.directory: dict = {}                  # key -> owning global server rank
@@ -74,6 +75,7 @@ class GlobalServer(KVServer):
                 raise Refused(OVERLAP_WITH_OPTIMIZER)
             kwargs = dict(args.get("kwargs") or {})
             self.optimizer = (resolve_optimizer(str(args.get("optimizer")), kwargs), kwargs)
+            self.optimizer_name = str(args.get("optimizer"))
         elif name == "set_compression":
             try:
                 self.compression = CompressionPolicy.from_wire(args.get("policy"))
@@ -94,6 +96,53 @@ class GlobalServer(KVServer):
         return GradientRelay(self.num_all_workers, [w.id for w in self.global_tier.workers()],
                              echo_own=self.mixedsync != "overlap")
 
+    def _configure(self) -> None:
+        """At the first key: the configuration is final; choose the update policy and the wire."""
+        self.policy = self._choose_policy()
+        self.info = {"mode": self.mode, "mixedsync": self.mixedsync,
+                     "server_optimizer": self.optimizer is not None,
+                     "num_all_workers": self.num_all_workers,
+                     "compression": self.compression.to_wire() if self.compression else None}
+        if self.compression is not None:
+            self.wire = ServerWire(self.compression, "wan", weights=self.optimizer is not None,
+                                   per_client=not self.policy.synchronous, salt=self.po.cfg.label)
+
+    # saved state ----------------------------------------------------------------------------------------------
+    def config_state(self) -> dict:
+        return {"num_all_workers": self.num_all_workers, "mode": self.mode, "mixedsync": self.mixedsync,
+                "optimizer": None if self.optimizer is None else [self.optimizer_name, self.optimizer[1]],
+                "compression": self.compression.to_wire() if self.compression is not None else None,
+                "configured": self.policy is not None, "directory": dict(self.directory)}
+
+    def load_config_state(self, config: dict) -> None:
+        if config["num_all_workers"] != self.num_all_workers:
+            raise ConfigError(f"the saved global server served {config['num_all_workers']} workers, this one "
+                              f"{self.num_all_workers}")
+        self.mode, self.mixedsync = config["mode"], config["mixedsync"]
+        if config["optimizer"] is not None:
+            name, kwargs = config["optimizer"]
+            try:
+                self.optimizer, self.optimizer_name = (resolve_optimizer(name, dict(kwargs)), dict(kwargs)), name
+            except Refused as exc:
+                raise ConfigError(f"saved server optimizer: {exc}") from None
+        if config["compression"] is not None:
+            self.compression = CompressionPolicy.from_wire(config["compression"])
+        self.directory = dict(config["directory"])
+        if config["configured"]:
+            if self.global_tier is None:
+                raise ConfigError("join the global tier before loading a global server's state (its update "
+                                  "policy counts the tier's clients)")
+            self._configure()
+
+    def load_owned_state(self, st, saved):
+        super().load_owned_state(st, saved)
+        self.policy.init_key(st)
+        if (st.update is None) != (saved["update"] is None):
+            raise ValueError(f"saved with {'no ' if saved['update'] is None else ''}update policy state, but "
+                             f"{type(self.policy).__name__} {'keeps' if st.update is not None else 'keeps none'}")
+        if st.update is not None:
+            st.update.load_state_dict(saved["update"])
+
     # keys -----------------------------------------------------------------------------------------------------
     def on_init(self, msg: Message, client: NodeInfo) -> None:
         key = msg.get("key")
@@ -104,14 +153,7 @@ class GlobalServer(KVServer):
             if key in self.keys:
                 raise Refused(f"key {key!r} is initialized twice by the master worker")
             if self.policy is None:
-                self.policy = self._choose_policy()
-                self.info = {"mode": self.mode, "mixedsync": self.mixedsync,
-                             "server_optimizer": self.optimizer is not None,
-                             "num_all_workers": self.num_all_workers,
-                             "compression": self.compression.to_wire() if self.compression else None}
-                if self.compression is not None:
-                    self.wire = ServerWire(self.compression, "wan", weights=self.optimizer is not None,
-                                           per_client=not self.policy.synchronous, salt=self.po.cfg.label)
+                self._configure()
             st = KeyState(key, tuple(value.shape), value.dtype, value=np.array(value))
             self.policy.init_key(st)
             self.keys[key] = st
@@ -157,12 +199,10 @@ class GlobalServer(KVServer):
         return self.policy.read(st, src)
 
 
-def run_global_server(cfg: NodeConfig) -> int:
-    # a server optimizer (DCASGD, SGD...) may arrive once the tiers are up, and importing torch then, on the
-    # receive thread, stalls heartbeats: on a loaded machine for longer than their timeout. Import it first.
-    import torch  # noqa: F401
-    done = threading.Event()
-    po = Postoffice(cfg)
+def start_global_server(cfg: NodeConfig, done: threading.Event, *, node_id: str | None = None) -> GlobalServer:
+    """A global server joined to its two tiers, serving on its van's receive thread; ``done`` is set when it
+    should stop (shutdown or abort). The caller closes ``server.po``."""
+    po = Postoffice(cfg, node_id=node_id)
     server = GlobalServer(po, cfg.num_all_workers)
     po.on_data = server.handle
     po.add_abort_listener(lambda reason: done.set())
@@ -176,8 +216,21 @@ def run_global_server(cfg: NodeConfig) -> int:
         po.join(cfg.local_tier, cfg.scheduler, cfg.dc, "server",
                 {"num_workers": cfg.num_workers, "num_servers": cfg.num_servers}, rank=tier.me.rank,
                 on_table=server.attach)
-        log.info("global server %d ready at %s", tier.me.rank, po.van.address)
+    except BaseException:
+        po.close()
+        raise
+    log.info("global server %d ready at %s", tier.me.rank, po.van.address)
+    return server
+
+
+def run_global_server(cfg: NodeConfig) -> int:
+    # a server optimizer (DCASGD, SGD...) may arrive once the tiers are up, and importing torch then, on the
+    # receive thread, stalls heartbeats: on a loaded machine for longer than their timeout. Import it first.
+    import torch  # noqa: F401
+    done = threading.Event()
+    server = start_global_server(cfg, done)
+    try:
         done.wait()
     finally:
-        po.close()
-    return 1 if po.aborted else 0
+        server.po.close()
+    return 1 if server.po.aborted else 0

@@ -19,6 +19,9 @@ the model as far as one synchronous round.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
 from geomx.cluster.kvserver import KeyState, Refused
@@ -27,13 +30,15 @@ OPTIMIZER_MODULES = ("torch.optim", "geomx.optim")
 
 
 class UpdatePolicy:
+    """Per key, a policy keeps its memory in ``st.update`` (a dataclass with state_dict / load_state_dict),
+    created by :meth:`init_key` once the key has its value."""
     synchronous = True
 
     def __init__(self, num_all_workers: int) -> None:
         self.divisor = float(num_all_workers)
 
     def init_key(self, st: KeyState) -> None:
-        pass
+        """Set ``st.update`` (the key's memory) when the policy needs one."""
 
     def apply(self, server, st: KeyState, total: np.ndarray, contributors: list[str]) -> None:
         raise NotImplementedError
@@ -53,6 +58,19 @@ class MeanGradient(UpdatePolicy):
         server.set_value(st, mean.astype(st.dtype, copy=False), contributors)
 
 
+@dataclass
+class RelayState:
+    """A relay's gradients applied but not yet read, per client (summed; divided when read)."""
+    pending: dict[str, np.ndarray] | None = None
+
+    def state_dict(self) -> dict:
+        return {"pending": None if self.pending is None else dict(self.pending)}
+
+    def load_state_dict(self, state: dict) -> None:
+        pending = state["pending"]
+        self.pending = None if pending is None else {c: np.array(a) for c, a in pending.items()}
+
+
 class GradientRelay(UpdatePolicy):
     """Asynchronous worker-side updates: nothing is lost, each DC receives every gradient exactly once.
     ``echo_own=False`` (MixedSync overlap): a DC's own pushes are not sent back to it, its local server already
@@ -63,20 +81,74 @@ class GradientRelay(UpdatePolicy):
         super().__init__(num_all_workers)
         self.clients, self.echo_own = clients, echo_own
 
+    def init_key(self, st):
+        st.update = RelayState()
+
     def apply(self, server, st, total, contributors):
-        pending = st.state.setdefault("pending", {c: np.zeros_like(total) for c in self.clients})
+        relay = st.update
+        if relay.pending is None:
+            relay.pending = {c: np.zeros_like(total) for c in self.clients}
+        pending = relay.pending
         for client, acc in pending.items():
             if self.echo_own or client not in contributors:
                 acc += total
         server.set_value(st, st.value, contributors)
 
     def read(self, st, src):
-        pending = st.state.get("pending")
+        pending = st.update.pending
         if pending is None or st.pushes.get(src, 0) == 0:
             return st.value
         out = (pending[src] / self.divisor).astype(st.dtype)
         pending[src][...] = 0
         return out
+
+
+def _tensors_to_arrays(obj: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy().copy()
+    if isinstance(obj, dict):
+        return {k: _tensors_to_arrays(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_tensors_to_arrays(v) for v in obj)
+    return obj
+
+
+def _arrays_to_tensors(obj: Any) -> Any:
+    """The inverse for an optimizer's state_dict: every array in it was a tensor (torch keeps no arrays)."""
+    import torch
+
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.array(obj))
+    if isinstance(obj, dict):
+        return {k: _arrays_to_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_arrays_to_tensors(v) for v in obj)
+    return obj
+
+
+@dataclass
+class OptimizerState:
+    """A server optimizer's parameter (fp32 for 16-bit keys: more precise than the value clients read) and
+    the torch optimizer stepping it."""
+    param: Any       # torch.nn.Parameter
+    optimizer: Any   # torch.optim.Optimizer
+
+    def state_dict(self) -> dict:
+        return {"param": self.param.detach().numpy().copy(),
+                "optimizer": _tensors_to_arrays(self.optimizer.state_dict())}
+
+    def load_state_dict(self, state: dict) -> None:
+        import torch
+
+        param = np.asarray(state["param"])
+        if param.shape != tuple(self.param.shape) or param.dtype != self.param.detach().numpy().dtype:
+            raise ValueError(f"saved parameter has shape {param.shape} {param.dtype}, the key's optimizer "
+                             f"{tuple(self.param.shape)} {self.param.dtype}")
+        with torch.no_grad():
+            self.param.copy_(torch.from_numpy(param))
+        self.optimizer.load_state_dict(_arrays_to_tensors(state["optimizer"]))
 
 
 class ServerOptimizer(UpdatePolicy):
@@ -93,13 +165,12 @@ class ServerOptimizer(UpdatePolicy):
             raise Refused(f"key {st.key!r} is {st.dtype.name}: a server optimizer needs floating-point values")
         param = torch.nn.Parameter(torch.from_numpy(st.value.astype(np.float32 if st.dtype != np.float64
                                                                      else np.float64)))
-        st.state["param"] = param
-        st.state["optimizer"] = self.optimizer_class([param], **self.kwargs)
+        st.update = OptimizerState(param, self.optimizer_class([param], **self.kwargs))
 
     def apply(self, server, st, total, contributors):
         import torch
 
-        param, opt = st.state["param"], st.state["optimizer"]
+        param, opt = st.update.param, st.update.optimizer
         if hasattr(opt, "set_sender"):
             # optimizers that compensate delays (geomx.optim.DCASGD) keep a weight backup per sender; the clients
             # of a synchronous round all read the same weights, so they count as one sender, "*"

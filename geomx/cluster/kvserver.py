@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from geomx import statefile
 from geomx.cluster.compressed import ServerWire, WireError, scale_dense
 from geomx.cluster.postoffice import NodeInfo, Postoffice
+from geomx.errors import ConfigError
 from geomx.transport.message import WIRE_DTYPES, Message
 
 log = logging.getLogger("geomx.kvserver")
@@ -49,9 +51,36 @@ class Round:
             self.priority = max(self.priority, priority)
         self.contributors.append(src)
 
+    def state_dict(self) -> dict:
+        return {"total": self.total, "contributors": list(self.contributors), "priority": self.priority}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> Round:
+        total = state["total"]
+        return cls(None if total is None else np.array(total), list(state["contributors"]), state["priority"])
+
+
+class OwnedState(Protocol):
+    """What each owner keeps per key (see KeyState): saved and restored like torch's Optimizer state."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
 
 @dataclass
 class KeyState:
+    """One key on one server. The counters and open rounds are the server's (kvserver.py); every other part
+    has one owner, which creates it and alone reads or writes it:
+
+    * ``update``: the global server's update policy (global_update.py: a relay's pending gradients, a server
+      optimizer's parameter and optimizer);
+    * ``wire``: gradient compression (compressed.ServerWire: reply streams, codec memory, residuals);
+    * ``upstream``: a local server's WAN rounds (local_server.UpstreamRounds: results applied in order);
+    * ``overlap``: MixedSync overlap at a local server (wan_overlap.OverlapState).
+
+    Held requests (``waiting``, ``held_inits``) belong to connections, not to the state: they are not saved.
+    """
     key: Any
     shape: tuple
     dtype: np.dtype
@@ -62,10 +91,33 @@ class KeyState:
     rounds: dict[int, Round] = field(default_factory=dict)
     waiting: list[tuple[Message, int]] = field(default_factory=list)  # (pull or pushpull, pushes it follows)
     held_inits: list[Message] = field(default_factory=list)
-    state: dict = field(default_factory=dict)            # owned by the update policy
+    update: OwnedState | None = None
+    wire: Any = None                                     # compressed.WireKeyState (its state_dict takes the value)
+    upstream: OwnedState | None = None
+    overlap: OwnedState | None = None
 
     def describe(self) -> str:
         return f"shape {tuple(self.shape)} {self.dtype.name}"
+
+    def state_dict(self) -> dict:
+        """Everything but held requests; arrays are referenced, not copied (values are never mutated once
+        set; a file written by geomx.statefile is a copy)."""
+        return {"key": self.key, "shape": tuple(self.shape), "dtype": self.dtype.str, "value": self.value,
+                "pushes": dict(self.pushes), "refused": dict(self.refused), "applied": dict(self.applied),
+                "rounds": {n: r.state_dict() for n, r in self.rounds.items()},
+                "update": self.update.state_dict() if self.update is not None else None,
+                "wire": self.wire.state_dict(self.value) if self.wire is not None else None,
+                "upstream": self.upstream.state_dict() if self.upstream is not None else None,
+                "overlap": self.overlap.state_dict() if self.overlap is not None else None}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> KeyState:
+        """The server's part; the owners load theirs (KVServer.load_state_dict)."""
+        value = state["value"]
+        return cls(state["key"], tuple(state["shape"]), np.dtype(state["dtype"]),
+                   value=None if value is None else np.array(value),
+                   pushes=dict(state["pushes"]), refused=dict(state["refused"]), applied=dict(state["applied"]),
+                   rounds={int(n): Round.from_state_dict(r) for n, r in state["rounds"].items()})
 
 
 def layout_mismatch(what: str, key, value_shape, value_dtype, shape, dtype) -> str | None:
@@ -143,6 +195,54 @@ class KVServer:
 
     def read_value(self, st: KeyState, src: str) -> np.ndarray:
         return st.value
+
+    # saved state ----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The whole server: its configuration, and per key the value, the counters, the open rounds and what
+        each owner keeps (KeyState). The state is the receive thread's alone: call this from a handler, or
+        while no request is in flight. Held requests are not part of it (their clients time out or retry)."""
+        return {"server": type(self).__name__, "info": dict(self.info), "config": self.config_state(),
+                "keys": [st.state_dict() for st in self.keys.values()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` into a fresh server that has joined its tiers (client ids must be those
+        of the saved run)."""
+        if state.get("server") != type(self).__name__:
+            raise ConfigError(f"a {state.get('server')} state cannot be loaded into a {type(self).__name__}")
+        if self.keys:
+            raise ConfigError(f"{self.po.cfg.label} already has keys ({', '.join(map(repr, list(self.keys)[:5]))}): "
+                              f"load state into a fresh server")
+        self.info = dict(state["info"])
+        self.load_config_state(state["config"])
+        for saved in state["keys"]:
+            st = KeyState.from_state_dict(saved)
+            try:
+                self.load_owned_state(st, saved)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ConfigError(f"saved state of key {st.key!r} does not fit this server: {exc}") from None
+            self.keys[st.key] = st
+
+    def save(self, path) -> None:
+        """:meth:`state_dict` to ``path``, atomically (geomx.statefile: msgpack, never pickle)."""
+        statefile.save(path, self.state_dict())
+
+    def load(self, path) -> None:
+        self.load_state_dict(statefile.load(path))
+
+    def config_state(self) -> dict:
+        """What the subclass was configured with (mode, optimizer...)."""
+        return {}
+
+    def load_config_state(self, config: dict) -> None:
+        pass
+
+    def load_owned_state(self, st: KeyState, saved: dict) -> None:
+        """Recreate each owner's part of ``st`` and load it (subclasses add theirs)."""
+        if saved["wire"] is not None:
+            if self.wire is None:
+                raise ValueError("it carries compression state, but no compression is configured")
+            st.wire = self.wire.key_state(st)
+            st.wire.load_state_dict(saved["wire"], st.value)
 
     # dispatch -----------------------------------------------------------------------------------------------
     def add_clients(self, members: list[NodeInfo]) -> None:

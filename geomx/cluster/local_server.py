@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, field
 
+import numpy as np
 
 from geomx.cluster import dc_rounds
 from geomx.cluster.client import Handle, KVClient, check_key
 from geomx.cluster.compressed import ServerWire
 from geomx.cluster.kvserver import KeyState, KVServer, Refused, Round, init_layout
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
-from geomx.cluster.wan_overlap import WanOverlap
+from geomx.cluster.wan_overlap import OverlapState, WanOverlap
 from geomx.compression import CompressionPolicy
 from geomx.config import NodeConfig
 from geomx.errors import KVError, PeerLostError
@@ -25,6 +27,21 @@ from geomx.profiles import CENTRAL_DC
 from geomx.transport.message import Message
 
 log = logging.getLogger("geomx.local_server")
+
+
+@dataclass
+class UpstreamRounds:
+    """A key's WAN rounds at a local server: replies arrive in any order and are applied in round order."""
+    applied_rounds: int = 0
+    done: dict[int, tuple[np.ndarray, list[str]]] = field(default_factory=dict)   # round -> (value, contributors)
+
+    def state_dict(self) -> dict:
+        return {"applied_rounds": self.applied_rounds,
+                "done": {n: {"value": v, "contributors": list(c)} for n, (v, c) in self.done.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.applied_rounds = state["applied_rounds"]
+        self.done = {int(n): (np.array(d["value"]), list(d["contributors"])) for n, d in state["done"].items()}
 
 
 class LocalServer(KVServer):
@@ -112,14 +129,31 @@ class LocalServer(KVServer):
             self.fail_waiting(st, f"the global round {number} of key {st.key!r} failed: {h.error}",
                               lost=isinstance(h.error, PeerLostError))
             return
-        done = st.state.setdefault("done", {})
-        done[number] = (h.result, contributors)
-        applied = st.state.get("applied_rounds", 0)
-        while applied + 1 in done:
-            value, who = done.pop(applied + 1)
-            applied += 1
-            st.state["applied_rounds"] = applied
+        rounds = st.upstream
+        if rounds is None:
+            rounds = st.upstream = UpstreamRounds()
+        rounds.done[number] = (h.result, contributors)
+        while rounds.applied_rounds + 1 in rounds.done:
+            rounds.applied_rounds += 1
+            value, who = rounds.done.pop(rounds.applied_rounds)
             self.set_value(st, value, who)
+
+    # saved state ----------------------------------------------------------------------------------------------
+    def config_state(self) -> dict:
+        return {"dc_rounds": self.dc_rounds.state_dict()}
+
+    def load_config_state(self, config: dict) -> None:
+        self._configure_compression()
+        self.dc_rounds.load_state_dict(config["dc_rounds"])
+
+    def load_owned_state(self, st, saved):
+        super().load_owned_state(st, saved)
+        if saved["upstream"] is not None:
+            st.upstream = UpstreamRounds()
+            st.upstream.load_state_dict(saved["upstream"])
+        if saved["overlap"] is not None:
+            st.overlap = OverlapState()
+            st.overlap.load_state_dict(saved["overlap"])
 
     def handle_other(self, msg: Message, client: NodeInfo) -> None:
         if msg.op != dc_rounds.OP:
@@ -139,9 +173,10 @@ class LocalServer(KVServer):
             super().on_command(msg, client)
 
 
-def run_local_server(cfg: NodeConfig) -> int:
-    done = threading.Event()
-    po = Postoffice(cfg)
+def start_local_server(cfg: NodeConfig, done: threading.Event, *, node_id: str | None = None) -> LocalServer:
+    """A local server joined to the global tier and its DC's, serving on its van's receive thread; ``done`` is
+    set when it should stop. The caller closes ``server.po``."""
+    po = Postoffice(cfg, node_id=node_id)
     server = LocalServer(po)
     po.on_data = server.dispatch
     po.add_abort_listener(lambda reason: done.set())
@@ -154,8 +189,18 @@ def run_local_server(cfg: NodeConfig) -> int:
         po.join(cfg.local_tier, cfg.scheduler, cfg.dc, "server",
                 {"num_workers": cfg.num_workers, "num_servers": cfg.num_servers}, rank=0,
                 on_table=server.attach_dc)
-        log.info("local server of DC %s ready at %s", cfg.dc, po.van.address)
+    except BaseException:
+        po.close()
+        raise
+    log.info("local server of DC %s ready at %s", cfg.dc, po.van.address)
+    return server
+
+
+def run_local_server(cfg: NodeConfig) -> int:
+    done = threading.Event()
+    server = start_local_server(cfg, done)
+    try:
         done.wait()
     finally:
-        po.close()
-    return 1 if po.aborted else 0
+        server.po.close()
+    return 1 if server.po.aborted else 0

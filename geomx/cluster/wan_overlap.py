@@ -15,6 +15,8 @@ updates only: with a server optimizer the weights a worker needs exist only afte
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from geomx.cluster.client import Handle
@@ -22,33 +24,54 @@ from geomx.cluster.kvserver import KeyState, Round
 from geomx.errors import PeerLostError
 
 
+@dataclass
+class OverlapState:
+    """One key's WAN exchange under overlap. A round in flight when the state is saved is the global server's
+    to finish: a restored state starts with none in flight (its DC sum went up; the reply is lost with the
+    connection), so save between rounds."""
+    outbox: np.ndarray | None = None     # DC sums not yet sent
+    inbox: np.ndarray | None = None      # other DCs' gradients not yet handed to the workers
+    in_flight: bool = False
+    wan_error: str | None = None
+    wan_lost: bool = False
+
+    def state_dict(self) -> dict:
+        return {"outbox": self.outbox, "inbox": self.inbox, "wan_error": self.wan_error, "wan_lost": self.wan_lost}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.outbox = None if state["outbox"] is None else np.array(state["outbox"])
+        self.inbox = None if state["inbox"] is None else np.array(state["inbox"])
+        self.in_flight, self.wan_error, self.wan_lost = False, state["wan_error"], state["wan_lost"]
+
+
 class WanOverlap:
-    """Per-key state lives in ``st.state``: ``outbox`` (DC sums not yet sent), ``inbox`` (other DCs' gradients
-    not yet handed out), ``in_flight``, ``wan_error``."""
+    """Per-key state lives in ``st.overlap`` (:class:`OverlapState`)."""
 
     def __init__(self, server) -> None:
         self.server = server     # the LocalServer: set_value, fail_waiting, upstream, info
 
     def on_round(self, st: KeyState, rnd: Round) -> None:
-        s = st.state
-        if s.get("wan_error"):
-            self.server.fail_waiting(st, s["wan_error"], lost=s.get("wan_lost", False))
+        s = st.overlap
+        if s is None:
+            s = st.overlap = OverlapState()
+        if s.wan_error:
+            self.server.fail_waiting(st, s.wan_error, lost=s.wan_lost)
             return
         divisor = np.float32(self.server.info["num_all_workers"])
         value = np.divide(rnd.total, divisor, dtype=np.float32)
-        inbox = s.pop("inbox", None)
+        inbox, s.inbox = s.inbox, None
         if inbox is not None:
             value += inbox
         self.server.set_value(st, value.astype(st.dtype, copy=False), rnd.contributors)
-        total = s.get("outbox")
         # the round's total may be a received, read-only buffer: sum into a new array
-        s["outbox"] = rnd.total if total is None else np.add(total, rnd.total)
-        if not s.get("in_flight"):
+        s.outbox = rnd.total if s.outbox is None else np.add(s.outbox, rnd.total)
+        if not s.in_flight:
             self._send(st)
 
     def _send(self, st: KeyState) -> None:
-        total = st.state.pop("outbox")
-        st.state["in_flight"] = True
+        s = st.overlap
+        total, s.outbox = s.outbox, None
+        s.in_flight = True
         # the sender count scales what travels (a sum goes as sum / count, see compressed.dense_push): it must
         # not change from push to push, or an error-feedback residual kept at one scale is sent at another.
         # Summed rounds therefore go with the DC's workers, the count of every single round.
@@ -56,15 +79,14 @@ class WanOverlap:
         h.add_done_callback(lambda h: self._returned(st, h))
 
     def _returned(self, st: KeyState, h: Handle) -> None:
-        s = st.state
-        s["in_flight"] = False
+        s = st.overlap
+        s.in_flight = False
         if h.error is not None:
-            s["wan_error"] = f"a global round of key {st.key!r} failed: {h.error}"
-            s["wan_lost"] = isinstance(h.error, PeerLostError)
-            self.server.fail_waiting(st, s["wan_error"], lost=s["wan_lost"])
+            s.wan_error = f"a global round of key {st.key!r} failed: {h.error}"
+            s.wan_lost = isinstance(h.error, PeerLostError)
+            self.server.fail_waiting(st, s.wan_error, lost=s.wan_lost)
             return
         others = np.asarray(h.result, dtype=np.float32)
-        inbox = s.get("inbox")
-        s["inbox"] = others.copy() if inbox is None else np.add(inbox, others, out=inbox)
-        if "outbox" in s:
+        s.inbox = others.copy() if s.inbox is None else np.add(s.inbox, others, out=s.inbox)
+        if s.outbox is not None:
             self._send(st)

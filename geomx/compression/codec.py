@@ -92,6 +92,26 @@ class CodecState:
     def __contains__(self, name: str) -> bool:
         return name in self._slots
 
+    def state_dict(self) -> dict[str, Any]:
+        """The seed and every codec's slot (arrays kept as arrays; a random generator as its bit generator's
+        state), so that a restored state continues the same random stream."""
+        slots = {name: {k: ({"bit_generator_state": v.bit_generator.state} if isinstance(v, np.random.Generator)
+                            else v) for k, v in slot.items()}
+                 for name, slot in self._slots.items()}
+        return {"seed": self.seed, "slots": slots}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seed = state["seed"]
+        self._slots = {}
+        for name, saved in state["slots"].items():
+            slot = self._slots[name] = {}
+            for k, v in saved.items():
+                if isinstance(v, dict) and "bit_generator_state" in v:
+                    rng = np.random.default_rng()
+                    rng.bit_generator.state = v["bit_generator_state"]
+                    v = rng
+                slot[k] = v.copy() if isinstance(v, np.ndarray) else v   # never share buffers with the source
+
     def __getitem__(self, name: str) -> dict[str, Any]:
         return self._slots[name]
 

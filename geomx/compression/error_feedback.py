@@ -52,3 +52,10 @@ class ErrorFeedback:
     def residual(self, key: Hashable) -> np.ndarray | None:
         """The key's current residual (flat float32), or None before its first step."""
         return self._residual.get(key)
+
+    def state_dict(self) -> dict:
+        """The residuals, per key (flat float32 arrays)."""
+        return {"residuals": dict(self._residual)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._residual = {key: np.array(r, dtype=np.float32) for key, r in state["residuals"].items()}   # copies

@@ -1,0 +1,137 @@
+"""A server's whole state saves and restores: a global server saved mid-training and loaded into a fresh one
+(in a second deployment whose nodes have the same ids) answers the next rounds bit for bit as the original.
+
+Deployments run in this process (tests/scripts/inproc.py): real schedulers, server and clients over
+loopback sockets. Each test takes about a second.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from inproc import FlatCluster
+
+from geomx import statefile
+from geomx.compression import parse_policy
+
+KEYS = {"w": (64,), 7: (8, 4)}
+WAIT_S = 60      # deadlines only: a loaded 2-core machine may be slow, never wrong
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_optimizers_loaded():
+    """A first torch optimizer loads torch._dynamo (seconds on a loaded machine): do it here, not on the
+    server's receive thread inside a deadline (run_global_server imports torch first for the same reason)."""
+    torch.optim.Adam([torch.zeros(1, requires_grad=True)]).step()
+
+TOPK = {"wan": {"type": "topk", "ratio": 0.25}, "size_lower_bound": 0}
+
+
+def _grad(step: int, worker: int, shape) -> np.ndarray:
+    return np.random.default_rng([step, worker]).standard_normal(shape).astype(np.float32)
+
+
+def _rounds(cluster: FlatCluster, steps: range, synchronous: bool) -> list[np.ndarray]:
+    """Every worker pushes each key's gradient and reads the result back (all at once in dist_sync; one worker
+    after the other in dist_async, so the order is fixed)."""
+    results = []
+    for step in steps:
+        for key, shape in KEYS.items():
+            handles = []
+            for i, w in enumerate(cluster.workers):
+                handles.append(w.kv.pushpull(key, _grad(step, i, shape)))
+                if not synchronous:
+                    results.append(np.array(handles.pop().wait(WAIT_S)))
+            results.extend(np.array(h.wait(WAIT_S)) for h in handles)
+    return results
+
+
+def _configure(cluster: FlatCluster, mode: str, optimizer, compression) -> None:
+    master = cluster.master.kv
+    for h in master.command("set_mode", mode=mode, mixedsync="wait"):
+        h.wait(WAIT_S)
+    if optimizer is not None:
+        for h in master.command("set_optimizer", optimizer=optimizer[0], kwargs=optimizer[1]):
+            h.wait(WAIT_S)
+    if compression is not None:
+        for h in master.command("set_compression", policy=parse_policy(compression).to_wire()):
+            h.wait(WAIT_S)
+    for key, shape in KEYS.items():
+        master.init(key, np.linspace(-1, 1, int(np.prod(shape)), dtype=np.float32).reshape(shape)).wait(WAIT_S)
+
+
+def _join_keys(cluster: FlatCluster) -> None:
+    for w in cluster.workers:
+        for key, shape in KEYS.items():
+            w.kv.init_layout(key, shape, np.float32).wait(WAIT_S)
+
+
+CASES = {
+    # Adam's moments and step, a top-k stream with a residual per client, the weights each client holds
+    "adam+topk": ("dist_sync", ("torch.optim.Adam", {"lr": 0.05}), TOPK),
+    # the round's mean gradient encoded once, with its residual
+    "mean+topk": ("dist_sync", None, TOPK),
+    # dist_async relay: every client's unread gradients
+    "relay": ("dist_async", None, None),
+    # DCASGD keeps one weight backup per sender (the DC whose push is applied)
+    "dcasgd": ("dist_async", ("geomx.optim.DCASGD", {"lr": 0.1, "momentum": 0.5, "lamda": 0.5}), None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_global_server_restored_from_its_saved_state_continues_bit_for_bit(case, tmp_path):
+    mode, optimizer, compression = CASES[case]
+    synchronous = mode == "dist_sync"
+    first = FlatCluster()
+    try:
+        _configure(first, mode, optimizer, compression)
+        _join_keys(first)
+        _rounds(first, range(3), synchronous)
+        first.server.save(tmp_path / "server.state")
+        client_wires = [copy.deepcopy(w.kv.wire) for w in first.workers]
+        expected = _rounds(first, range(3, 6), synchronous)
+    finally:
+        first.close()
+
+    second = FlatCluster()
+    try:
+        second.server.load(tmp_path / "server.state")
+        _join_keys(second)
+        for w, wire in zip(second.workers, client_wires, strict=True):
+            w.kv.wire = wire                     # the workers' own codec memory, as it was at the save
+        got = _rounds(second, range(3, 6), synchronous)
+    finally:
+        second.close()
+    assert len(got) == len(expected) == 3 * len(KEYS) * 2
+    for a, b in zip(expected, got, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # the saved rounds moved the values: a restore that lost the state could not match by accident
+    assert not all(np.array_equal(a, np.zeros_like(a)) for a in expected)
+
+
+def test_a_state_file_keeps_arrays_tuples_and_generator_states_and_refuses_other_files(tmp_path):
+    rng = np.random.default_rng(5)
+    state = {"value": np.arange(6, dtype=np.float16).reshape(2, 3), 3: ("a", 1), "rng": rng.bit_generator.state}
+    statefile.save(tmp_path / "s", state)
+    back = statefile.load(tmp_path / "s")
+    assert back[3] == ("a", 1) and back["rng"] == rng.bit_generator.state
+    assert back["value"].dtype == np.float16 and back["value"].flags.writeable
+    np.testing.assert_array_equal(back["value"], state["value"])
+    (tmp_path / "junk").write_bytes(b"\x93\x01\x02\x03")
+    with pytest.raises(Exception, match="not a geomx state file"):
+        statefile.load(tmp_path / "junk")
+
+
+def test_a_state_cannot_be_loaded_into_a_server_of_another_kind_or_one_with_keys(tmp_path):
+    cluster = FlatCluster(num_workers=1)
+    try:
+        _configure(cluster, "dist_sync", None, None)
+        state = cluster.server.state_dict()
+        with pytest.raises(Exception, match="already has keys"):
+            cluster.server.load_state_dict(state)
+        with pytest.raises(Exception, match="LocalServer state cannot be loaded into a GlobalServer"):
+            cluster.server.load_state_dict({**state, "server": "LocalServer"})
+    finally:
+        cluster.close()
