@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Mapping
 
 from geomx.errors import ConfigError
@@ -56,6 +56,8 @@ class NodeConfig:
     partition_bytes: int = DEFAULT_PARTITION_BYTES   # tensors above this travel in parts (0: never)
     security: object = None                # geomx.transport.security.Curve (GEOMX_SECRET) or Plain (GEOMX_AUTH_TOKEN)
     scheduler_tier: str | None = None      # the tier of this DC's (or the central party's) scheduler, if not dc:DC
+    van: str = "zmq"                       # the transport (geomx.transport.base.Van.create); "inproc": in one process
+    van_options: dict = field(default_factory=dict)   # extra arguments of that van (inproc: its Hub)
 
     @property
     def local_tier(self) -> str:

@@ -19,7 +19,7 @@ from geomx.netem.emulator import WanEmulator
 from geomx.profiles import custom_profile
 from geomx.transport.message import Message, encode
 from geomx.transport.refusals import RefusalLog
-from geomx.transport.van import Van, public_name
+from geomx.transport.van import ZmqVan, public_name
 from harness import Inbox
 
 
@@ -101,7 +101,7 @@ def test_a_reply_flood_grows_the_receiver_by_less_than_100_mib_and_logs_a_few_li
         if pending.get(msg.get("req")) is None:
             refused.note(msg.src, "reply %r from %r dropped", msg.get("req"), msg.src)
 
-    receiver = Van(node_id="victim", dc="a", on_message=refuse)
+    receiver = ZmqVan(node_id="victim", dc="a", on_message=refuse)
     receiver.start()
     ctx = zmq.Context()
     flood = ctx.socket(zmq.DEALER)
@@ -140,7 +140,7 @@ def test_the_emulator_relays_only_between_its_dcs_and_to_its_hosts():
     emulator = WanEmulator(profile=custom_profile(1e9, 0.002), dcs=["central", "a", "b"])
     emulator.start()
     inbox = Inbox()
-    dst = Van(node_id="dst", dc="b", on_message=inbox)
+    dst = ZmqVan(node_id="dst", dc="b", on_message=inbox)
     dst.start()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -29,7 +29,7 @@ from geomx.errors import ConfigError
 from geomx.netem import EmulatedLink, WanEmulator, run_from_env
 from geomx.profiles import CENTRAL_DC, custom_profile
 from geomx.transport.message import Message, encode, payload_nbytes
-from geomx.transport.van import Van
+from geomx.transport.van import ZmqVan
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 1 << 20
@@ -58,7 +58,7 @@ class Net:
     """Emulators and vans made by a test, all stopped at teardown."""
 
     def __init__(self) -> None:
-        self.vans: list[Van] = []
+        self.vans: list[ZmqVan] = []
         self.emulators: list[WanEmulator] = []
 
     def emulator(self, rate_bps: float = 100e6, rtt_s: float = 0.010, jitter_s: float = 0.0, **kw) -> WanEmulator:
@@ -67,9 +67,9 @@ class Net:
         self.emulators.append(em)
         return em
 
-    def van(self, node_id: str, dc: str, emulator: WanEmulator | None = None) -> Van:
+    def van(self, node_id: str, dc: str, emulator: WanEmulator | None = None) -> ZmqVan:
         inbox = Inbox()
-        van = Van(node_id=node_id, dc=dc, on_message=inbox, emulator=emulator.address if emulator else None)
+        van = ZmqVan(node_id=node_id, dc=dc, on_message=inbox, emulator=emulator.address if emulator else None)
         van.inbox = inbox
         van.start()
         self.vans.append(van)
@@ -133,7 +133,7 @@ def bulk(i: int, nbytes: int, src: str = "") -> Message:
     return Message("bulk", src=src, fields={"i": i}, tensors=[np.zeros(nbytes, dtype=np.uint8)])
 
 
-def send_all(src: Van, dst: Van, msgs: list[Message], dst_dc: str, priority: int = 0) -> float:
+def send_all(src: ZmqVan, dst: ZmqVan, msgs: list[Message], dst_dc: str, priority: int = 0) -> float:
     """Send msgs; returns the time of the first send."""
     t0 = time.monotonic()
     for m in msgs:
@@ -441,9 +441,9 @@ def test_python_m_geomx_netem_forwards_until_sigterm_and_writes_final_stats(net,
             found = re.search(r"WAN emulator listening on (tcp://\S+)", lines.get(timeout=8.0))
             address = found and found.group(1)
         assert address, "the emulator did not report its address"
-        a = Van(node_id="a0", dc="a", on_message=Inbox(), emulator=address)
+        a = ZmqVan(node_id="a0", dc="a", on_message=Inbox(), emulator=address)
         c_inbox = Inbox()
-        c = Van(node_id="c0", dc=CENTRAL_DC, on_message=c_inbox, emulator=address)
+        c = ZmqVan(node_id="c0", dc=CENTRAL_DC, on_message=c_inbox, emulator=address)
         net.vans += [a, c]
         a.start()
         c.start()

@@ -8,7 +8,7 @@ import zmq
 from geomx.errors import ConfigError
 from geomx.transport.message import Message, encode
 from geomx.transport.security import Curve
-from geomx.transport.van import Van
+from geomx.transport.van import ZmqVan
 from harness import Inbox
 
 SECRET = "correct horse battery staple 42"
@@ -17,7 +17,7 @@ SECRET = "correct horse battery staple 42"
 @pytest.fixture
 def secured_server():
     inbox = Inbox()
-    van = Van(node_id="server", dc="a", on_message=inbox, security=Curve(SECRET))
+    van = ZmqVan(node_id="server", dc="a", on_message=inbox, security=Curve(SECRET))
     van.start()
     yield van, inbox
     van.stop()
@@ -25,7 +25,7 @@ def secured_server():
 
 def test_peers_sharing_the_secret_exchange_tensors(secured_server):
     server, inbox = secured_server
-    client = Van(node_id="client", dc="a", on_message=lambda m: None, security=Curve(SECRET))
+    client = ZmqVan(node_id="client", dc="a", on_message=lambda m: None, security=Curve(SECRET))
     client.start()
     try:
         client.send(server.address, Message("push", fields={"key": 1}, tensors=[np.arange(5.0)]))
@@ -48,7 +48,7 @@ def test_a_stranger_without_the_secret_is_never_heard_and_the_node_keeps_serving
         stranger.send_multipart(encode(Message("push", src="intruder", fields={"key": 1})), copy=True)
     time.sleep(1.0)
     assert inbox.messages == []
-    friend = Van(node_id="friend", dc="a", on_message=lambda m: None, security=Curve(SECRET))
+    friend = ZmqVan(node_id="friend", dc="a", on_message=lambda m: None, security=Curve(SECRET))
     friend.start()
     try:
         friend.send(server.address, Message("hello"))
@@ -116,7 +116,7 @@ def test_with_the_launchers_token_a_stranger_cannot_connect_and_is_logged_once_p
 
     token = "per-run token of the launcher 0123"
     inbox = Inbox()
-    server = Van(node_id="server", dc="a", on_message=inbox, security=Plain(token))
+    server = ZmqVan(node_id="server", dc="a", on_message=inbox, security=Plain(token))
     server.start()
     ctx = zmq.Context()
     strangers = []
@@ -132,7 +132,7 @@ def test_with_the_launchers_token_a_stranger_cannot_connect_and_is_logged_once_p
                     sock.send_multipart(encode(Message("abort", src="scheduler-dc:a", fields={"tier": "dc:a"})))
                     strangers.append(sock)
             time.sleep(1.0)
-            friend = Van(node_id="friend", dc="a", on_message=lambda m: None, security=Plain(token))
+            friend = ZmqVan(node_id="friend", dc="a", on_message=lambda m: None, security=Plain(token))
             friend.start()
             try:
                 friend.send(server.address, Message("hello"))

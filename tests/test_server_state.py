@@ -1,8 +1,8 @@
 """A server's whole state saves and restores: a global server saved mid-training and loaded into a fresh one
 (in a second deployment whose nodes have the same ids) answers the next rounds bit for bit as the original.
 
-Deployments run in this process (tests/scripts/inproc.py): real schedulers, server and clients over
-loopback sockets. Each test takes about a second.
+Deployments run in this process (tests/scripts/inproc.py): real schedulers, server and clients over the
+in-memory van. Each case takes about a second once torch has made its first optimizer.
 """
 from __future__ import annotations
 

@@ -8,15 +8,15 @@ import pytest
 import zmq
 
 from geomx.transport.message import Message, encode
-from geomx.transport.van import Van
+from geomx.transport.van import ZmqVan
 from harness import Inbox
 
 
 @pytest.fixture
 def pair():
     inbox = Inbox()
-    receiver = Van(node_id="receiver", dc="a", on_message=inbox)
-    sender = Van(node_id="sender", dc="a", on_message=lambda m: None)
+    receiver = ZmqVan(node_id="receiver", dc="a", on_message=inbox)
+    sender = ZmqVan(node_id="sender", dc="a", on_message=lambda m: None)
     receiver.start()
     sender.start()
     yield sender, receiver, inbox
@@ -134,8 +134,8 @@ def test_a_handler_that_holds_the_receive_thread_is_recorded_as_a_stall_and_quic
             time.sleep(STALL_S + 0.3)
         seen.set()
 
-    receiver = Van(node_id="receiver", dc="a", on_message=slow)
-    sender = Van(node_id="sender", dc="a", on_message=lambda m: None)
+    receiver = ZmqVan(node_id="receiver", dc="a", on_message=slow)
+    sender = ZmqVan(node_id="sender", dc="a", on_message=lambda m: None)
     receiver.start()
     sender.start()
     try:

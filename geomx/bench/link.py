@@ -25,7 +25,7 @@ from geomx.errors import DeadlineError
 from geomx.netem.emulator import WanEmulator
 from geomx.profiles import CENTRAL_DC, custom_profile
 from geomx.transport.message import Message, encode, payload_nbytes
-from geomx.transport.van import Van
+from geomx.transport.van import ZmqVan
 
 KIB = 1024
 MIB = 1024 * 1024
@@ -63,8 +63,8 @@ def bench_link(*, rate_bps: float = 100e6, rtt_s: float = 0.040, jitter_s: float
     emulator.start()
     inbox_a, inbox_c = _Inbox(), _Inbox()
     # a van routes through the emulator only when a send names dst_dc, so one pair measures both paths
-    van_a = Van(node_id="bench-a", dc="a", on_message=inbox_a, emulator=emulator.address)
-    holder: dict[str, Van] = {}
+    van_a = ZmqVan(node_id="bench-a", dc="a", on_message=inbox_a, emulator=emulator.address)
+    holder: dict[str, ZmqVan] = {}
 
     def central_handler(msg: Message) -> None:
         if msg.op == "ping":    # answer on the same path the ping took
@@ -73,7 +73,7 @@ def bench_link(*, rate_bps: float = 100e6, rtt_s: float = 0.040, jitter_s: float
         else:
             inbox_c(msg)
 
-    van_c = Van(node_id="bench-c", dc=CENTRAL_DC, on_message=central_handler, emulator=emulator.address)
+    van_c = ZmqVan(node_id="bench-c", dc=CENTRAL_DC, on_message=central_handler, emulator=emulator.address)
     holder["c"] = van_c
     try:
         van_a.start()
@@ -96,7 +96,7 @@ def bench_link(*, rate_bps: float = 100e6, rtt_s: float = 0.040, jitter_s: float
             "added_one_way_delay_s": added, "delay_error_s": added - profile.one_way_delay_s}
 
 
-def _transfer(van_a: Van, van_c: Van, inbox: _Inbox, emulator: WanEmulator, rate_bps: float, size: int,
+def _transfer(van_a: ZmqVan, van_c: ZmqVan, inbox: _Inbox, emulator: WanEmulator, rate_bps: float, size: int,
               seconds: float, timeout_s: float) -> dict:
     count = max(2, math.ceil(rate_bps * seconds / 8 / size))
     tensor = np.zeros(size, dtype=np.uint8)
@@ -118,7 +118,7 @@ def _transfer(van_a: Van, van_c: Van, inbox: _Inbox, emulator: WanEmulator, rate
             "emulator_bytes": emulator.link("a", CENTRAL_DC).snapshot()["bytes"] - before}
 
 
-def _pings(van_a: Van, van_c: Van, inbox: _Inbox, pings: int, ping_bytes: int, rtt_s: float,
+def _pings(van_a: ZmqVan, van_c: ZmqVan, inbox: _Inbox, pings: int, ping_bytes: int, rtt_s: float,
            timeout_s: float) -> tuple[list[float], list[float]]:
     payload = np.zeros(ping_bytes, dtype=np.uint8)
     rtts: dict[bool, list[float]] = {False: [], True: []}

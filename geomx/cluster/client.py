@@ -20,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from geomx.cluster.compressed import CODEC_FIELD, ClientWire, dense_push
+from geomx.cluster.protocol import Field, Op
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
 from geomx.compression import CompressionPolicy
 from geomx.errors import DeadlineError, GeomxError, KVError, PeerLostError
@@ -167,8 +168,8 @@ class KVClient:
             self._owner[key] = rank
             for other in self.servers:
                 if other.rank != rank:
-                    self._send(other, Message("key_owner", fields={"key": key, "owner": rank}))
-            return self._request("init", key, rank, {"master": True}, [value], priority,
+                    self._send(other, Message(Op.KEY_OWNER, fields={Field.KEY: key, Field.OWNER: rank}))
+            return self._request(Op.INIT, key, rank, {Field.MASTER: True}, [value], priority,
                                  lambda m: self._init_result(key, m))
         return self.init_layout(key, value.shape, value.dtype, priority)
 
@@ -176,17 +177,17 @@ class KVClient:
         """Register ``key`` as a client that does not provide the value: only its shape and dtype travel."""
         check_key(key)
         handle = Handle(self.po, f"init of key {key!r}", None)
-        layout = {"layout": [[int(n) for n in shape], np.dtype(dtype).name]}
+        layout = {Field.LAYOUT: [[int(n) for n in shape], np.dtype(dtype).name]}
 
         def ask(rank: int) -> None:
-            inner = self._request("init", key, rank, layout, [], priority, lambda m: m)
+            inner = self._request(Op.INIT, key, rank, layout, [], priority, lambda m: m)
             inner.add_done_callback(lambda h: on_answer(h, rank))
 
         def on_answer(h: Handle, rank: int) -> None:
             if h.error is not None:
                 handle._finish(error=h.error)
-            elif h.result.get("redirect") is not None:
-                ask(int(h.result["redirect"]))
+            elif h.result.get(Field.REDIRECT) is not None:
+                ask(int(h.result[Field.REDIRECT]))
             else:
                 self._owner[key] = rank
                 try:
@@ -204,13 +205,13 @@ class KVClient:
         rank = self._owner_of(key)
         tensors, fields = self._encode(key, value, count)
         self._pushes[key] = self._pushes.get(key, 0) + 1
-        return self._request("push", key, rank, fields, tensors, priority, None)
+        return self._request(Op.PUSH, key, rank, fields, tensors, priority, None)
 
     def pull(self, key, priority: int = 0, *, out: np.ndarray | None = None) -> Handle:
         """The result is the value; with ``out`` (a writable C-contiguous array of the key's shape and dtype)
         the reply is received straight into it and the result is ``out`` itself."""
         rank = self._owner_of(key)
-        return self._request("pull", key, rank, {"after": self._pushes.get(key, 0)}, [], priority,
+        return self._request(Op.PULL, key, rank, {Field.AFTER: self._pushes.get(key, 0)}, [], priority,
                              self._value_of(key), out)
 
     def pushpull(self, key, value: np.ndarray, priority: int = 0, *, out: np.ndarray | None = None,
@@ -221,22 +222,22 @@ class KVClient:
         the key's ordinary rounds (LAN only, never compressed)."""
         rank = self._owner_of(key)
         if scope == "dc":
-            return self._request("dc_pushpull", key, rank, {}, [value], priority, lambda m: m.tensors[0], out)
+            return self._request(Op.DC_PUSHPULL, key, rank, {}, [value], priority, lambda m: m.tensors[0], out)
         tensors, fields = self._encode(key, value, count)
         self._pushes[key] = self._pushes.get(key, 0) + 1
-        return self._request("pushpull", key, rank, fields, tensors, priority, self._value_of(key), out)
+        return self._request(Op.PUSHPULL, key, rank, fields, tensors, priority, self._value_of(key), out)
 
     def command(self, name: str, **args) -> list[Handle]:
         """Send a configuration command to every server of the tier."""
-        return [self._request("cmd", None, s.rank, {"name": name, "args": args}, [], 1000, None)
+        return [self._request(Op.COMMAND, None, s.rank, {Field.NAME: name, Field.ARGS: args}, [], 1000, None)
                 for s in self.servers]
 
     # replies ------------------------------------------------------------------------------------------------
     def receive_into(self, header: dict) -> list[np.ndarray | None]:
         """Van hook: the ``out`` array of the request a reply answers, if it came from the server asked."""
-        if header["op"] != "reply" or len(header["t"]) != 1 or CODEC_FIELD in header["f"]:
+        if header["op"] != Op.REPLY or len(header["t"]) != 1 or CODEC_FIELD in header["f"]:
             return []
-        req = header["f"].get("req")
+        req = header["f"].get(Field.REQ)
         with self._lock:
             entry = self._pending.get(req) if isinstance(req, int) else None
         if entry is None or entry[2] is None or entry[0].server.id != header.get("src"):
@@ -245,7 +246,7 @@ class KVClient:
 
     def handle_reply(self, msg: Message) -> None:
         """A reply counts only from the server its request went to: the request id alone is guessable."""
-        req = msg.get("req")
+        req = msg.get(Field.REQ)
         with self._lock:
             entry = self._pending.get(req) if isinstance(req, int) else None
             if entry is not None and entry[0].server.id == msg.src:
@@ -257,12 +258,12 @@ class KVClient:
                                   "sender", self.po.cfg.label, req, msg.src)
             return
         handle, convert, out = entry
-        if msg.get("error"):
-            kind = PeerLostError if msg.get("lost") else KVError
+        if msg.get(Field.ERROR):
+            kind = PeerLostError if msg.get(Field.LOST) else KVError
             handle._finish(error=kind(f"{handle.what} refused by {handle.server.label}: {msg['error']}"))
             return
-        if msg.get("info"):
-            self.info.update(msg["info"])
+        if msg.get(Field.INFO):
+            self.info.update(msg[Field.INFO])
             self._configure_compression()
         try:
             result = convert(msg) if convert else None
@@ -293,7 +294,7 @@ class KVClient:
         return self.wire.encode_push(key, value, dtype, count or 1)
 
     def _init_result(self, key, msg: Message) -> tuple[np.ndarray, dict]:
-        value, info = msg.tensors[0], dict(msg.get("info") or {})
+        value, info = msg.tensors[0], dict(msg.get(Field.INFO) or {})
         self._layout[key] = (tuple(value.shape), value.dtype)
         if self.wire is not None:
             self.wire.note_dense(key, value)
@@ -319,14 +320,14 @@ class KVClient:
     def _request(self, op: str, key, rank: int, fields: dict, tensors: list, priority: int,
                  convert: Callable[[Message], Any] | None, out: np.ndarray | None = None) -> Handle:
         server = self.servers[rank]
-        what = f"{op} of key {key!r}" if key is not None else f"command {fields.get('name')!r}"
+        what = f"{op} of key {key!r}" if key is not None else f"command {fields.get(Field.NAME)!r}"
         handle = Handle(self.po, what, server)
         req = next(self._req)
         with self._lock:
             self._pending[req] = (handle, convert, out)
         if self.po.aborted:
             self._fail_all(self.po.aborted)
-        self._send(server, Message(op, fields={"req": req, "key": key, **fields}, tensors=tensors,
+        self._send(server, Message(op, fields={Field.REQ: req, Field.KEY: key, **fields}, tensors=tensors,
                                    priority=priority))
         return handle
 

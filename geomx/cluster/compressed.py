@@ -35,9 +35,10 @@ from typing import Any
 
 import numpy as np
 
+from geomx.cluster.protocol import Field
 from geomx.compression import Codec, CodecState, CompressionPolicy, ErrorFeedback, Payload
 
-CODEC_FIELD = "cm"
+CODEC_FIELD = Field.CODEC
 
 
 class WireError(ValueError):
@@ -63,12 +64,12 @@ def dense_push(value: np.ndarray, count: int, dtype: np.dtype) -> tuple[list[np.
         return [value], {}
     if count == 1 or not (np.issubdtype(dtype, np.floating) and np.dtype(dtype).itemsize < 4):
         return [value.astype(dtype)], {}         # integer sums stay exact sums
-    return [np.divide(value, count, dtype=np.float32).astype(dtype)], {"n": count}
+    return [np.divide(value, count, dtype=np.float32).astype(dtype)], {Field.COUNT: count}
 
 
 def _sender_count(fields: dict) -> int:
     """How many workers' gradients a pushed mean stands for (1 without ``n``)."""
-    count = fields.get("n", 1)
+    count = fields.get(Field.COUNT, 1)
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise WireError(f"bad sender count {count!r}")
     return count

@@ -11,7 +11,6 @@ from geomx.cluster.kvserver import KVServer, Refused, Round
 from geomx.cluster.postoffice import NodeInfo
 from geomx.transport.message import Message
 
-OP = "dc_pushpull"
 
 
 class DCRounds:

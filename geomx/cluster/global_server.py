@@ -15,6 +15,7 @@ from geomx.cluster.global_update import (GradientRelay, MeanGradient, ServerOpti
 from geomx.cluster.compressed import ServerWire
 from geomx.cluster.kvserver import KeyState, KVServer, Refused, accumulator_dtype, init_layout
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
+from geomx.cluster.protocol import Command, Field, Op
 from geomx.compression import CompressionPolicy
 from geomx.config import MIXEDSYNC, MODES, NodeConfig
 from geomx.errors import ConfigError
@@ -54,12 +55,12 @@ class GlobalServer(KVServer):
 
     # configuration from the master worker ------------------------------------------------------------------
     def on_command(self, msg: Message, client: NodeInfo) -> None:
-        name, args = msg.get("name"), msg.get("args") or {}
+        name, args = msg.get(Field.NAME), msg.get(Field.ARGS) or {}
         if client.kind != "master":
             raise Refused(f"only the master worker configures the global servers ({client.label} sent {name!r})")
         if self.policy is not None:
             raise Refused(f"{name} must come before the first kv.init (keys are already initialized)")
-        if name == "set_mode":
+        if name == Command.SET_MODE:
             if args.get("mode") not in MODES:
                 raise Refused(f"unknown kvstore mode {args.get('mode')!r}; modes are {', '.join(MODES)}")
             mixedsync = args.get("mixedsync", "wait")
@@ -70,13 +71,13 @@ class GlobalServer(KVServer):
             if mixedsync == "overlap" and self.optimizer is not None:
                 raise Refused(OVERLAP_WITH_OPTIMIZER)
             self.mode, self.mixedsync = args["mode"], mixedsync
-        elif name == "set_optimizer":
+        elif name == Command.SET_OPTIMIZER:
             if self.mixedsync == "overlap":
                 raise Refused(OVERLAP_WITH_OPTIMIZER)
             kwargs = dict(args.get("kwargs") or {})
             self.optimizer = (resolve_optimizer(str(args.get("optimizer")), kwargs), kwargs)
             self.optimizer_name = str(args.get("optimizer"))
-        elif name == "set_compression":
+        elif name == Command.SET_COMPRESSION:
             try:
                 self.compression = CompressionPolicy.from_wire(args.get("policy"))
             except ConfigError as exc:
@@ -145,8 +146,8 @@ class GlobalServer(KVServer):
 
     # keys -----------------------------------------------------------------------------------------------------
     def on_init(self, msg: Message, client: NodeInfo) -> None:
-        key = msg.get("key")
-        if msg.get("master"):
+        key = msg.get(Field.KEY)
+        if msg.get(Field.MASTER):
             value = self.single_tensor(msg)
             if client.kind != "master":
                 raise Refused(f"{client.label} is not the master worker")
@@ -178,8 +179,8 @@ class GlobalServer(KVServer):
         self.reply_init(msg, st)
 
     def handle_other(self, msg: Message, client: NodeInfo) -> None:
-        if msg.op == "key_owner" and client.kind == "master":
-            key, owner = msg.get("key"), int(msg.get("owner"))
+        if msg.op == Op.KEY_OWNER and client.kind == "master":
+            key, owner = msg.get(Field.KEY), int(msg.get(Field.OWNER))
             self.directory[key] = owner
             for held in self.held_inits.pop(key, []):
                 self.reply(held, redirect=owner)

@@ -18,6 +18,7 @@ import numpy as np
 from geomx import statefile
 from geomx.cluster.compressed import ServerWire, WireError, scale_dense
 from geomx.cluster.postoffice import NodeInfo, Postoffice
+from geomx.cluster.protocol import Field, Op
 from geomx.errors import ConfigError
 from geomx.transport.message import WIRE_DTYPES, Message
 
@@ -132,7 +133,7 @@ def init_layout(msg: Message) -> tuple[tuple, np.dtype]:
     """Shape and dtype of an init. Only the master worker's init carries a value; the others carry
     ``layout = [shape, dtype name]`` (the value they would send is thrown away: across the WAN it costs a
     model's worth of bytes per DC)."""
-    layout = msg.get("layout")
+    layout = msg.get(Field.LAYOUT)
     if layout is None:
         if len(msg.tensors) != 1:
             raise Refused(f"init of key {msg.get('key')!r} carries neither a value nor a layout")
@@ -263,8 +264,8 @@ class KVServer:
             self.po.refusals.note(msg.src, "%s: %r from unknown sender %r dropped (not a member of any tier this "
                                   "server serves)", self.po.cfg.label, msg.op, msg.src)
             return
-        handler = {"init": self.on_init, "push": self._on_push, "pushpull": self._on_push, "pull": self._on_pull,
-                   "cmd": self.on_command}.get(msg.op)
+        handler = {Op.INIT: self.on_init, Op.PUSH: self._on_push, Op.PUSHPULL: self._on_push, Op.PULL: self._on_pull,
+                   Op.COMMAND: self.on_command}.get(msg.op)
         if handler is None:
             self.handle_other(msg, client)
             return
@@ -278,15 +279,15 @@ class KVServer:
 
     def reply(self, request: Message, *, error: str | None = None, tensors=(), **fields) -> None:
         client = self.clients[request.src]
-        out = {"req": request.get("req"), **fields}
+        out = {Field.REQ: request.get(Field.REQ), **fields}
         if error:
-            out["error"] = error
-        self.po.van.send(client.addr, Message("reply", fields=out, tensors=list(tensors),
+            out[Field.ERROR] = error
+        self.po.van.send(client.addr, Message(Op.REPLY, fields=out, tensors=list(tensors),
                                               priority=request.priority), dst_dc=client.dc)
 
     # shared handlers ----------------------------------------------------------------------------------------
     def key_state(self, msg: Message) -> KeyState:
-        key = msg.get("key")
+        key = msg.get(Field.KEY)
         st = self.keys.get(key)
         if st is None:
             raise Refused(f"key {key!r} was never initialized (call kv.init({key!r}, value) before push or pull)")
@@ -317,7 +318,7 @@ class KVServer:
             self.serve_waiting(st)
             raise
         number = st.pushes[msg.src] = st.pushes.get(msg.src, 0) + 1
-        if msg.op == "push":
+        if msg.op == Op.PUSH:
             self.reply(msg)
         else:
             # waiting entries count pushes as the client does, refused ones included
@@ -339,7 +340,7 @@ class KVServer:
 
     def _on_pull(self, msg: Message, client: NodeInfo) -> None:
         st = self.key_state(msg)
-        st.waiting.append((msg, int(msg.get("after") or 0)))
+        st.waiting.append((msg, int(msg.get(Field.AFTER) or 0)))
         self.serve_waiting(st)
 
     def set_value(self, st: KeyState, value: np.ndarray, contributors=()) -> None:
@@ -384,4 +385,4 @@ class KVServer:
         """Answer every held request of ``st`` with ``error`` (``lost``: because a peer died)."""
         waiting, st.waiting = st.waiting, []
         for msg, _ in waiting:
-            self.reply(msg, error=error, **({"lost": True} if lost else {}))
+            self.reply(msg, error=error, **({Field.LOST: True} if lost else {}))

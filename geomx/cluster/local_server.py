@@ -19,6 +19,7 @@ from geomx.cluster.client import Handle, KVClient, check_key
 from geomx.cluster.compressed import ServerWire
 from geomx.cluster.kvserver import KeyState, KVServer, Refused, Round, init_layout
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
+from geomx.cluster.protocol import Command, Field, Op
 from geomx.cluster.wan_overlap import OverlapState, WanOverlap
 from geomx.compression import CompressionPolicy
 from geomx.config import NodeConfig
@@ -62,7 +63,7 @@ class LocalServer(KVServer):
         self.add_clients(tier.members)
 
     def dispatch(self, msg: Message) -> None:
-        if msg.op == "reply" and self.upstream is not None and msg.src not in self.clients:
+        if msg.op == Op.REPLY and self.upstream is not None and msg.src not in self.clients:
             self.upstream.handle_reply(msg)
         else:
             self.handle(msg)
@@ -72,7 +73,7 @@ class LocalServer(KVServer):
 
     # init: the master worker's value, fetched once per key from the global tier ----------------------------
     def on_init(self, msg: Message, client: NodeInfo) -> None:
-        key, (shape, dtype) = msg.get("key"), init_layout(msg)
+        key, (shape, dtype) = msg.get(Field.KEY), init_layout(msg)
         try:
             check_key(key)
         except KVError as exc:
@@ -156,7 +157,7 @@ class LocalServer(KVServer):
             st.overlap.load_state_dict(saved["overlap"])
 
     def handle_other(self, msg: Message, client: NodeInfo) -> None:
-        if msg.op != dc_rounds.OP:
+        if msg.op != Op.DC_PUSHPULL:
             super().handle_other(msg, client)
             return
         try:
@@ -166,7 +167,7 @@ class LocalServer(KVServer):
 
     # commands ---------------------------------------------------------------------------------------------
     def on_command(self, msg: Message, client: NodeInfo) -> None:
-        if msg.get("name") == "global_barrier":
+        if msg.get(Field.NAME) == Command.GLOBAL_BARRIER:
             # the DC's workers already met in their own barrier; the local servers meet for their DCs
             self.global_tier.barrier_async("worker", lambda: self.reply(msg))
         else:

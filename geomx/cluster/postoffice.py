@@ -24,16 +24,16 @@ from geomx.config import NodeConfig
 from geomx.errors import ConfigError, DeadlineError, PeerLostError, ProtocolError
 from geomx.transport.message import Message
 from geomx.transport.refusals import RefusalLog
-from geomx.transport.van import STALL_S, Van, is_tcp_address, new_node_id, tcp_address
+from geomx.cluster.protocol import CONTROL_OPS, Field, Op
+from geomx.transport.base import STALL_S, Van, is_node_address
+from geomx.transport.van import new_node_id
 
 _METRICS_PERIOD_S = 1.0
 
 log = logging.getLogger("geomx.postoffice")
 
-CONTROL_OPS = {"register", "table", "reject", "barrier", "barrier_done", "hb", "hb_ack", "bye", "shutdown",
-               "abort"}
 # what a tier's scheduler sends its members; the other control ops go to schedulers only
-FROM_SCHEDULER = {"table", "reject", "barrier_done", "hb_ack", "shutdown", "abort"}
+FROM_SCHEDULER = {Op.TABLE, Op.REJECT, Op.BARRIER_DONE, Op.HEARTBEAT_ACK, Op.SHUTDOWN, Op.ABORT}
 TIER_ROLES = ("server", "worker")
 
 
@@ -73,7 +73,7 @@ class NodeInfo:
         info = cls(**{k: d.get(k) for k in ("id", "kind", "tier_role", "dc", "rank", "addr", "pid")})
         if not all(isinstance(v, str) and v for v in (info.id, info.kind, info.dc)):
             raise ValueError(f"member entry {d!r} lacks an id, kind or DC")
-        if info.tier_role not in TIER_ROLES or not isinstance(info.rank, int) or not is_tcp_address(info.addr):
+        if info.tier_role not in TIER_ROLES or not isinstance(info.rank, int) or not is_node_address(info.addr):
             raise ValueError(f"member entry {d!r} has a bad tier role, rank or address")
         return info
 
@@ -85,7 +85,7 @@ class Tier:
                  tier_role: str, declared: dict, on_table: Callable[[Tier], None] | None = None) -> None:
         self.on_table = on_table
         self.po, self.name, self.scheduler_dc, self.tier_role = po, name, scheduler_dc, tier_role
-        self.scheduler_addr = tcp_address(*scheduler)
+        self.scheduler_addr = po.van.peer_address(*scheduler)
         self.declared = declared
         # echoed by the scheduler in every control message to us: proves the sender is the scheduler we
         # registered with (a stranger never sees it), for the cost of one string comparison
@@ -107,11 +107,11 @@ class Tier:
         return sorted((m for m in self.members if m.tier_role == "worker"), key=lambda m: m.rank)
 
     def send_to_scheduler(self, op: str, priority: int = 100, **fields) -> None:
-        self.po.van.send(self.scheduler_addr, Message(op, fields={"tier": self.name, **fields}, priority=priority),
+        self.po.van.send(self.scheduler_addr, Message(op, fields={Field.TIER: self.name, **fields}, priority=priority),
                          dst_dc=self.scheduler_dc)
 
     def register(self, requested_rank: int | None) -> None:
-        self.send_to_scheduler("register", tier_role=self.tier_role, kind=self.po.cfg.role, dc=self.po.cfg.dc,
+        self.send_to_scheduler(Op.REGISTER, tier_role=self.tier_role, kind=self.po.cfg.role, dc=self.po.cfg.dc,
                                addr=self.po.van.address, rank=requested_rank, declared=self.declared,
                                pid=os.getpid(), hostname=socket.gethostname(), token=self.token)
         deadline = self.po.cfg.connect_timeout
@@ -137,21 +137,21 @@ class Tier:
         self._barrier_seq += 1
         seq = self._barrier_seq
         self._barriers[seq] = on_done
-        self.send_to_scheduler("barrier", group=group, seq=seq)
+        self.send_to_scheduler(Op.BARRIER, group=group, seq=seq)
         return seq
 
     # control messages from the scheduler ------------------------------------------------------------------
     def from_scheduler(self, msg: Message) -> bool:
         """Whether ``msg`` carries the token this tier registered with (see ``token``)."""
-        return msg.get("auth") == self.token
+        return msg.get(Field.AUTH) == self.token
 
     def handle(self, msg: Message) -> None:
         """A control message that :meth:`from_scheduler` accepted. A table is installed once, and only whole
         and well formed (a malformed one is refused before anything is replaced)."""
-        if msg.op == "table":
+        if msg.op == Op.TABLE:
             if self.me is not None or self._table_ready.is_set():
                 raise ValueError("a second member table")
-            members = [NodeInfo.from_wire(d) for d in msg["members"]]
+            members = [NodeInfo.from_wire(d) for d in msg[Field.MEMBERS]]
             me = [m for m in members if m.id == self.po.node_id]
             if len(me) != 1 or len({m.id for m in members}) != len(members):
                 raise ValueError("a member table that does not list this node once, or lists a node twice")
@@ -163,16 +163,16 @@ class Tier:
             self._table_ready.set()
             return
         self.last_ack = time.monotonic()
-        if msg.op == "reject":
+        if msg.op == Op.REJECT:
             if self._table_ready.is_set():
                 raise ValueError("a rejection after the member table")
-            self._reject = str(msg["reason"])
+            self._reject = str(msg[Field.REASON])
             self._table_ready.set()
-        elif msg.op == "barrier_done":
-            on_done = self._barriers.pop(msg["seq"], None)
+        elif msg.op == Op.BARRIER_DONE:
+            on_done = self._barriers.pop(msg[Field.SEQ], None)
             if on_done is not None:
                 on_done()
-        elif msg.op == "shutdown":
+        elif msg.op == Op.SHUTDOWN:
             self.closed = True
             self.po.on_shutdown(self)
 
@@ -197,8 +197,9 @@ class Postoffice:
         self.metrics = metrics.open_process_writer(cfg.run_dir, cfg.role, cfg.dc)
         self.metrics_fields: list[Callable[[], dict]] = []
         self._metrics_thread: threading.Thread | None = None
-        self.van = Van(node_id=self.node_id, dc=cfg.dc, on_message=self._dispatch, host=cfg.host, port=cfg.port,
-                       bind_host=cfg.bind_host, emulator=cfg.emulator, security=cfg.security)
+        self.van = Van.create(cfg.van, node_id=self.node_id, dc=cfg.dc, on_message=self._dispatch, host=cfg.host,
+                              port=cfg.port, bind_host=cfg.bind_host, emulator=cfg.emulator, security=cfg.security,
+                              **cfg.van_options)
 
     def start(self) -> None:
         self.van.start()
@@ -244,7 +245,7 @@ class Postoffice:
         if tell_schedulers:
             for tier in self.tiers.values():
                 if not tier.closed:
-                    tier.send_to_scheduler("abort", reason=reason)
+                    tier.send_to_scheduler(Op.ABORT, reason=reason)
         for fn in self._abort_listeners:
             try:
                 fn(reason)
@@ -262,7 +263,7 @@ class Postoffice:
         if not self.aborted:
             for tier in self.tiers.values():
                 if not tier.closed:
-                    tier.send_to_scheduler("bye")
+                    tier.send_to_scheduler(Op.BYE)
         self.van.stop()
         if self._metrics_thread is not None:
             self._metrics_thread.join(timeout=2)
@@ -292,14 +293,14 @@ class Postoffice:
 
     def _control(self, msg: Message) -> None:
         """Control ops count only from the scheduler of the tier they name (see ``Tier.token``)."""
-        name = msg.get("tier")
+        name = msg.get(Field.TIER)
         tier = self.tiers.get(name) if isinstance(name, str) else None
         if tier is None or msg.op not in FROM_SCHEDULER or not tier.from_scheduler(msg):
             self.refusals.note(msg.src, "%s: control message %r (tier %r) from %r refused: not from the scheduler "
                                "of one of its tiers", self.cfg.label, msg.op, name, msg.src)
             return
-        if msg.op == "abort":
-            self.abort(str(msg.get("reason", "aborted by a peer")), tell_schedulers=True)
+        if msg.op == Op.ABORT:
+            self.abort(str(msg.get(Field.REASON, "aborted by a peer")), tell_schedulers=True)
             return
         try:
             tier.handle(msg)
@@ -319,7 +320,7 @@ class Postoffice:
             for tier in list(self.tiers.values()):
                 if tier.closed or tier.me is None:
                     continue
-                tier.send_to_scheduler("hb", priority=1000)
+                tier.send_to_scheduler(Op.HEARTBEAT, priority=1000)
                 # acks wait unread while our own receive thread is stuck: silence until then proves nothing
                 heard = max(tier.last_ack, stalled)
                 if now - heard > timeout:

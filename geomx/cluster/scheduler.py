@@ -16,7 +16,9 @@ from collections import defaultdict
 from geomx.cluster.postoffice import describe_node
 from geomx.transport.message import Message
 from geomx.transport.refusals import RefusalLog
-from geomx.transport.van import Van, is_tcp_address, new_node_id
+from geomx.cluster.protocol import Field, Op
+from geomx.transport.base import Van
+from geomx.transport.van import new_node_id
 
 log = logging.getLogger("geomx.scheduler")
 
@@ -28,11 +30,13 @@ MAX_REJECTIONS = 64
 class Scheduler:
     def __init__(self, *, tier: str, dc: str, expected: dict[str, int], host: str = "127.0.0.1", port: int,
                  emulator: str | None = None, heartbeat_timeout: float = 10.0, connect_timeout: float = 120.0,
-                 bind_host: str | None = None, security=None, metrics=None) -> None:
+                 bind_host: str | None = None, security=None, metrics=None, van: str = "zmq",
+                 van_options: dict | None = None) -> None:
         self.tier, self.dc, self.expected = tier, dc, dict(expected)
         self.heartbeat_timeout, self.connect_timeout = heartbeat_timeout, connect_timeout
-        self.van = Van(node_id=new_node_id(f"scheduler-{tier}"), dc=dc, on_message=self._on_message, host=host,
-                       port=port, emulator=emulator, bind_host=bind_host, security=security)
+        self.van = Van.create(van, node_id=new_node_id(f"scheduler-{tier}"), dc=dc, on_message=self._on_message,
+                              host=host, port=port, emulator=emulator, bind_host=bind_host, security=security,
+                              **(van_options or {}))
         self._lock = threading.Lock()
         self._pending: dict[str, dict] = {}           # node id -> registration
         self._members: dict[str, dict] = {}           # node id -> table entry (after rendezvous)
@@ -77,7 +81,7 @@ class Scheduler:
     # -------------------------------------------------------------------------------------------------------
     def _send(self, entry: dict, op: str, **fields) -> None:
         # "auth" echoes the token the member registered with: how it knows this message is ours
-        self.van.send(entry["addr"], Message(op, fields={"tier": self.tier, "auth": entry["token"], **fields},
+        self.van.send(entry["addr"], Message(op, fields={Field.TIER: self.tier, Field.AUTH: entry["token"], **fields},
                                              priority=1000), dst_dc=entry["dc"])
 
     def _reject(self, entry: dict, reason: str, **fields) -> None:
@@ -85,7 +89,7 @@ class Scheduler:
                            self._label(entry), reason)
         if self._rejections < MAX_REJECTIONS:
             self._rejections += 1
-            self._send(entry, "reject", reason=reason, **fields)
+            self._send(entry, Op.REJECT, reason=reason, **fields)
 
     def _label(self, entry: dict) -> str:
         # a worker's rank in the global tier (flat topology) is not its rank in its DC: name the DC rank
@@ -94,8 +98,8 @@ class Scheduler:
 
     def _on_message(self, msg: Message) -> None:
         with self._lock:
-            handler = {"register": self._register, "hb": self._heartbeat, "barrier": self._barrier,
-                       "bye": self._bye, "abort": self._remote_abort}.get(msg.op)
+            handler = {Op.REGISTER: self._register, Op.HEARTBEAT: self._heartbeat, Op.BARRIER: self._barrier,
+                       Op.BYE: self._bye, Op.ABORT: self._remote_abort}.get(msg.op)
             if handler is None:
                 self.refusals.note(msg.src, "%s scheduler: unexpected %r from %r dropped", self.tier, msg.op,
                                    msg.src)
@@ -112,23 +116,24 @@ class Scheduler:
                                    exc)
 
     def _register(self, msg: Message) -> None:
-        entry = {"id": msg.src, "kind": msg["kind"], "tier_role": msg["tier_role"], "dc": msg["dc"],
-                 "addr": msg["addr"], "rank": msg.get("rank"), "pid": msg.get("pid", 0),
-                 "declared": msg.get("declared") or {}, "token": msg.get("token")}
+        entry = {"id": msg.src, "kind": msg[Field.KIND], "tier_role": msg[Field.TIER_ROLE], "dc": msg[Field.DC],
+                 "addr": msg[Field.ADDR], "rank": msg.get(Field.RANK), "pid": msg.get(Field.PID, 0),
+                 "declared": msg.get(Field.DECLARED) or {}, "token": msg.get(Field.TOKEN)}
         role = entry["tier_role"]
-        if not is_tcp_address(entry["addr"]) or not isinstance(entry["token"], str) or not isinstance(msg.src, str) \
-                or not isinstance(entry["dc"], str) or not isinstance(entry["declared"], dict):
+        if not self.van.is_address(entry["addr"]) or not isinstance(entry["token"], str) \
+                or not isinstance(msg.src, str) or not isinstance(entry["dc"], str) \
+                or not isinstance(entry["declared"], dict):
             self.refusals.note(msg.src, "%s scheduler: malformed registration from %r (address %r) dropped",
                                self.tier, msg.src, entry["addr"])
             return
         if msg.src in self._pending or msg.src in self._members:
             self.refusals.note(msg.src, "%s scheduler: second registration from %r dropped", self.tier, msg.src)
             return
-        if msg.get("tier") != self.tier:
+        if msg.get(Field.TIER) != self.tier:
             # answered under the tier name the member used, so that it stops at once naming the cause
             self._reject(entry, f"the scheduler at {self.van.address} serves the {self.tier} tier, not "
                                 f"{msg.get('tier')}: give this role and its scheduler the same GEOMX_DC (or leave "
-                                f"it unset on both)", tier=msg.get("tier"))
+                                f"it unset on both)", tier=msg.get(Field.TIER))
             return
         if self._members:
             self._reject(entry, f"the {self.tier} tier is already complete")
@@ -172,7 +177,7 @@ class Scheduler:
                  for e in self._members.values()]
         for e in self._members.values():
             self._last_seen[e["id"]] = now
-            self._send(e, "table", members=table)
+            self._send(e, Op.TABLE, members=table)
         log.info("%s tier complete: %s", self.tier, ", ".join(self._label(e) for e in self._members.values()))
 
     def _count_all_workers(self) -> str | None:
@@ -195,10 +200,10 @@ class Scheduler:
         if entry is None:       # registered, table not sent yet
             return
         self._last_seen[msg.src] = time.monotonic()
-        self._send(entry, "hb_ack")
+        self._send(entry, Op.HEARTBEAT_ACK)
 
     def _barrier(self, msg: Message) -> None:
-        group, seq = msg["group"], int(msg["seq"])
+        group, seq = msg[Field.GROUP], int(msg[Field.SEQ])
         if msg.src not in self._members or group not in ("all", *self.expected):
             raise ValueError(f"barrier of group {group!r} before the member table or of no group of the tier")
         arrived = self._barriers[(group, seq)]
@@ -206,7 +211,7 @@ class Scheduler:
         members = [e for e in self._members.values() if group == "all" or e["tier_role"] == group]
         if len(arrived) >= len(members):
             for e in members:
-                self._send(e, "barrier_done", seq=seq)
+                self._send(e, Op.BARRIER_DONE, seq=seq)
             del self._barriers[(group, seq)]
 
     def _bye(self, msg: Message) -> None:
@@ -217,12 +222,12 @@ class Scheduler:
         if all(i in self._left for i in workers):
             for i, e in self._members.items():
                 if i not in self._left:
-                    self._send(e, "shutdown")
+                    self._send(e, Op.SHUTDOWN)
             log.info("%s tier: every worker left; shutting down", self.tier)
             self._done.set()
 
     def _remote_abort(self, msg: Message) -> None:
-        self._fail(str(msg.get("reason", "aborted")), None, skip=msg.src)
+        self._fail(str(msg.get(Field.REASON, "aborted")), None, skip=msg.src)
 
     def _fail(self, reason: str, culprit: dict | None, *, skip: str | None = None,
               members: list[dict] | None = None) -> None:
@@ -235,7 +240,7 @@ class Scheduler:
             targets.append(culprit)
         for e in targets:
             if e["id"] != skip and e["id"] not in self._left:
-                self._send(e, "abort", reason=reason)
+                self._send(e, Op.ABORT, reason=reason)
         self._done.set()
 
     def _check_liveness(self) -> None:

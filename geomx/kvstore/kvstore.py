@@ -24,6 +24,7 @@ import numpy as np
 from geomx.cluster.client import Handle, KVClient, check_key, gather
 from geomx.cluster.kvserver import layout_mismatch
 from geomx.cluster.postoffice import Postoffice, Tier
+from geomx.cluster.protocol import Command, Op
 from geomx.compression import parse_policy
 from geomx.config import MODES, NodeConfig, config_from_env
 from geomx.errors import ConfigError, GeomxError, KVError
@@ -87,11 +88,11 @@ class KVStore:
                                     "num_all_workers": cfg.num_all_workers})
         self._client = KVClient(self.po, serving, master=self.is_master_worker)
         if self.is_master_worker:
-            for h in self._client.command("set_mode", mode=self.type, mixedsync=cfg.mixedsync):
+            for h in self._client.command(Command.SET_MODE, mode=self.type, mixedsync=cfg.mixedsync):
                 h.wait()
 
     def _on_data(self, msg) -> None:
-        if msg.op == "reply" and self._client is not None:
+        if msg.op == Op.REPLY and self._client is not None:
             self._client.handle_reply(msg)
 
     # properties -----------------------------------------------------------------------------------------------
@@ -161,7 +162,7 @@ class KVStore:
             return
         if self._initialized_keys:
             raise ConfigError("set_optimizer must be called before the first kv.init")
-        for h in self._client.command("set_optimizer", optimizer=name, kwargs=kwargs):
+        for h in self._client.command(Command.SET_OPTIMIZER, optimizer=name, kwargs=kwargs):
             h.wait()
 
     def set_gradient_compression(self, compression: dict | str | None) -> None:
@@ -177,7 +178,7 @@ class KVStore:
         if not self.is_master_worker:
             self._compression = policy.to_wire()
             return
-        for h in self._client.command("set_compression", policy=policy.to_wire()):
+        for h in self._client.command(Command.SET_COMPRESSION, policy=policy.to_wire()):
             h.wait()
 
     # key-value operations -----------------------------------------------------------------------------------
@@ -209,14 +210,14 @@ class KVStore:
     def push(self, key, value, priority: int = 0) -> Handle | list[Handle]:
         """Send a gradient (zero-copy: leave ``value`` unchanged until the handle has finished)."""
         keys, values = _pairs(key, value)
-        hs = [self._track(self._request("push", k, v, None, priority)) for k, v in zip(keys, values, strict=False)]
+        hs = [self._track(self._request(Op.PUSH, k, v, None, priority)) for k, v in zip(keys, values, strict=False)]
         return hs if isinstance(key, (list, tuple)) else hs[0]
 
     def pull(self, key, out=None, priority: int = 0) -> Handle | list[Handle]:
         """Fetch the current value (after this worker's earlier pushes of the key) into ``out``;
         ``handle.wait()`` also returns it as a numpy array."""
         keys, outs = _pairs(key, out) if out is not None else (_keys(key), [None] * len(_keys(key)))
-        hs = [self._track(self._request("pull", k, None, o, priority)) for k, o in zip(keys, outs, strict=False)]
+        hs = [self._track(self._request(Op.PULL, k, None, o, priority)) for k, o in zip(keys, outs, strict=False)]
         return hs if isinstance(key, (list, tuple)) else hs[0]
 
     def pushpull(self, key, value, out=None, priority: int = 0, *, scope: str | None = None) -> Handle | list[Handle]:
@@ -227,7 +228,7 @@ class KVStore:
         if scope == "dc" and (self.cfg.topology != "hips" or self.is_master_worker):
             raise ConfigError("DC-only rounds (scope='dc') need a DC's local server: training workers of the "
                               "hips topology")
-        op = "dc_pushpull" if scope == "dc" else "pushpull"
+        op = Op.DC_PUSHPULL if scope == "dc" else Op.PUSHPULL
         keys, values = _pairs(key, value)
         outs = _pairs(key, out)[1] if out is not None else [None] * len(keys)
         hs = [self._track(self._request(op, k, v, o, priority)) for k, v, o in zip(keys, values, outs, strict=False)]
@@ -250,7 +251,7 @@ class KVStore:
         self._dc_tier.barrier("worker")
         if global_:
             if self.rank == 0:
-                self._client.command("global_barrier")[0].wait()
+                self._client.command(Command.GLOBAL_BARRIER)[0].wait()
             self._dc_tier.barrier("worker")
 
     def close(self) -> None:
@@ -288,21 +289,21 @@ class KVStore:
                 if problem:
                     raise KVError(problem)
                 src = np.ascontiguousarray(src)
-            into = None if op == "push" else (target if target is not None and target.shape == shape
+            into = None if op == Op.PUSH else (target if target is not None and target.shape == shape
                                                else np.empty(shape, dtype))
             values = part_views(src, parts) if src is not None else [None] * len(parts)
             outs = part_views(into, parts) if into is not None else [None] * len(parts)
             h = gather([self._send(op, p.key, v, o, priority) for p, v, o in zip(parts, values, outs, strict=False)],
                        lambda _: into, f"{op} of key {key!r}")
             target = into if into is target else None
-        return h if op == "push" else h.then(_copier(key, out, target))
+        return h if op == Op.PUSH else h.then(_copier(key, out, target))
 
     def _send(self, op: str, key, value, out, priority: int) -> Handle:
-        if op == "push":
+        if op == Op.PUSH:
             return self._client.push(key, value, priority)
-        if op == "pull":
+        if op == Op.PULL:
             return self._client.pull(key, priority, out=out)
-        return self._client.pushpull(key, value, priority, out=out, scope="dc" if op == "dc_pushpull" else None)
+        return self._client.pushpull(key, value, priority, out=out, scope="dc" if op == Op.DC_PUSHPULL else None)
 
     def _track(self, h: Handle) -> Handle:
         # keep what waitall must still wait for or report; a finished handle would pin its reply in memory

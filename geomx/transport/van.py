@@ -25,15 +25,15 @@ import logging
 import os
 import secrets
 import threading
-import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 import msgpack
 import numpy as np
 import zmq
 
 from geomx.errors import ConfigError, ProtocolError
+from geomx.transport.base import STALL_S, Van, register_van
 from geomx.transport.message import Message, build_message, decode_header, encode, payload_nbytes
 from geomx.transport.refusals import RefusalLog
 from geomx.transport.security import Curve
@@ -70,7 +70,6 @@ def keep_freed_buffers() -> None:
         log.debug("allocator thresholds left as they are: %s", exc)
 
 
-STALL_S = 0.5
 # messages one peer may have waiting for the receive thread; past it ZeroMQ stops reading that peer's
 # connection, so a flood fills the sender's buffers (TCP back-pressure), not this process's memory. Senders
 # never block on it: their own queues absorb a burst.
@@ -91,6 +90,10 @@ def public_name(node_id: str) -> str:
     readable by more users than the processes are)."""
     head, _, tail = node_id.rpartition("-")
     return head if head and len(tail) == _ID_HEX and all(c in "0123456789abcdef" for c in tail) else node_id
+
+
+__all__ = ["RECEIVE_QUEUE_PER_PEER", "STALL_S", "Van", "ZmqVan", "is_tcp_address", "keep_freed_buffers", "new_node_id",
+           "public_name", "receive_multipart", "tcp_address"]
 
 
 def tcp_address(host: str, port: int) -> str:
@@ -117,23 +120,17 @@ def is_tcp_address(addr) -> bool:
     return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
-class Van:
-    """Send and receive :class:`Message` objects; see the module docstring."""
+@register_van("zmq")
+class ZmqVan(Van):
+    """Send and receive :class:`Message` objects over ZeroMQ; see the module docstring."""
 
     def __init__(self, *, node_id: str, dc: str, on_message: Callable[[Message], None], host: str = "127.0.0.1",
                  port: int = 0, bind_host: str | None = None, emulator: str | None = None,
                  context: zmq.Context | None = None, security: Curve | None = None) -> None:
-        self.node_id = node_id
-        self.dc = dc
+        super().__init__(node_id=node_id, dc=dc, on_message=on_message)
         self.host = host
         self._bind_host = bind_host or host
         self._port = port
-        self._on_message = on_message
-        # when the handler now running started (None between messages), and when the last handler that ran
-        # longer than STALL_S ended: a node whose own receive thread was stuck (importing torch on a loaded
-        # machine takes seconds) read nothing meanwhile, so it must not blame its peers' silence
-        self.handling_since: float | None = None
-        self.last_stall_end = 0.0
         self._emulator = emulator
         self._ctx = context or zmq.Context.instance()
         self._security = security
@@ -150,9 +147,6 @@ class Van:
         self.received_bytes = 0
         self.dropped_messages = 0
         self.refusals = RefusalLog(log)
-        # header -> an array (or None) per announced tensor to receive that frame into; called on the receive
-        # thread, before the message is handed to on_message
-        self.receive_into: Callable[[dict], Sequence[np.ndarray | None] | None] | None = None
 
     @property
     def address(self) -> str:
@@ -161,6 +155,13 @@ class Van:
     @property
     def port(self) -> int:
         return self._port
+
+    @classmethod
+    def is_address(cls, addr) -> bool:
+        return is_tcp_address(addr)
+
+    def peer_address(self, host: str, port: int) -> str:
+        return tcp_address(host, port)
 
     def start(self) -> None:
         keep_freed_buffers()
@@ -252,7 +253,7 @@ class Van:
                 header = decode_header(head)
             except ProtocolError as exc:
                 error = exc
-            targets = self._targets(header) if header is not None else ()
+            targets = self.targets(header) if header is not None else ()
             while sock.getsockopt(zmq.RCVMORE):
                 target = targets[len(frames)] if len(frames) < len(targets) else None
                 if target is None:
@@ -279,28 +280,7 @@ class Van:
             self.refusals.note(bytes(peer.bytes[:32]), "%s dropped a malformed message from peer %r: %s",
                                public_name(self.node_id), bytes(peer.bytes[:32]), error)
             return
-        self.handling_since = start = time.monotonic()
-        try:
-            self._on_message(msg)
-        except Exception:  # a handler bug must not kill the node's receive loop
-            log.exception("%s failed to handle %r from %s", self.node_id, msg.op, msg.src)
-        finally:
-            self.handling_since = None
-            end = time.monotonic()
-            if end - start > STALL_S:
-                self.last_stall_end = end
-
-    def _targets(self, header: dict) -> Sequence[np.ndarray | None]:
-        if self.receive_into is None or not header["t"]:
-            return ()
-        try:
-            targets = self.receive_into(header) or ()
-        except Exception:
-            log.exception("%s: receive_into failed; receiving into fresh buffers", self.node_id)
-            return ()
-        # only writable, contiguous, non-empty arrays that match the announced spec are received into
-        return [t if isinstance(t, np.ndarray) and t.flags.c_contiguous and t.flags.writeable and t.nbytes
-                and (t.dtype, t.shape) == spec else None for t, spec in zip(targets, header["t"], strict=False)]
+        self.deliver(msg)
 
     def _send_loop(self) -> None:
         try:

@@ -1,41 +1,83 @@
 """Whole geomx deployments inside the test process: the real schedulers, servers and clients, each node on
-its own van (threads, not processes), torn down by ``close``.
+its own van and threads (no processes), torn down by ``close``.
 
-``FlatCluster``: the global tier's global servers serve the training workers directly (GeoMX's flat
-topology) plus the central party (master worker). Node ids are fixed (``worker-0``...), so a server's saved
-state names the same clients in a second cluster built the same way.
+The van is the in-memory one (geomx.transport.inproc, one Hub per deployment, optionally with emulated WAN
+links) or ZeroMQ over loopback (``van="zmq"``). Node ids of servers and flat workers are fixed
+(``worker-0``...), so a server's saved state names the same clients in a second deployment built the same way.
+
+* ``FlatCluster``: one global server serving the training workers directly (GeoMX's flat topology), and the
+  master worker; clients are raw KVClients.
+* ``HipsCluster``: the global server, a local server per DC, the master worker and the DCs' workers as
+  ``geomx.kvstore`` KVStores.
 """
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from geomx.cluster.client import KVClient
 from geomx.cluster.global_server import start_global_server
+from geomx.cluster.local_server import start_local_server
 from geomx.cluster.postoffice import Postoffice
 from geomx.cluster.scheduler import Scheduler
 from geomx.config import NodeConfig
+from geomx.kvstore.kvstore import KVStore
 from geomx.profiles import CENTRAL_DC
+from geomx.transport.inproc import Hub
 
-_DEADLINE_S = 20.0
+DEADLINE_S = 60.0     # deadlines only: a loaded 2-core machine may be slow, never wrong
 
 
-def start_scheduler(tier: str, dc: str, expected: dict, **van) -> tuple[Scheduler, threading.Thread]:
-    sched = Scheduler(tier=tier, dc=dc, expected=expected, port=0, heartbeat_timeout=60.0, connect_timeout=30.0,
-                      **van)
-    thread = threading.Thread(target=sched.serve, name=f"scheduler-{tier}", daemon=True)
-    thread.start()
-    end = time.monotonic() + _DEADLINE_S
-    while not sched.van.port:
-        if time.monotonic() > end:
-            raise TimeoutError(f"the {tier} scheduler did not bind within {_DEADLINE_S:g} s")
-        time.sleep(0.005)
-    return sched, thread
+class Deployment:
+    def __init__(self, van: str = "inproc", link: Callable | None = None) -> None:
+        self.van = van
+        self.hub = Hub(link=link) if van == "inproc" else None
+        self._stops: list[Callable[[], None]] = [self.hub.close] if self.hub else []
+
+    def config(self, **fields) -> NodeConfig:
+        return NodeConfig(van=self.van, van_options={"hub": self.hub} if self.hub else {}, heartbeat_timeout=60.0,
+                          op_timeout=DEADLINE_S, connect_timeout=DEADLINE_S, **fields)
+
+    def scheduler(self, tier: str, dc: str, expected: dict) -> tuple[str, int]:
+        """Start a tier's scheduler; its (host, port) for the members' configurations."""
+        sched = Scheduler(tier=tier, dc=dc, expected=expected, port=0, heartbeat_timeout=60.0,
+                          connect_timeout=DEADLINE_S, van=self.van,
+                          van_options={"hub": self.hub} if self.hub else None)
+        threading.Thread(target=sched.serve, name=f"scheduler-{tier}", daemon=True).start()
+        self._stops.insert(0, sched.stop)
+        end = time.monotonic() + DEADLINE_S
+        while not sched.van.port:
+            if time.monotonic() > end:
+                raise TimeoutError(f"the {tier} scheduler did not start within {DEADLINE_S:g} s")
+            time.sleep(0.005)
+        return (self.hub.name if self.hub else "127.0.0.1"), sched.van.port
+
+    def start_nodes(self, makers: list[Callable[[], object]], close: Callable[[object], None]) -> list:
+        """Start nodes concurrently (each blocks until its tiers are complete); all or nothing."""
+        with ThreadPoolExecutor(len(makers)) as pool:
+            futures = [pool.submit(make) for make in makers]
+        nodes = []
+        for f in futures:
+            if f.exception() is None:
+                node = f.result()
+                nodes.append(node)
+                self._stops.insert(0, lambda n=node: close(n))
+        failed = [f.exception() for f in futures if f.exception() is not None]
+        if failed:
+            self.close()
+            raise failed[0]
+        return nodes
+
+    def close(self) -> None:
+        stops, self._stops = self._stops, []
+        for stop in stops:
+            stop()
 
 
 class Client:
-    """A worker or the master worker: a postoffice joined to one tier, and the KVClient on it."""
+    """A raw client: a postoffice joined to one tier, and the KVClient on it."""
 
     def __init__(self, cfg: NodeConfig, node_id: str, tier: str, scheduler: tuple, declared: dict) -> None:
         self.po = Postoffice(cfg, node_id=node_id)
@@ -50,43 +92,53 @@ class Client:
             raise
 
 
-class FlatCluster:
-    """One global server, ``num_workers`` workers in DC ``a`` (flat: they are the global tier's workers), the
-    master worker."""
-
-    def __init__(self, num_workers: int = 2) -> None:
-        self._stops: list = []
-        self.global_sched, _ = start_scheduler("global", CENTRAL_DC, {"server": 1, "worker": num_workers})
-        self._stops.append(self.global_sched.stop)
-        self.central_sched, _ = start_scheduler("dc:central", CENTRAL_DC, {"server": 1, "worker": 1})
-        self._stops.append(self.central_sched.stop)
-        gs, cs = ("127.0.0.1", self.global_sched.van.port), ("127.0.0.1", self.central_sched.van.port)
+class FlatCluster(Deployment):
+    def __init__(self, num_workers: int = 2, van: str = "inproc") -> None:
+        super().__init__(van)
+        gs = self.scheduler("global", CENTRAL_DC, {"server": 1, "worker": num_workers})
+        cs = self.scheduler("dc:central", CENTRAL_DC, {"server": 1, "worker": 1})
         counts = {"num_global_servers": 1, "num_global_workers": num_workers, "num_all_workers": num_workers}
-        server_cfg = NodeConfig(role="global_server", dc=CENTRAL_DC, scheduler=cs, global_scheduler=gs,
-                                num_workers=1, num_servers=1, **counts)
+        server_cfg = self.config(role="global_server", dc=CENTRAL_DC, scheduler=cs, global_scheduler=gs,
+                                 num_workers=1, num_servers=1, **counts)
+        master_cfg = self.config(role="master", dc=CENTRAL_DC, scheduler=cs, num_workers=1, num_servers=1, **counts)
         self.done = threading.Event()
-        with ThreadPoolExecutor(num_workers + 2) as pool:
-            server = pool.submit(start_global_server, server_cfg, self.done, node_id="global_server-0")
-            master = pool.submit(Client, NodeConfig(role="master", dc=CENTRAL_DC, scheduler=cs, num_workers=1,
-                                                    num_servers=1, **counts),
-                                 "master", "dc:central", cs, {"num_workers": 1, "num_servers": 1})
-            workers = [pool.submit(Client, NodeConfig(role="worker", dc="a", global_scheduler=gs, **counts),
-                                   f"worker-{i}", "global", gs, counts) for i in range(num_workers)]
-        nodes = [self._adopt(f) for f in (server, master, *workers)]
-        if any(node is None for node in nodes):
-            self.close()
-            raise next(f.exception() for f in (server, master, *workers) if f.exception() is not None)
-        self.server, self.master, *self.workers = nodes
+        makers = [lambda: start_global_server(server_cfg, self.done, node_id="global_server-0"),
+                  lambda: Client(master_cfg, "master", "dc:central", cs, {"num_workers": 1, "num_servers": 1})]
+        for i in range(num_workers):
+            cfg = self.config(role="worker", dc="a", global_scheduler=gs, **counts)
+            makers.append(lambda cfg=cfg, i=i: Client(cfg, f"worker-{i}", "global", gs, counts))
+        self.server, self.master, *self.workers = self.start_nodes(makers, lambda node: node.po.close())
 
-    def _adopt(self, future):
-        """The node a start-up future made (closed with the cluster), or None if it failed."""
-        if future.exception() is not None:
-            return None
-        node = future.result()
-        self._stops.insert(0, node.po.close)
-        return node
 
-    def close(self) -> None:
-        for stop in self._stops:
-            stop()
-        self._stops = []
+class HipsCluster(Deployment):
+    """``dcs`` DCs of ``per_dc`` workers each; ``self.workers[dc]`` are their KVStores, ``self.local[dc]``
+    their local servers."""
+
+    def __init__(self, dcs=("a", "b"), per_dc: int = 2, mode: str = "dist_sync", van: str = "inproc",
+                 link: Callable | None = None) -> None:
+        super().__init__(van, link)
+        total = len(dcs) * per_dc
+        gs = self.scheduler("global", CENTRAL_DC, {"server": 1, "worker": len(dcs)})
+        cs = self.scheduler("dc:central", CENTRAL_DC, {"server": 1, "worker": 1})
+        counts = {"num_global_servers": 1, "num_global_workers": len(dcs), "num_all_workers": total}
+        makers: list = [lambda: start_global_server(
+            self.config(role="global_server", dc=CENTRAL_DC, scheduler=cs, global_scheduler=gs, num_workers=1,
+                        num_servers=1, **counts), threading.Event(), node_id="global_server-0")]
+        for dc in dcs:
+            ds = self.scheduler(f"dc:{dc}", dc, {"server": 1, "worker": per_dc})
+            makers.append(lambda dc=dc, ds=ds: start_local_server(
+                self.config(role="server", dc=dc, scheduler=ds, global_scheduler=gs, num_workers=per_dc,
+                            num_servers=1, **counts), threading.Event(), node_id=f"server-{dc}"))
+            for rank in range(per_dc):
+                makers.append(lambda dc=dc, ds=ds, rank=rank: KVStore(
+                    self.config(role="worker", dc=dc, scheduler=ds, num_workers=per_dc, num_servers=1, rank=rank,
+                                **counts), mode))
+        makers.append(lambda: KVStore(self.config(role="master", dc=CENTRAL_DC, scheduler=cs, num_workers=1,
+                                                  num_servers=1, **counts), mode))
+        nodes = self.start_nodes(makers, lambda node: node.close() if isinstance(node, KVStore) else node.po.close())
+        self.global_server, self.master = nodes[0], nodes[-1]
+        self.local, self.workers = {}, {}
+        it = iter(nodes[1:-1])
+        for dc in dcs:
+            self.local[dc] = next(it)
+            self.workers[dc] = [next(it) for _ in range(per_dc)]

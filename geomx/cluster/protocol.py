@@ -1,0 +1,107 @@
+"""Every message op, header field and command of geomx's protocol, named once.
+
+A message (geomx.transport.message) is ``op`` + ``fields`` (a msgpack map) + tensors. Modules compare and
+build ops, commands and fields through these names, never through string literals, so that a new op or
+field is added here and found everywhere by its name. The wire values are the strings below (they are the
+protocol: changing one breaks compatibility with running nodes).
+
+Control (a node and its tier's scheduler; every control message carries ``tier``, a scheduler's also
+``auth``):
+
+==================  =========================  =============================================================
+op                  direction                  fields
+==================  =========================  =============================================================
+``register``        node -> scheduler          tier_role, kind, dc, addr, rank, declared, pid, hostname, token
+``table``           scheduler -> members       members (id, kind, tier_role, dc, rank, addr, pid each)
+``reject``          scheduler -> node          reason
+``barrier``         node -> scheduler          group, seq
+``barrier_done``    scheduler -> members       seq
+``hb`` / ``hb_ack``  node <-> scheduler         (none)
+``bye``             node -> scheduler          (none): leaving cleanly
+``shutdown``        scheduler -> servers       (none): every worker left
+``abort``           any -> any                 reason
+==================  =========================  =============================================================
+
+Data (a client and a server; requests carry ``req``, the reply echoes it):
+
+==================  =========================  =============================================================
+``init``            client -> server           key; master (with the value) or layout [shape, dtype]
+``push``            client -> server           key, the gradient (maybe compressed: cm, n)
+``pull``            client -> server           key, after (the client's pushes it must reflect)
+``pushpull``        client -> server           key, gradient: push and pull in one message
+``dc_pushpull``     worker -> local server     key, value: a DC-only round (HFA)
+``cmd``             master -> global servers   name (a Command), args
+``key_owner``       master -> global servers   key, owner (the rank that holds the key)
+``reply``           server -> client           req; error, lost; info; redirect; the value (maybe cm)
+==================  =========================  =============================================================
+"""
+from __future__ import annotations
+
+
+class Op:
+    # control
+    REGISTER = "register"
+    TABLE = "table"
+    REJECT = "reject"
+    BARRIER = "barrier"
+    BARRIER_DONE = "barrier_done"
+    HEARTBEAT = "hb"
+    HEARTBEAT_ACK = "hb_ack"
+    BYE = "bye"
+    SHUTDOWN = "shutdown"
+    ABORT = "abort"
+    # data
+    INIT = "init"
+    PUSH = "push"
+    PULL = "pull"
+    PUSHPULL = "pushpull"
+    DC_PUSHPULL = "dc_pushpull"
+    COMMAND = "cmd"
+    KEY_OWNER = "key_owner"
+    REPLY = "reply"
+
+
+CONTROL_OPS = frozenset({Op.REGISTER, Op.TABLE, Op.REJECT, Op.BARRIER, Op.BARRIER_DONE, Op.HEARTBEAT,
+                         Op.HEARTBEAT_ACK, Op.BYE, Op.SHUTDOWN, Op.ABORT})
+
+
+class Field:
+    # control
+    TIER = "tier"
+    TIER_ROLE = "tier_role"
+    KIND = "kind"
+    DC = "dc"
+    ADDR = "addr"
+    RANK = "rank"
+    DECLARED = "declared"
+    PID = "pid"
+    HOSTNAME = "hostname"
+    MEMBERS = "members"
+    REASON = "reason"
+    GROUP = "group"
+    SEQ = "seq"
+    TOKEN = "token"       # register: a secret the member chose; its scheduler echoes it as AUTH in every answer
+    AUTH = "auth"
+    # data
+    REQ = "req"
+    KEY = "key"
+    MASTER = "master"
+    LAYOUT = "layout"
+    AFTER = "after"
+    NAME = "name"
+    ARGS = "args"
+    OWNER = "owner"
+    ERROR = "error"
+    LOST = "lost"
+    INFO = "info"
+    REDIRECT = "redirect"
+    CODEC = "cm"          # compressed payload: {"c": codec name, "m": codec meta, "n": sender count}
+    COUNT = "n"           # a dense push of a mean: how many workers' sum it stands for
+
+
+class Command:
+    """``cmd`` names: the master worker configures the global servers; workers meet across DCs."""
+    SET_MODE = "set_mode"
+    SET_OPTIMIZER = "set_optimizer"
+    SET_COMPRESSION = "set_compression"
+    GLOBAL_BARRIER = "global_barrier"

@@ -1,0 +1,162 @@
+"""The in-memory van, and whole deployments inside one pytest process over it: the real schedulers, global
+server, local servers and KVStores as threads. Each test takes about a second."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from harness import Inbox
+from inproc import DEADLINE_S, HipsCluster
+
+from geomx.errors import ConfigError
+from geomx.netem.link import EmulatedLink
+from geomx.transport.base import Van, van_kinds
+from geomx.transport.inproc import Hub, InProcVan
+from geomx.transport.message import Message
+
+KEYS = {"w": (6, 5), 3: (17,)}
+
+
+@pytest.fixture
+def pair():
+    hub, inbox = Hub(), Inbox()
+    receiver = Van.create("inproc", node_id="receiver", dc="a", on_message=inbox, hub=hub)
+    sender = Van.create("inproc", node_id="sender", dc="a", on_message=lambda m: None, hub=hub)
+    receiver.start()
+    sender.start()
+    yield sender, receiver, inbox
+    sender.stop()
+    receiver.stop()
+
+
+def test_the_factory_makes_vans_by_kind_and_names_the_kinds_for_an_unknown_one():
+    assert {"inproc", "zmq"} <= set(van_kinds())
+    van = Van.create("inproc", node_id="n", dc="a", on_message=lambda m: None, hub=Hub())
+    assert isinstance(van, InProcVan)
+    with pytest.raises(ConfigError, match="unknown van kind 'rdma'; kinds are inproc, zmq"):
+        Van.create("rdma", node_id="n", dc="a", on_message=lambda m: None)
+    with pytest.raises(ConfigError, match="cannot use the WAN emulator"):
+        Van.create("inproc", node_id="n", dc="a", on_message=lambda m: None, emulator="tcp://127.0.0.1:9")
+
+
+def test_a_message_arrives_as_a_copy_in_the_arrays_receive_into_names(pair):
+    sender, receiver, inbox = pair
+    out = np.zeros((3, 4), np.float32)
+    receiver.receive_into = lambda header: [out]
+    sent = np.arange(12.0, dtype=np.float32).reshape(3, 4)
+    sender.send(receiver.address, Message("reply", fields={"req": 7}, tensors=[sent, np.ones(2, np.int64)]))
+    sent += 100                    # the sender's array changes after the send: the receiver must not see it
+    assert inbox.wait_for(1)
+    msg = inbox.messages[0]
+    assert msg.tensors[0] is out and msg.src == "sender" and msg.get("req") == 7
+    np.testing.assert_array_equal(out, np.arange(12.0, dtype=np.float32).reshape(3, 4))
+    np.testing.assert_array_equal(msg.tensors[1], [1, 1])
+    assert sender.counters()["sent_messages"] == {"a": 1} and receiver.counters()["received"] > 48
+
+
+def test_queued_messages_are_handled_by_priority_then_in_order():
+    hub, order, busy, gate = Hub(), [], threading.Event(), threading.Event()
+
+    def handle(msg):
+        busy.set()
+        gate.wait(DEADLINE_S)          # the first message holds the receive thread while the others queue up
+        order.append(msg.get("i"))
+
+    receiver = InProcVan(node_id="r", dc="a", on_message=handle, hub=hub)
+    sender = InProcVan(node_id="s", dc="a", on_message=lambda m: None, hub=hub)
+    receiver.start()
+    sender.start()
+    try:
+        for i, prio in enumerate([0, 0, 5, 0, 5]):
+            sender.send(receiver.address, Message("m", fields={"i": i}, priority=prio))
+            if i == 0:
+                assert busy.wait(DEADLINE_S)
+        gate.set()
+        end = time.monotonic() + DEADLINE_S
+        while len(order) < 5 and time.monotonic() < end:
+            time.sleep(0.01)
+    finally:
+        sender.stop()
+        receiver.stop()
+    # message 0 was taken before the others arrived; then priority 5 (2, 4), then 0 in order (1, 3)
+    assert order == [0, 2, 4, 1, 3]
+
+
+def _grad(step: int, dc: str, rank: int, shape) -> np.ndarray:
+    # small integers: every sum and the division by 4 are exact in float32, whatever the order of arrival
+    return np.random.default_rng([step, ord(dc), rank]).integers(-8, 9, size=shape).astype(np.float32)
+
+
+def _train(cluster: HipsCluster, steps: int) -> None:
+    """Every worker pushes and pulls each key; each reads the mean over all 4 workers, exactly."""
+    for key, shape in KEYS.items():
+        cluster.master.init(key, np.zeros(shape, np.float32))
+    for kvs in cluster.workers.values():
+        for kv in kvs:
+            for key, shape in KEYS.items():
+                kv.init(key, np.zeros(shape, np.float32))
+    for step in range(steps):
+        outs, handles = {}, []
+        for dc, kvs in cluster.workers.items():
+            for rank, kv in enumerate(kvs):
+                for key, shape in KEYS.items():
+                    out = outs[(dc, rank, key)] = np.empty(shape, np.float32)
+                    handles.append(kv.pushpull(key, _grad(step, dc, rank, shape), out=out))
+        for h in handles:
+            h.wait(DEADLINE_S)
+        for key, shape in KEYS.items():
+            mean = sum(_grad(step, dc, r, shape) for dc, kvs in cluster.workers.items()
+                       for r in range(len(kvs))) / np.float32(4)
+            for dc, kvs in cluster.workers.items():
+                for rank in range(len(kvs)):
+                    np.testing.assert_array_equal(outs[(dc, rank, key)], mean, err_msg=f"step {step} {dc}{rank}")
+
+
+def test_a_whole_2dc_deployment_runs_in_one_process_over_the_in_memory_van():
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=2)
+    try:
+        _train(cluster, steps=3)
+        # the DC sums crossed to the global server once per key and round: 2 DCs x 2 keys x 3 rounds
+        wan = sum(cluster.local[dc].po.van.counters()["sent_messages"].get("central", 0) for dc in ("a", "b"))
+        assert wan >= 12
+    finally:
+        cluster.close()
+
+
+def test_cross_dc_messages_take_the_emulated_link_and_intra_dc_ones_do_not():
+    delay = 0.05
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=2, link=lambda src, dst: EmulatedLink(
+        name=f"{src}->{dst}", rate_bps=1e9, one_way_delay_s=delay))
+    try:
+        start = time.monotonic()
+        _train(cluster, steps=2)
+        took = time.monotonic() - start
+        links = {pair: link.snapshot() for pair, link in cluster.hub.links().items()}
+    finally:
+        cluster.close()
+    assert {("a", "central"), ("central", "a"), ("b", "central"), ("central", "b")} <= set(links)
+    assert all(src != dst for src, dst in links)          # a DC's own traffic never takes a link
+    assert all(s["messages"] > 0 and s["bytes"] > 0 for s in links.values())
+    # the master's init, each DC's init fetch and 2 rounds: at least 4 WAN round trips one after another
+    assert took >= 4 * 2 * delay
+
+
+def test_message_ops_and_commands_are_spelled_only_in_the_protocol_module():
+    """Every op of the cluster's protocol is built and compared through geomx.cluster.protocol's names, never as
+    a string literal (geomx/bench's raw van benchmarks send messages of their own)."""
+    import re
+    from pathlib import Path
+
+    from geomx.cluster.protocol import Command, Op
+
+    root = Path(__file__).resolve().parent.parent / "geomx"
+    literal = re.compile(r'(Message\(|\.op\s*[!=]=\s*|send_to_scheduler\(|_request\(|command\(|_send\(\w+, )"')
+    offenders = [f"{path.relative_to(root)}:{n}: {line.strip()}"
+                 for layer in ("cluster", "kvstore", "torch", "sync") for path in (root / layer).rglob("*.py")
+                 if path.name != "protocol.py"
+                 for n, line in enumerate(path.read_text().splitlines(), 1) if literal.search(line)]
+    assert offenders == []
+    values = [v for cls in (Op, Command) for k, v in vars(cls).items() if k.isupper()]
+    assert len(values) == len(set(values))
