@@ -148,8 +148,9 @@ class InProcVan(Van):
         frames = [_frame_bytes(f) for f in encode(msg)]
         if not self.hub.route(self.dc, dst_dc, addr, frames, msg.priority):
             self.dropped_messages += 1
-            log.warning("%s cannot send %r to %r: no such node in hub %s; message dropped", self.node_id, msg.op,
-                        addr, self.hub.name)
+            # as a socket would: a peer that left (a scheduler that stopped) just never reads it
+            log.info("%s cannot send %r to %r: no such node in hub %s; message dropped", self.node_id, msg.op,
+                     addr, self.hub.name)
             return
         self.sent_bytes[dst_dc or self.dc] += payload_nbytes(frames)
         self.sent_messages[dst_dc or self.dc] += 1
