@@ -1,4 +1,5 @@
-"""The van: one node's endpoint on the network (the name and the job come from ps-lite).
+"""The ZeroMQ van (kind "zmq", see geomx.transport.base): one node's endpoint on the network (the name and the
+job come from ps-lite).
 
 Every node binds one ZeroMQ ROUTER socket and reaches each peer through a DEALER socket connected to the
 peer's ROUTER. Two threads, each owning its sockets (ZeroMQ sockets are not thread-safe):
