@@ -132,7 +132,7 @@ class Scheduler:
         if msg.get(Field.TIER) != self.tier:
             # answered under the tier name the member used, so that it stops at once naming the cause
             self._reject(entry, f"the scheduler at {self.van.address} serves the {self.tier} tier, not "
-                                f"{msg.get('tier')}: give this role and its scheduler the same GEOMX_DC (or leave "
+                                f"{msg.get(Field.TIER)}: give this role and its scheduler the same GEOMX_DC (or leave "
                                 f"it unset on both)", tier=msg.get(Field.TIER))
             return
         if self._members:
