@@ -9,19 +9,22 @@ from geomx.profiles import PROFILES, WanProfile, get_profile
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "DCASGD", "DeadlineError", "DiLoCo", "GeomxError", "HFA", "KVError", "PeerLostError",
-           "ProtocolError", "PROFILES", "WanProfile", "get_profile", "kvstore", "metrics", "optim", "statefile", "sync",
-           "__version__"]
+__all__ = ["ConfigError", "DCASGD", "DGA", "DeadlineError", "DiLoCo", "ESync", "FSA", "GeomxError", "HFA", "KVError",
+           "PeerLostError", "ProtocolError", "PROFILES", "WanProfile", "check_combination", "compat", "get_profile",
+           "kvstore", "metrics", "optim", "statefile", "sync", "__version__"]
 
 # public classes of submodules that import torch, loaded on first use
-_LAZY = {"DCASGD": "geomx.optim", "HFA": "geomx.sync.averaging", "DiLoCo": "geomx.sync.averaging"}
+_LAZY = {"DCASGD": "geomx.optim", "HFA": "geomx.sync", "DiLoCo": "geomx.sync", "FSA": "geomx.sync", "DGA": "geomx.sync",
+         "ESync": "geomx.sync"}
 
 
 def __getattr__(name):
     # submodules that import torch or zmq load on first use, so `import geomx` stays cheap
     import importlib
-    if name in ("kvstore", "torch", "optim", "statefile", "sync"):
+    if name in ("kvstore", "torch", "optim", "statefile", "sync", "compat"):
         return importlib.import_module(f"geomx.{name}")
+    if name == "check_combination":
+        return importlib.import_module("geomx.compat").check
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'geomx' has no attribute {name!r}")

@@ -108,7 +108,7 @@ def simulate(*, algorithm: str, k1: int, k2: int, weights: str, samples: list[fl
             for i in range(n):
                 out[(i, key, step)] = w[i]
         if flight is not None:
-            land()
+            land(w, flight)
         for i in range(n):
             out[(i, key, "final")] = w[i]
     return out

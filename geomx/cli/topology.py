@@ -18,9 +18,11 @@ import string
 import tomllib
 from dataclasses import dataclass, field
 
+from geomx.compat import check as check_combination
 from geomx.config import MIXEDSYNC, MODES, TOPOLOGIES
 from geomx.errors import ConfigError
 from geomx.profiles import WanProfile, custom_profile, get_profile, parse_duration, parse_rate
+from geomx.sync.settings import launch_env, settings_from_env
 from geomx.sync.slowdown import parse_factor
 
 
@@ -60,9 +62,9 @@ class Topology:
             raise ConfigError(f"unknown topology {self.topology!r}; topologies are {', '.join(TOPOLOGIES)}")
         if self.mixedsync not in MIXEDSYNC:
             raise ConfigError(f"unknown MixedSync variant {self.mixedsync!r}; variants are {', '.join(MIXEDSYNC)}")
-        if self.mixedsync != "wait" and (self.mode != "dist_async" or self.topology != "hips"):
-            raise ConfigError(f"--mixedsync {self.mixedsync} is an option of MixedSync: it needs --mode dist_async "
-                              f"and the hips topology (local servers), got {self.mode} / {self.topology}")
+        sync = settings_from_env(self.env)
+        check_combination(mode=self.mode, mixedsync=self.mixedsync, topology=self.topology, sync=sync.algorithm,
+                          k2=sync.k2, weights=sync.weights)
         return self
 
 
@@ -131,8 +133,8 @@ def load_topology(path: str | None = None, **flags) -> Topology:
     sync.update({k: data[f"sync_{k}"] for k in ("k1", "k2", "overlap", "delay", "steps")
                  if data.get(f"sync_{k}") is not None})
     if sync:
-        from geomx.sync import launch_env
         topo.env.update(launch_env(sync, where))
+        topo.validate()          # again, with the synchronization algorithm
     return topo
 
 

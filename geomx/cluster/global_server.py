@@ -16,6 +16,7 @@ from geomx.cluster.compressed import ServerWire
 from geomx.cluster.kvserver import KeyState, KVServer, Refused, accumulator_dtype, init_layout
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
 from geomx.cluster.protocol import Command, Field, Op
+from geomx.compat import conflict
 from geomx.compression import CompressionPolicy
 from geomx.config import MIXEDSYNC, MODES, NodeConfig
 from geomx.errors import ConfigError
@@ -23,10 +24,6 @@ from geomx.profiles import CENTRAL_DC
 from geomx.transport.message import Message
 
 log = logging.getLogger("geomx.global_server")
-
-OVERLAP_WITH_OPTIMIZER = ("MixedSync 'overlap' updates on the workers: a local server answers its DC before the "
-                          "global servers' weights exist, so it cannot run with a server optimizer "
-                          "(GEOMX_MIXEDSYNC=wait can)")
 
 
 class GlobalServer(KVServer):
@@ -66,14 +63,14 @@ class GlobalServer(KVServer):
             mixedsync = args.get("mixedsync", "wait")
             if mixedsync not in MIXEDSYNC:
                 raise Refused(f"unknown MixedSync variant {mixedsync!r}; variants are {', '.join(MIXEDSYNC)}")
-            if mixedsync != "wait" and args["mode"] != "dist_async":
-                raise Refused(f"MixedSync {mixedsync!r} needs the dist_async mode, not {args['mode']!r}")
-            if mixedsync == "overlap" and self.optimizer is not None:
-                raise Refused(OVERLAP_WITH_OPTIMIZER)
+            problem = conflict(mode=args["mode"], mixedsync=mixedsync, server_optimizer=self.optimizer is not None)
+            if problem:
+                raise Refused(problem)
             self.mode, self.mixedsync = args["mode"], mixedsync
         elif name == Command.SET_OPTIMIZER:
-            if self.mixedsync == "overlap":
-                raise Refused(OVERLAP_WITH_OPTIMIZER)
+            problem = conflict(mode=self.mode, mixedsync=self.mixedsync, server_optimizer=True)
+            if problem:
+                raise Refused(problem)
             kwargs = dict(args.get("kwargs") or {})
             self.optimizer = (resolve_optimizer(str(args.get("optimizer")), kwargs), kwargs)
             self.optimizer_name = str(args.get("optimizer"))

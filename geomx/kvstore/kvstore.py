@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -25,12 +26,14 @@ from geomx.cluster.client import Handle, KVClient, check_key, gather
 from geomx.cluster.kvserver import layout_mismatch
 from geomx.cluster.postoffice import Postoffice, Tier
 from geomx.cluster.protocol import Command, Op
+from geomx.compat import check as check_combination
 from geomx.compression import parse_policy
 from geomx.config import MODES, NodeConfig, config_from_env
 from geomx.errors import ConfigError, GeomxError, KVError
 from geomx.kvstore.partition import check_user_key, part_views, plan_parts
 from geomx.lifeline import watch_launcher
 from geomx.profiles import CENTRAL_DC
+from geomx.sync.settings import sync_requested
 
 log = logging.getLogger("geomx.kvstore")
 
@@ -46,19 +49,20 @@ def create(name: str | None = None, *, env: dict | None = None) -> KVStore:
     if cfg.mode is not None and name != cfg.mode:
         raise ConfigError(f"this script creates a {name!r} kvstore but the deployment runs in {cfg.mode!r} "
                           f"(geomx launch --mode / GEOMX_MODE)")
-    if cfg.mixedsync != "wait" and name != "dist_async":
-        raise ConfigError(f"GEOMX_MIXEDSYNC={cfg.mixedsync!r} is MixedSync's (dist_async) option, but this script "
-                          f"creates a {name!r} kvstore")
+    check_combination(mode=name, mixedsync=cfg.mixedsync)
     if cfg.role not in ("worker", "master"):
         raise ConfigError(f"geomx.kvstore.create() runs on workers and the master worker, not on role "
                           f"{cfg.role!r}")
     watch_launcher(env)
-    return KVStore(cfg, name)
+    return KVStore(cfg, name, env=env)
 
 
 class KVStore:
-    def __init__(self, cfg: NodeConfig, mode: str) -> None:
+    def __init__(self, cfg: NodeConfig, mode: str, *, env: Mapping[str, str] | None = None) -> None:
         self.cfg, self.type = cfg, mode
+        # a synchronization algorithm the environment asks for runs in DistributedOptimizer, which claims it
+        # (claim_sync); a push without that claim is refused rather than silently running FSA
+        self._unclaimed_sync = sync_requested(env)
         self.po = Postoffice(cfg)
         self._client: KVClient | None = None
         self.po.on_data = self._on_data
@@ -130,6 +134,11 @@ class KVStore:
         """The deployment's gradient compression (the master worker's setting, as sent to the servers), or
         None. Known after the first init."""
         return self._client.info.get("compression")
+
+    def claim_sync(self, policy) -> None:
+        """Called by ``DistributedOptimizer``: ``policy`` (geomx.sync) runs the synchronization algorithm the
+        environment asks for, so pushes through this kvstore are that algorithm's."""
+        self._unclaimed_sync = None
 
     # configuration (master worker) ----------------------------------------------------------------------------
     def set_optimizer(self, optimizer: Any, **kwargs) -> None:
@@ -275,6 +284,8 @@ class KVStore:
     def _request(self, op: str, key, value, out, priority: int) -> Handle:
         """One push, pull or pushpull of a user key: of the whole tensor, or of each of its parts."""
         check_key(key)
+        if self._unclaimed_sync is not None and op != "pull":
+            raise ConfigError(self._unclaimed_sync)
         src = _as_numpy_view(value) if value is not None else None
         shape, dtype, parts = self._layout.get(key, (None, None, None))
         if out is not None and shape is not None and tuple(out.shape) != tuple(shape):

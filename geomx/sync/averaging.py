@@ -28,8 +28,9 @@ import time
 import numpy as np
 import torch
 
+from geomx.compat import check_kvstore
 from geomx.errors import ConfigError
-from geomx.sync.settings import check
+from geomx.sync.settings import check, check_saved_algorithm
 
 WEIGHTS_KEY = "__geomx.sync.weights"
 
@@ -52,15 +53,7 @@ class HFA:
     # set-up ---------------------------------------------------------------------------------------------------
     def setup(self, kv, params: list[tuple[str, torch.nn.Parameter]], *, num_samples: float | None = None) -> None:
         """After the initial model was pulled: check the deployment, learn every worker's share."""
-        if kv.type != "dist_sync":
-            raise ConfigError(f"{self.name} averages models synchronously and needs a dist_sync kvstore, not "
-                              f"{kv.type!r}")
-        if kv.server_updates:
-            raise ConfigError(f"{self.name} averages models: the global servers must not run an optimizer "
-                              f"(no update_on_server / kv.set_optimizer)")
-        if kv.cfg.topology != "hips" and (self.k2 > 1 or self.weights == "equal"):
-            raise ConfigError(f"{self.name} with K2 = {self.k2} and {self.weights!r} weights needs DC rounds, i.e. the "
-                              f"hips topology (the flat topology has no local servers); use K2 = 1 and samples")
+        check_kvstore(kv, self.name, k2=self.k2, weights=self.weights)
         self.kv = kv
         self.params = [(n, p) for n, p in params if p.requires_grad]
         kv.init(WEIGHTS_KEY, np.zeros(2, np.float64))
@@ -128,6 +121,27 @@ class HFA:
         if self.in_flight is not None:
             self.land()
         return time.perf_counter() - started
+
+    # saving and restoring --------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Counters, the round's base model, the worker's shares, and a global average still travelling
+        (waited for, not yet adopted: loading it lands it at the same step as it would have)."""
+        state = {"algorithm": self.name, "steps": self.steps, "dc_averages": self.dc_averages,
+                 "global_averages": self.global_averages, "in_flight": None}
+        if hasattr(self, "base"):          # the master worker trains nothing and has none
+            state.update(base=_clones(self.base), dc_scale=self.dc_scale, global_scale=self.global_scale)
+        if self.in_flight is not None:
+            state["in_flight"] = self.in_flight.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        check_saved_algorithm(self.name, state)
+        self.steps, self.dc_averages = state["steps"], state["dc_averages"]
+        self.global_averages = state["global_averages"]
+        if "base" in state:
+            self.base = _clones(state["base"])
+            self.dc_scale, self.global_scale = state["dc_scale"], state["global_scale"]
+        self.in_flight = None if state["in_flight"] is None else InFlight.from_state_dict(state["in_flight"])
 
     def global_average(self) -> None:
         averaged = [torch.empty_like(p) for _, p in self.params]
@@ -203,6 +217,21 @@ class InFlight:
         self.sent: list[torch.Tensor] | None = None
         self.period = 0
 
+    def state_dict(self) -> dict:
+        """Waits for the result (it lands in ``into``, or ``deltas``), then copies everything."""
+        for h in self.handles:
+            h.wait()
+        self.handles = []
+        return {"into": _clones(self.into), "deltas": _clones(self.deltas), "base": _clones(self.base),
+                "sent": _clones(self.sent), "period": self.period}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> InFlight:
+        """An average that has landed (no handles) but is not adopted yet."""
+        flight = cls([], _clones(state["into"]), deltas=_clones(state["deltas"]), base=_clones(state["base"]))
+        flight.sent, flight.period = _clones(state["sent"]), state["period"]
+        return flight
+
     def land_into(self) -> list[torch.Tensor]:
         """Wait for the result; returns the averaged models (base + mean change, under compression)."""
         for h in self.handles:
@@ -235,6 +264,20 @@ class DiLoCo(HFA):
         m = self.outer_momentum
         self.outer = torch.optim.SGD(self.anchor, lr=self.outer_lr, momentum=m, nesterov=m > 0)
 
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if hasattr(self, "anchor"):
+            state.update(anchor=_clones([a.detach() for a in self.anchor]), outer=self.outer.state_dict())
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if "anchor" in state:
+            with torch.no_grad():
+                for a, saved in zip(self.anchor, state["anchor"], strict=True):
+                    a.copy_(saved)
+            self.outer.load_state_dict(state["outer"])
+
     def global_model(self, averaged: list[torch.Tensor]) -> list[torch.Tensor]:
         """The outer step on the pseudo-gradient (global model before - average) gives the new global model."""
         with torch.no_grad():
@@ -249,3 +292,7 @@ def compressed(kv) -> bool:
     policy = kv.compression or {}
     return any((policy.get(tier) or {}).get("type", "none") != "none" for tier in ("lan", "wan", "small"))
 
+
+def _clones(tensors: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+    """Copies that later in-place updates of the originals leave alone (saved state must not move)."""
+    return None if tensors is None else [t.detach().clone() for t in tensors]

@@ -16,7 +16,9 @@ from collections import deque
 
 import torch
 
-from geomx.sync.settings import check, require_worker_side_sync
+from geomx.errors import ConfigError
+from geomx.compat import check_kvstore
+from geomx.sync.settings import check, check_saved_algorithm
 
 
 class DGA:
@@ -24,14 +26,15 @@ class DGA:
 
     def __init__(self, *, delay: int = 1) -> None:
         self.delay = check(self.name, {"delay": delay}).delay
-        self.in_flight: deque = deque()     # per step: [(handle, own gradient, buffer the mean lands in)]
+        # per step: [(handle, own gradient, buffer the mean lands in)]
+        self.in_flight: deque[list[tuple]] = deque()
         self.steps = 0
 
     def __repr__(self) -> str:
         return f"DGA(delay={self.delay})"
 
     def setup(self, kv, params: list[tuple[str, torch.nn.Parameter]], *, num_samples: float | None = None) -> None:
-        require_worker_side_sync(kv, "dga", "averages gradients")
+        check_kvstore(kv, self.name)
         self.kv = kv
         self.params = [(n, p) for n, p in params if p.requires_grad]
 
@@ -54,7 +57,8 @@ class DGA:
             started = time.perf_counter()
             arrived = self.in_flight.popleft()
             for h, _, _ in arrived:
-                h.wait()
+                if h is not None:           # None: restored by load_state_dict, landed before it was saved
+                    h.wait()
             waited = time.perf_counter() - started
             with torch.no_grad():
                 for (_, p), (_, stale, mean) in zip(self.params, arrived, strict=False):
@@ -66,3 +70,20 @@ class DGA:
                         p.grad = current.sub(stale).add_(mean)
         optimizer.step()
         return waited
+
+    def state_dict(self) -> dict:
+        """The steps and the last D steps' gradients: each one's own and, waited for, its global mean."""
+        history = []
+        for sent in self.in_flight:
+            for h, _, _ in sent:
+                if h is not None:
+                    h.wait()
+            history.append([(own.clone(), mean.clone()) for _, own, mean in sent])
+        return {"algorithm": self.name, "delay": self.delay, "steps": self.steps, "history": history}
+
+    def load_state_dict(self, state: dict) -> None:
+        check_saved_algorithm(self.name, state)
+        if state["delay"] != self.delay:
+            raise ConfigError(f"the saved dga state has delay {state['delay']}, this optimizer {self.delay}")
+        self.steps = state["steps"]
+        self.in_flight = deque([(None, own.clone(), mean.clone()) for own, mean in sent] for sent in state["history"])

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from geomx.errors import ConfigError
-from geomx.sync.settings import check, require_worker_side_sync
+from geomx.compat import check_kvstore
+from geomx.sync.settings import check, check_saved_algorithm
 
 STATE_KEY = "__geomx.esync.state"
 MAX_RATIO = 64          # a worker never takes more than this many times the slowest one's steps
@@ -46,7 +47,7 @@ class ESync:
         return self.rounds * self.steps
 
     def setup(self, kv, params: list[tuple[str, torch.nn.Parameter]], *, num_samples: float | None = None) -> None:
-        require_worker_side_sync(kv, "esync", "averages model deltas")
+        check_kvstore(kv, self.name)
         self.kv = kv
         self.params = [(n, p) for n, p in params if p.requires_grad]
         kv.init(STATE_KEY, np.zeros(kv.num_all_workers, np.float64))
@@ -91,3 +92,19 @@ class ESync:
         self.local_steps = max(1, min(MAX_RATIO * self.steps, round(self.steps * ratio)))
         self._taken, self._compute_s = 0, 0.0
         return time.perf_counter() - started
+
+    def state_dict(self) -> dict:
+        """Rounds, this worker's schedule, the round under way (steps taken, compute measured) and its start
+        model."""
+        state = {"algorithm": self.name, "rounds": self.rounds, "schedule": list(self.schedule),
+                 "local_steps": self.local_steps, "taken": self._taken, "compute_s": self._compute_s}
+        if hasattr(self, "start"):          # the master worker trains nothing and has none
+            state["start"] = [s.clone() for s in self.start]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        check_saved_algorithm(self.name, state)
+        self.rounds, self.schedule = state["rounds"], list(state["schedule"])
+        self.local_steps, self._taken, self._compute_s = state["local_steps"], state["taken"], state["compute_s"]
+        if "start" in state:
+            self.start = [s.clone() for s in state["start"]]

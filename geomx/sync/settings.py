@@ -21,7 +21,29 @@ from collections.abc import Mapping
 
 from geomx.errors import ConfigError
 
-ALGORITHMS = ("fsa", "hfa", "diloco", "dga", "esync")
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """A registered synchronization algorithm: where its policy class lives (imported when a worker creates
+    it, so this module needs no torch), and what geomx.compat needs to know of it."""
+    module: str
+    cls: str
+    worker_side: bool        # runs on the workers: synchronous rounds, no server optimizer, no accumulation
+    dc_rounds: bool = False  # K2 > 1 / equal weights use DC-only rounds (local servers)
+
+
+# the one registry of synchronization algorithms: a new one is a policy class and a line here
+REGISTRY: dict[str, Algorithm] = {
+    "fsa": Algorithm("geomx.sync.fsa", "FSA", worker_side=False),
+    "hfa": Algorithm("geomx.sync.averaging", "HFA", worker_side=True, dc_rounds=True),
+    "diloco": Algorithm("geomx.sync.averaging", "DiLoCo", worker_side=True, dc_rounds=True),
+    "dga": Algorithm("geomx.sync.dga", "DGA", worker_side=True),
+    "esync": Algorithm("geomx.sync.esync", "ESync", worker_side=True),
+}
+ALGORITHMS = tuple(REGISTRY)
+WORKER_SIDE_ALGORITHMS = tuple(name for name, a in REGISTRY.items() if a.worker_side)
+DC_ROUND_ALGORITHMS = tuple(name for name, a in REGISTRY.items() if a.dc_rounds)
 WEIGHTINGS = ("samples", "equal")
 
 # option -> (environment variable, type, default); GeoMX's names where GeoMX has the option
@@ -138,8 +160,22 @@ def _convert(raw, kind, what: str):
     return str(raw)
 
 
-def require_worker_side_sync(kv, name: str, what: str) -> None:
-    """Worker-side policies need synchronous rounds and gradients (or models) back, not server weights."""
-    if kv.type != "dist_sync" or kv.server_updates:
-        raise ConfigError(f"{name} {what} synchronously on the workers: it needs a dist_sync kvstore without a "
-                          f"server optimizer")
+
+def check_saved_algorithm(name: str, state: Mapping) -> None:
+    """A policy's saved state loads only into a policy of the same algorithm."""
+    saved = state.get("algorithm") if isinstance(state, Mapping) else None
+    if saved != name:
+        raise ConfigError(f"the saved synchronization state is {saved!r}'s, this optimizer runs {name!r}")
+
+
+def sync_requested(env: Mapping[str, str] | None = None) -> str | None:
+    """Where the environment asks for a synchronization algorithm other than FSA (which runs inside
+    ``DistributedOptimizer``): the message a raw-kvstore push is refused with; None for FSA."""
+    env = os.environ if env is None else env
+    algorithm = settings_from_env(env).algorithm
+    if algorithm == "fsa":
+        return None
+    var = SYNC_ENV if (env.get(SYNC_ENV) or "").strip() else GEOMX_HFA_ENV
+    return (f"{var}={env[var]!r} asks for {algorithm}, which geomx runs inside geomx.torch.DistributedOptimizer "
+            f"(sync={algorithm!r}); this script pushes through the raw kvstore, where it would silently run FSA: "
+            f"wrap the optimizer in DistributedOptimizer, or unset {var} to push plain gradients")

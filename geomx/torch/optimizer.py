@@ -23,46 +23,61 @@ lets faster workers take more local steps per round (count the run's length in :
 started with ``GEOMX_SLOWDOWN=F`` (``geomx launch --slowdown``) makes every step take F times its compute time
 (geomx.sync.slowdown).
 
+It is a ``torch.optim.Optimizer``: its ``param_groups``, ``state`` and ``defaults`` are the wrapped
+optimizer's own objects, so an LR scheduler on it (``torch.optim.lr_scheduler.StepLR(opt, ...)``) changes the
+wrapped optimizer's learning rate (with ``update_on_server`` the servers' optimizer keeps its own
+hyper-parameters); ``zero_grad(set_to_none=)`` and step hooks work; ``state_dict()`` is the wrapped optimizer's
+plus a ``"geomx"`` entry with the synchronization policy's state (HFA/DiLoCo base model and outer momentum, DGA's
+gradient history, ESync's round) and the step count, and ``load_state_dict`` restores both.
+
 Tuning: gradients are pushed with priority ``-index`` (first layers first), so the tensors the next forward
-pass needs first travel first on a congested link. ``backward_passes_per_step`` > 1 accumulates several
-backward passes locally before pushing (fewer, larger WAN rounds).
+pass needs first travel first on a congested link. ``backward_passes_per_step`` k > 1 sums k backward passes
+locally before pushing (fewer, larger WAN rounds; scale the loss by 1 / k for their mean); one more backward
+pass before ``step()`` raises an error naming this option (geomx.sync.fsa).
 """
 from __future__ import annotations
 
-import time
+from collections import OrderedDict
 from collections.abc import Iterable
 
 import torch
 
 from geomx import metrics
+from geomx.compat import check as check_combination
 from geomx.errors import ConfigError
 from geomx.sync import create as create_sync
 from geomx.sync.slowdown import Slowdown
 
+STATE_KEY = "geomx"        # DistributedOptimizer's own entry in state_dict(), next to the wrapped optimizer's
+# what torch.optim.Optimizer.__init__ sets up besides the parameters (which are the wrapped optimizer's here)
+_HOOK_TABLES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                "_optimizer_load_state_dict_post_hooks")
 
-class DistributedOptimizer:
+
+class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]] | None = None, *,
                  kvstore=None, update_on_server: bool = False, backward_passes_per_step: int = 1, sync=None,
                  num_samples: float | None = None) -> None:
-        if backward_passes_per_step < 1:
-            raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
+        # torch.optim.Optimizer.__init__ would build param_groups of its own: the wrapped optimizer's are used
+        # (properties below), only the hook tables and the step patch are set up here
+        for table in _HOOK_TABLES:
+            setattr(self, table, OrderedDict())
+        self._patch_step_function()
+        self.optimizer = optimizer
+        self.params = _named(optimizer, named_parameters)
+        self.comm_wait_s = 0.0      # time step() spent waiting for the network (cumulative)
+        sync = create_sync(sync, backward_passes_per_step=backward_passes_per_step)
+        check_combination(sync=getattr(sync, "name", None), server_optimizer=update_on_server)
+        self.sync = sync
         if kvstore is None:
             import geomx.kvstore
             kvstore = geomx.kvstore.create()
-        self.optimizer, self.kv = optimizer, kvstore
+        self.kv = kvstore
         self.backward_passes_per_step = backward_passes_per_step
-        self.params = _named(optimizer, named_parameters)
-        self._index = {id(p): i for i, (_, p) in enumerate(self.params)}
-        self._handles: dict[int, object] = {}
-        self._passes: dict[int, int] = {}
-        self.comm_wait_s = 0.0      # time step() spent waiting for the network (cumulative)
-        self.sync = create_sync(sync)    # None: FSA / MixedSync (gradients pushed from hooks); else a policy
-        if self.sync is not None and update_on_server:
-            raise ConfigError(f"{self.sync!r} updates on the workers; it cannot run with update_on_server")
-        if self.sync is not None and backward_passes_per_step != 1:
-            raise ConfigError(f"{self.sync!r} steps on every step() call; accumulate gradients yourself instead of "
-                              f"backward_passes_per_step={backward_passes_per_step}")
         self.slowdown = Slowdown.from_env()
         self.steps_taken = 0        # step() calls
         if update_on_server and kvstore.is_master_worker:
@@ -74,12 +89,8 @@ class DistributedOptimizer:
         self.server_updates = kvstore.server_updates
         if update_on_server and not self.server_updates and kvstore.is_master_worker:
             raise ConfigError("update_on_server=True but the global servers run no optimizer")
-        if self.sync is not None:
-            self.sync.setup(kvstore, self.params, num_samples=num_samples)
-        else:
-            for _, p in self.params:
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._on_grad)
+        kvstore.claim_sync(self.sync)
+        self.sync.setup(kvstore, self.params, num_samples=num_samples)
         metrics.ready()
         self.slowdown.compute_starts()
 
@@ -96,54 +107,72 @@ class DistributedOptimizer:
         bound charges one WAN round trip each. FSA and MixedSync: one round per step, waited for except under
         MixedSync's overlap; an algorithm (geomx.sync) counts its own (HFA: its global averages)."""
         rounds = getattr(self.sync, "wan_rounds", None)
-        if rounds is not None:
-            return rounds
-        overlapped = self.kv.type == "dist_async" and self.kv.cfg.mixedsync != "wait"
-        return self.steps_taken, 0 if overlapped else self.steps_taken
+        # a policy object of the user's that does not count them: one round per step, waited for
+        return rounds if rounds is not None else (self.steps_taken, self.steps_taken)
 
-    # the wrapped optimizer's API ---------------------------------------------------------------------------
+    # the wrapped optimizer's own objects: a scheduler or a hook that changes them changes the wrapped optimizer
     @property
-    def param_groups(self):
+    def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict]) -> None:
+        self.optimizer.param_groups = groups
 
     @property
     def state(self):
         return self.optimizer.state
 
+    @state.setter
+    def state(self, state) -> None:
+        self.optimizer.state = state
+
+    @property
+    def defaults(self) -> dict:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict) -> None:
+        self.optimizer.defaults = defaults
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise ConfigError("DistributedOptimizer cannot take new parameters after construction (each parameter is "
+                          "a kvstore key, initialized by every worker): give the wrapped optimizer every group "
+                          "before wrapping it")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self.slowdown.compute_starts()
 
-    def state_dict(self):
-        return self.optimizer.state_dict()
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state_dict, plus ``"geomx"``: the synchronization policy's state and the step
+        count. Call it after step() (not between backward() and step())."""
+        state = self.optimizer.state_dict()
+        sync_state = self.sync.state_dict() if callable(getattr(self.sync, "state_dict", None)) else None
+        state[STATE_KEY] = {"steps_taken": self.steps_taken, "sync": sync_state}
+        return state
 
-    def load_state_dict(self, state) -> None:
-        self.optimizer.load_state_dict(state)
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a :meth:`state_dict` (or a plain optimizer state_dict: the wrapped optimizer's part only)."""
+        state_dict = dict(state_dict)
+        ours = state_dict.pop(STATE_KEY, None)
+        self.optimizer.load_state_dict(state_dict)
+        if ours is None:
+            return
+        self.steps_taken = ours["steps_taken"]
+        if ours["sync"] is not None:
+            if not callable(getattr(self.sync, "load_state_dict", None)):
+                raise ConfigError(f"the saved state has synchronization state, but {self.sync!r} cannot load it")
+            self.sync.load_state_dict(ours["sync"])
 
     def step(self, closure=None):
-        """Wait for every parameter's result, then update (locally, or by copying the servers' weights)."""
+        """One training step through the synchronization policy (FSA: wait for every parameter's result, then
+        update locally or copy the servers' weights)."""
         if closure is not None:
             raise ConfigError("DistributedOptimizer.step does not take a closure")
         compute = self.slowdown.pause()
         self.steps_taken += 1
-        if self.sync is not None:
-            waited = self.sync.step(self.optimizer, compute_s=compute)
-            self.comm_wait_s += waited
-            metrics.add_comm_wait(waited)
-            metrics.set_wan_rounds(*self.wan_rounds)
-            self.slowdown.compute_starts()
-            return
-        results = self.synchronize()
-        with torch.no_grad():
-            for (_, p), value in zip(self.params, results, strict=False):
-                if value is None:
-                    continue
-                if self.server_updates:
-                    p.copy_(value)
-                else:
-                    p.grad = value if value.device == p.device else value.to(p.device)
-        if not self.server_updates:
-            self.optimizer.step()
+        self._count_wait(self.sync.step(self.optimizer, compute_s=compute))
         metrics.set_wan_rounds(*self.wan_rounds)
         self.slowdown.compute_starts()
 
@@ -152,45 +181,20 @@ class DistributedOptimizer:
         with ``overlap``: the last global average), so every worker ends on the same model. Idempotent."""
         finish = getattr(self.sync, "finish", None)
         if finish is not None:
-            waited = finish()
-            self.comm_wait_s += waited
-            metrics.add_comm_wait(waited)
+            self._count_wait(finish())
 
     def synchronize(self) -> list:
-        """Push what backward did not push (parameters without a gradient this step push zeros, so the
-        round completes everywhere) and wait for all results: per parameter, the tensor its gradient was
-        pushed from, now holding the reply (mean gradient, or new weights when the servers update)."""
-        for i, (_, p) in enumerate(self.params):
-            if p.requires_grad and i not in self._handles:
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                self._push(i, p, grad)
-        start = time.perf_counter()
-        results = []
-        for i, _ in enumerate(self.params):
-            entry = self._handles.pop(i, None)
-            if entry is not None:
-                entry[0].wait()
-            results.append(entry[1] if entry is not None else None)
-        waited = time.perf_counter() - start
-        self.comm_wait_s += waited
-        metrics.add_comm_wait(waited)
-        self._passes.clear()
+        """FSA: push what backward did not push and wait for all results (see geomx.sync.fsa.FSA.synchronize)."""
+        synchronize = getattr(self.sync, "synchronize", None)
+        if synchronize is None:
+            raise ConfigError(f"{self.sync!r} synchronizes inside step(); synchronize() is FSA's")
+        results, waited = synchronize()
+        self._count_wait(waited)
         return results
 
-    # internals ----------------------------------------------------------------------------------------------
-    def _on_grad(self, p: torch.Tensor) -> None:
-        i = self._index[id(p)]
-        self._passes[i] = self._passes.get(i, 0) + 1
-        if self._passes[i] == self.backward_passes_per_step and i not in self._handles:
-            grad = p.grad if self.backward_passes_per_step == 1 else p.grad / self.backward_passes_per_step
-            self._push(i, p, grad)
-
-    def _push(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> None:
-        # zero-copy both ways: the reply lands in the buffer the gradient was sent from, which nothing writes
-        # before step() (the next backward comes after it)
-        if grad.device.type != "cpu" or not grad.is_contiguous():
-            grad = grad.detach().cpu().contiguous()
-        self._handles[i] = (self.kv.pushpull(self.params[i][0], grad, out=grad, priority=-i), grad)
+    def _count_wait(self, waited: float) -> None:
+        self.comm_wait_s += waited
+        metrics.add_comm_wait(waited)
 
 
 def _named(optimizer: torch.optim.Optimizer, named) -> list[tuple[str, torch.nn.Parameter]]:

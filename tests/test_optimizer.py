@@ -1,0 +1,249 @@
+"""DistributedOptimizer as a torch.optim.Optimizer (LR schedulers, zero_grad, state_dict round trips, gradient
+accumulation), and the one compatibility table of geomx.compat.
+
+The deployment tests run one real 2-DC deployment (1 worker per DC) for a whole module: the training script
+drives several DistributedOptimizers over disjoint keys, each checking one behaviour, with gradients every
+worker can recompute, so the expected weights are exact.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from harness import check_ok, launch, load_json, load_npz
+
+OPTIMIZER_SCRIPT = """
+import io
+import numpy as np
+import torch
+import geomx, kvhelp as h
+from geomx.errors import ConfigError
+from geomx.sync import DGA
+from geomx.torch import DistributedOptimizer
+
+torch.set_num_threads(1)
+kv = geomx.kvstore.create()
+me = h.worker_index()
+master = kv.is_master_worker
+out, facts = {}, {}
+
+
+def params(prefix, value=1.0):
+    return {f"{prefix}.w": torch.nn.Parameter(torch.full((4,), value)),
+            f"{prefix}.b": torch.nn.Parameter(torch.zeros(3))}
+
+
+def grads(step):        # every worker's gradient of a step, recomputable by the test
+    g = torch.Generator().manual_seed(1000 * step + me)
+    return [torch.randn(4, generator=g), torch.randn(3, generator=g)]
+
+
+# 1. an LR scheduler on the DistributedOptimizer steps the wrapped optimizer's learning rate
+s = params("s")
+sgd = torch.optim.SGD(s.values(), lr=1.0)
+opt = DistributedOptimizer(sgd, list(s.items()), kvstore=kv)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+facts["is_optimizer"] = isinstance(opt, torch.optim.Optimizer)
+facts["shares_groups"] = opt.param_groups is sgd.param_groups and opt.state is sgd.state
+if not master:
+    lrs = []
+    for step in range(3):
+        opt.zero_grad(set_to_none=False)
+        facts["zeroed_in_place"] = all(p.grad is None or bool((p.grad == 0).all()) for p in s.values())
+        for p in s.values():
+            p.grad = torch.full_like(p, float(me + 1))         # the mean over both workers: 1.5
+        opt.step()
+        sched.step()
+        lrs.append(sgd.param_groups[0]["lr"])
+    facts["lrs"] = lrs
+    out["s.w"] = s["s.w"].detach().numpy().copy()
+
+# 2. backward_passes_per_step=2 sums two backward passes
+a = params("a")
+opt_a = DistributedOptimizer(torch.optim.SGD(a.values(), lr=1.0), list(a.items()), kvstore=kv,
+                             backward_passes_per_step=2)
+if not master:
+    opt_a.zero_grad()
+    (a["a.w"] * 1.0).sum().backward()
+    (a["a.w"] * (2.0 + me)).sum().backward()               # sums 3 (worker 0) and 4 (worker 1): mean 3.5
+    opt_a.step()
+    out["a.w"] = a["a.w"].detach().numpy().copy()
+
+# 3. one backward pass more than backward_passes_per_step is refused, naming the fix
+e = params("e")
+opt_e = DistributedOptimizer(torch.optim.SGD(e.values(), lr=1.0), list(e.items()), kvstore=kv)
+if not master:
+    opt_e.zero_grad()
+    e["e.w"].sum().backward()
+    try:
+        e["e.w"].sum().backward()
+        facts["second_backward"] = None
+    except ConfigError as exc:
+        facts["second_backward"] = str(exc)
+    opt_e.step()                                           # the first pass's round completes everywhere
+
+# 4. state_dict round trip: A trains, its state goes through torch.save into a fresh twin B, both go on alike
+A, B = params("A"), params("B")
+opt_A = DistributedOptimizer(torch.optim.Adam(A.values(), lr=0.1), list(A.items()), kvstore=kv, sync=DGA(delay=2))
+opt_B = DistributedOptimizer(torch.optim.Adam(B.values(), lr=0.1), list(B.items()), kvstore=kv, sync=DGA(delay=2))
+if master:
+    raise SystemExit(0)
+
+
+def train(opt, ps, steps):
+    for step in steps:
+        opt.zero_grad()
+        for p, g in zip(ps.values(), grads(step)):
+            p.grad = g
+        opt.step()
+
+
+def history(state):
+    return torch.cat([t.flatten() for sent in state["geomx"]["sync"]["history"] for pair in sent for t in pair])
+
+
+train(opt_A, A, range(3))
+saved = opt_A.state_dict()
+buf = io.BytesIO()
+torch.save(saved, buf)
+buf.seek(0)
+with torch.no_grad():
+    for pa, pb in zip(A.values(), B.values()):
+        pb.copy_(pa)
+opt_B.load_state_dict(torch.load(buf))
+again = opt_B.state_dict()
+facts["history_saved"] = len(saved["geomx"]["sync"]["history"])
+facts["adam_steps_saved"] = float(saved["state"][0]["step"])
+facts["reloaded_equal"] = torch.equal(history(again), history(saved))
+for step in range(3, 6):
+    train(opt_A, A, [step])
+    train(opt_B, B, [step])
+for k in ("A.w", "A.b"):
+    out[k] = A[k].detach().numpy().copy()
+for k in ("B.w", "B.b"):
+    out[k] = B[k].detach().numpy().copy()
+h.save(f"opt-{me}", out)
+h.dump(f"facts-{me}", facts)
+"""
+
+
+@pytest.fixture(scope="module")
+def optimizer_run(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("optimizer")
+    run_dir = check_ok(launch(tmp_path, OPTIMIZER_SCRIPT, dcs=2, workers_per_dc=1))
+    return [(load_json(run_dir, f"facts-{me}"), load_npz(run_dir, f"opt-{me}")) for me in range(2)]
+
+
+def test_step_lr_on_a_distributed_optimizer_halves_the_wrapped_learning_rate(optimizer_run):
+    for facts, out in optimizer_run:
+        assert facts["is_optimizer"] and facts["shares_groups"]
+        assert facts["lrs"] == [0.5, 0.25, 0.125]
+        assert facts["zeroed_in_place"]
+        # steps at lr 1, 0.5, 0.25 on the mean gradient 1.5
+        np.testing.assert_allclose(out["s.w"], 1.0 - 1.5 * (1 + 0.5 + 0.25), rtol=1e-6)
+
+
+def test_backward_passes_per_step_sums_the_passes(optimizer_run):
+    for _, out in optimizer_run:
+        np.testing.assert_allclose(out["a.w"], 1.0 - 3.5, rtol=1e-6)
+
+
+def test_a_backward_pass_too_many_is_refused_naming_the_option(optimizer_run):
+    for facts, _ in optimizer_run:
+        message = facts["second_backward"]
+        assert message is not None and "'e.w'" in message and "backward_passes_per_step=2" in message, message
+
+
+def test_state_dict_round_trip_continues_bit_identically(optimizer_run):
+    for facts, out in optimizer_run:
+        assert facts["history_saved"] == 2 and facts["adam_steps_saved"] == 3.0 and facts["reloaded_equal"]
+        for name in ("w", "b"):
+            assert np.array_equal(out[f"A.{name}"], out[f"B.{name}"]), name
+            assert not np.array_equal(out[f"A.{name}"], np.full_like(out[f"A.{name}"], 1.0 if name == "w" else 0.0))
+
+
+# the compatibility table -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("settings,pair", [
+    ({"mode": "dist_sync", "mixedsync": "overlap"}, ["--mixedsync overlap", "mode 'dist_sync'"]),
+    ({"topology": "flat", "mixedsync": "overlap"}, ["--mixedsync overlap", "topology 'flat'"]),
+    ({"mixedsync": "overlap", "server_optimizer": True}, ["--mixedsync overlap", "a server optimizer"]),
+    ({"mode": "dist_async", "sync": "dga"}, ["sync 'dga'", "mode 'dist_async'"]),
+    ({"sync": "esync", "server_optimizer": True}, ["sync 'esync'", "a server optimizer"]),
+    ({"sync": "diloco", "topology": "flat", "k2": 3}, ["sync 'diloco'", "topology 'flat'", "K2 = 3"]),
+    ({"sync": "hfa", "backward_passes_per_step": 2}, ["sync 'hfa'", "backward_passes_per_step=2"]),
+])
+def test_a_conflict_names_both_settings(settings, pair):
+    from geomx.compat import check, conflict
+    from geomx.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        check(**settings)
+    message = str(err.value)
+    assert message.index(pair[0]) < message.index(" conflicts with ") < message.index(pair[1]), message
+    for words in pair[2:]:
+        assert words in message
+    # every setting alone, or with a setting it combines with, passes
+    for key, value in settings.items():
+        assert conflict(**{key: value}) is None
+    assert conflict(mode="dist_async", mixedsync="overlap", topology="hips", sync="fsa", server_optimizer=False,
+                    compression=True, backward_passes_per_step=4) is None
+
+
+def test_distributed_optimizer_refuses_a_conflict_before_joining_anything():
+    from geomx.errors import ConfigError
+    from geomx.torch import DistributedOptimizer
+
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    with pytest.raises(ConfigError, match=r"sync 'hfa' .* conflicts with a server optimizer"):
+        DistributedOptimizer(sgd, sync="hfa", update_on_server=True)
+    with pytest.raises(ConfigError, match=r"sync 'dga' .* conflicts with backward_passes_per_step=3"):
+        DistributedOptimizer(sgd, sync="dga", backward_passes_per_step=3)
+    with pytest.raises(ConfigError, match="backward_passes_per_step must be a whole number >= 1"):
+        DistributedOptimizer(sgd, backward_passes_per_step=0)
+
+
+def test_geomx_launch_refuses_a_worker_side_sync_in_dist_async(capsys):
+    from geomx.cli.main import main
+
+    assert main(["launch", "--mode", "dist_async", "--sync", "hfa", "--", "python", "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert "sync 'hfa'" in err and "conflicts with mode 'dist_async'" in err, err
+
+
+# policies' state without a deployment ------------------------------------------------------------------------
+def _diloco(values: list[torch.Tensor]):
+    from geomx.sync import DiLoCo
+
+    policy = DiLoCo(k1=1, k2=1)
+    policy.params = [(f"p{i}", torch.nn.Parameter(v.clone())) for i, v in enumerate(values)]
+    policy.dc_scale = policy.global_scale = 1.0        # what setup() learns from the deployment
+    policy.start()
+    return policy
+
+
+def test_diloco_state_round_trip_keeps_its_outer_momentum_bit_identically():
+    import io
+
+    from geomx.errors import ConfigError
+    from geomx.sync import DGA
+
+    g = torch.Generator().manual_seed(7)
+    averages = [[torch.randn(5, generator=g), torch.randn(2, 3, generator=g)] for _ in range(6)]
+    first = _diloco([torch.zeros(5), torch.zeros(2, 3)])
+    for avg in averages[:3]:
+        first.adopt(avg)
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    current = [p.detach() for _, p in first.params]
+    restored, forgetful = _diloco(current), _diloco(current)
+    restored.load_state_dict(torch.load(buf))
+    for avg in averages[3:]:
+        for policy in (first, restored, forgetful):
+            policy.adopt(avg)
+    for (_, a), (_, b), (_, c) in zip(first.params, restored.params, forgetful.params, strict=True):
+        assert torch.equal(a, b)
+        assert not torch.equal(a, c)          # without the outer momentum the run goes elsewhere
+    with pytest.raises(ConfigError, match="'diloco'.*'dga'"):
+        DGA(delay=1).load_state_dict(first.state_dict())
