@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from geomx.errors import ConfigError
 from geomx.profiles import CENTRAL_DC
 from geomx.transport.security import Curve, link_security
+from geomx.unimplemented import report_unimplemented
 
 log = logging.getLogger("geomx.config")
 
@@ -147,6 +148,7 @@ def role_from_env(env: Mapping[str, str]) -> str:
 def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
     env = os.environ if env is None else env
     role = role_from_env(env)
+    report_unimplemented(env, role)      # GeoMX variables geomx does not implement: said once, never ignored
     topology = env.get("GEOMX_TOPOLOGY", "hips")
     if topology not in TOPOLOGIES:
         raise ConfigError(f"GEOMX_TOPOLOGY={topology!r} is not one of {', '.join(TOPOLOGIES)}")
