@@ -192,6 +192,7 @@ def test_a_conflict_names_both_settings(settings, pair):
 
 def test_distributed_optimizer_refuses_a_conflict_before_joining_anything():
     from geomx.errors import ConfigError
+    from geomx.sync import ESync
     from geomx.torch import DistributedOptimizer
 
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
@@ -199,6 +200,8 @@ def test_distributed_optimizer_refuses_a_conflict_before_joining_anything():
         DistributedOptimizer(sgd, sync="hfa", update_on_server=True)
     with pytest.raises(ConfigError, match=r"sync 'dga' .* conflicts with backward_passes_per_step=3"):
         DistributedOptimizer(sgd, sync="dga", backward_passes_per_step=3)
+    with pytest.raises(ConfigError, match=r"sync 'esync' .* conflicts with backward_passes_per_step=2"):
+        DistributedOptimizer(sgd, sync=ESync(steps=2), backward_passes_per_step=2)
     with pytest.raises(ConfigError, match="backward_passes_per_step must be a whole number >= 1"):
         DistributedOptimizer(sgd, backward_passes_per_step=0)
 

@@ -71,7 +71,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.params = _named(optimizer, named_parameters)
         self.comm_wait_s = 0.0      # time step() spent waiting for the network (cumulative)
         sync = create_sync(sync, backward_passes_per_step=backward_passes_per_step)
-        check_combination(sync=getattr(sync, "name", None), server_optimizer=update_on_server)
+        # a policy object (sync=DGA(...)) is checked here; a name was checked by create_sync
+        check_combination(sync=getattr(sync, "name", None), server_optimizer=update_on_server,
+                          backward_passes_per_step=backward_passes_per_step)
         self.sync = sync
         if kvstore is None:
             import geomx.kvstore
