@@ -70,19 +70,19 @@ def test_wan_matrix_smoke_rows_are_consistent_and_flat_moves_more_wan_bytes(tmp_
     js, out, runs = tmp_path / "w.json", tmp_path / "bench-out", tmp_path / "runs"
     assert main(["bench", "wan", "--wan-rate", "1gbit", "--wan-rtt", "2ms", "--steps", "4", "--eval-every", "2",
                  "--model", "cnn", "--target-acc", "0.15", "--configs",
-                 "hips-fsa,hips-mixedsync,hips-bsc-0.1,hips-esync-slow,no-wan", "--row-steps", "hips-mixedsync=6",
+                 "hips-fsa,hips-bsc-0.1,no-wan", "--row-steps", "hips-bsc-0.1=6",
                  "--train-args", "--lr 0.004", "--json", str(js), "--out-dir", str(out), "--run-dir", str(runs)]) == 0
     r = json.loads(js.read_text())
     rows = {x["config"]: x for x in r["rows"]}
     flat, fsa = rows["flat"], rows["hips-fsa"]
-    assert [x["config"] for x in r["rows"]] == ["flat", "hips-fsa", "hips-mixedsync", "hips-bsc-0.1",
-                                                "hips-esync-slow", "no-wan"]   # baseline first
+    # baseline first; MixedSync's and ESync's rows are left to their own tests (each row is a whole deployment)
+    assert [x["config"] for x in r["rows"]] == ["flat", "hips-fsa", "hips-bsc-0.1", "no-wan"]
     for x in r["rows"]:
         roles, links = x["bytes_roles_vs_links"]
         # what the roles handed to the network across DCs is what the emulated links carried
         assert links > 0 and abs(roles - links) <= 0.001 * links, (x["config"], roles, links)
         # --row-steps: one row trains longer; --train-args: every row's training command carries the recipe
-        assert x["steps"] == (6 if x["config"] == "hips-mixedsync" else 4) and x["workers"] == 4
+        assert x["steps"] == (6 if x["config"] == "hips-bsc-0.1" else 4) and x["workers"] == 4
         assert 0 < x["final_acc"] <= 1
         command = json.loads((runs / x["config"] / "launch.json").read_text())["command"]
         assert command[command.index("--lr") + 1] == "0.004", command

@@ -103,7 +103,6 @@ def test_server_side_optimizer_trains_the_example_in_the_flat_topology(tmp_path,
 # default 200,000 the digits CNN would travel dense and the test would prove nothing)
 COMPRESSIONS = {      # name: (setting, least and most WAN compression against dense fp32, headers included)
     "bsc-1%": ({"type": "bsc", "threshold": 0.01, "size_lower_bound": 1000}, 10, 60),
-    "fp16": ({"type": "fp16"}, 1.8, 2.0),
     "mpq-1%": ({"type": "mpq", "threshold": 0.01, "size_lower_bound": 1000}, 10, 60),
 }
 # Momentum SGD, as DGC and GeoMX train with sparse gradients: a sparsifier delivers a coordinate rarely but
@@ -123,8 +122,9 @@ def dense_sgd_accuracy(tmp_path_factory):
 def test_compressed_training_reaches_within_three_points_of_dense_accuracy_at_the_same_seed(name, dense_sgd_accuracy,
                                                                                            tmp_path):
     """Synchronous training is deterministic, so the two runs differ only in the compression. Compressed minus dense
-    over seeds 0-4: Bi-Sparse -0.6/+0.6/+0.6/0/+0.3 points, MPQ -0.3/+0.6/+0.3/-0.3/-0.8, fp16 0/0/-0.3/-0.6/0;
-    with other library versions Bi-Sparse once -1.7 at seed 0. Bar: 3 points below dense, 1.3 below the worst."""
+    over seeds 0-4: Bi-Sparse -0.6/+0.6/+0.6/0/+0.3 points, MPQ -0.3/+0.6/+0.3/-0.3/-0.8 (fp16: 0/0/-0.3/-0.6/0,
+    not run here to keep the suite short; its sums are checked exactly in test_kvstore_compression); with other
+    library versions Bi-Sparse once -1.7 at seed 0. Bar: 3 points below dense, 1.3 below the worst."""
     from geomx.report.run import load_run
     from geomx.report.summary import summarize
 
@@ -133,7 +133,7 @@ def test_compressed_training_reaches_within_three_points_of_dense_accuracy_at_th
     finals = [r["final_test_acc"] for r in results]
     assert len(set(finals)) == 1, f"compressed FSA must keep the workers identical: {finals}"
     assert finals[0] >= dense_sgd_accuracy - 0.03, (name, finals[0], dense_sgd_accuracy)
-    ratio = summarize(load_run(tmp_path), target_acc=None)["compression_ratio"]
+    ratio = summarize(load_run(tmp_path), None)["compression_ratio"]
     assert least <= ratio <= most, f"{name}: WAN bytes are 1/{ratio:.1f} of dense fp32"
 
 

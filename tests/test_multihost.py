@@ -19,7 +19,7 @@ from harness import Processes, check_ok, launch, logs, node_env, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "train_cnn.py"
-TRAIN_ARGS = ["--epochs", "2", "--seed", "3"]
+TRAIN_ARGS = ["--epochs", "1", "--seed", "3"]
 DCS, PER_DC = ("a", "b"), 2
 SECRET = "multi-host test secret, not for production"
 
