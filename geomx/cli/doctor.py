@@ -25,6 +25,7 @@ from pathlib import Path
 
 from geomx.config import NodeConfig, config_from_env
 from geomx.errors import ConfigError, GeomxError
+from geomx.transport.security import read_secret
 
 CONNECT_TIMEOUT_S = 1.0
 
@@ -172,10 +173,9 @@ def check_addresses(roles: list[Role]) -> list[Problem]:
 
 
 def _secret_digest(env: Mapping[str, str]) -> str | None:
-    secret = env.get("GEOMX_SECRET")
-    if not secret and env.get("GEOMX_SECRET_FILE"):
-        with contextlib.suppress(OSError):
-            secret = Path(env["GEOMX_SECRET_FILE"]).read_text().strip()
+    secret = None
+    with contextlib.suppress(ConfigError):     # an unreadable file is already reported by check_role
+        secret = read_secret(env)
     return hashlib.sha256(secret.encode()).hexdigest()[:12] if secret else None
 
 

@@ -33,6 +33,18 @@ _auth_lock = threading.Lock()
 _authenticators: dict[int, object] = {}
 
 
+def read_secret(env) -> str | None:
+    """The deployment's secret: GEOMX_SECRET, else the content of GEOMX_SECRET_FILE, else None."""
+    secret = env.get("GEOMX_SECRET")
+    if not secret and env.get("GEOMX_SECRET_FILE"):
+        try:
+            with open(env["GEOMX_SECRET_FILE"]) as f:
+                secret = f.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read GEOMX_SECRET_FILE {env['GEOMX_SECRET_FILE']}: {exc}") from None
+    return secret or None
+
+
 def _keypair(secret: str, purpose: str) -> tuple[bytes, bytes]:
     raw = hashlib.sha256(f"geomx-curve-{purpose}\0{secret}".encode()).digest()
     secret_key = zmq.utils.z85.encode(raw)
@@ -52,14 +64,7 @@ class Curve:
 
     @classmethod
     def from_env(cls, env=None) -> Curve | None:
-        env = os.environ if env is None else env
-        secret = env.get("GEOMX_SECRET")
-        if not secret and env.get("GEOMX_SECRET_FILE"):
-            try:
-                with open(env["GEOMX_SECRET_FILE"]) as f:
-                    secret = f.read().strip()
-            except OSError as exc:
-                raise ConfigError(f"cannot read GEOMX_SECRET_FILE {env['GEOMX_SECRET_FILE']}: {exc}") from None
+        secret = read_secret(os.environ if env is None else env)
         return cls(secret) if secret else None
 
     def server(self, sock: zmq.Socket) -> None:
