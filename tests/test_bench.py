@@ -70,19 +70,20 @@ def test_wan_matrix_smoke_rows_are_consistent_and_flat_moves_more_wan_bytes(tmp_
     js, out, runs = tmp_path / "w.json", tmp_path / "bench-out", tmp_path / "runs"
     assert main(["bench", "wan", "--wan-rate", "1gbit", "--wan-rtt", "2ms", "--steps", "4", "--eval-every", "2",
                  "--model", "cnn", "--target-acc", "0.15", "--configs",
-                 "hips-fsa,hips-bsc-0.1,no-wan", "--row-steps", "hips-bsc-0.1=6",
+                 "hips-fsa,no-wan", "--row-steps", "no-wan=6",
                  "--train-args", "--lr 0.004", "--json", str(js), "--out-dir", str(out), "--run-dir", str(runs)]) == 0
     r = json.loads(js.read_text())
     rows = {x["config"]: x for x in r["rows"]}
     flat, fsa = rows["flat"], rows["hips-fsa"]
-    # baseline first; MixedSync's and ESync's rows are left to their own tests (each row is a whole deployment)
-    assert [x["config"] for x in r["rows"]] == ["flat", "hips-fsa", "hips-bsc-0.1", "no-wan"]
+    # baseline first; compressed, MixedSync and ESync rows are left to their own tests (each row is a whole
+    # deployment of five torch processes, about 28 s of the suite on 2 cores)
+    assert [x["config"] for x in r["rows"]] == ["flat", "hips-fsa", "no-wan"]
     for x in r["rows"]:
         roles, links = x["bytes_roles_vs_links"]
         # what the roles handed to the network across DCs is what the emulated links carried
         assert links > 0 and abs(roles - links) <= 0.001 * links, (x["config"], roles, links)
         # --row-steps: one row trains longer; --train-args: every row's training command carries the recipe
-        assert x["steps"] == (6 if x["config"] == "hips-bsc-0.1" else 4) and x["workers"] == 4
+        assert x["steps"] == (6 if x["config"] == "no-wan" else 4) and x["workers"] == 4
         assert 0 < x["final_acc"] <= 1
         command = json.loads((runs / x["config"] / "launch.json").read_text())["command"]
         assert command[command.index("--lr") + 1] == "0.004", command
@@ -104,16 +105,12 @@ def test_wan_matrix_smoke_rows_are_consistent_and_flat_moves_more_wan_bytes(tmp_
     # dense FSA and flat PS run the same synchronous algorithm from the same seed: the same model
     assert fsa["final_acc"] == pytest.approx(flat["final_acc"], abs=1e-6)
     assert fsa["steps_to_target"] == flat["steps_to_target"]
-    # Bi-Sparse at 0.1% with every weight matrix sparsified moves a small fraction of dense FSA's bytes (the
-    # CNN's biases and 400-element first layer travel dense, headers count, and in a 4-step run the emulator's
-    # one-second byte buckets still hold some set-up traffic: well short of 1000x, docs/benchmarks.md has it)
     # the no-WAN control: each DC alone, no round crosses the WAN after set-up; FSA crosses it every step
     no_wan = rows["no-wan"]
     assert (no_wan["wan_rounds"], no_wan["first_wan_step"]) == (0, None)
     assert (fsa["wan_rounds"], fsa["wan_rounds_waited"], fsa["first_wan_step"]) == (4, 4, 1)
     assert no_wan["wan_bytes_total"] < fsa["wan_bytes_total"]
-    bsc = rows["hips-bsc-0.1"]
-    assert bsc["compression_ratio"] > 4 and bsc["wan_bytes_per_step"] < fsa["wan_bytes_per_step"] / 4
+    # a compressed row's WAN bytes are checked against dense ones by the compressed-training test of test_example
     table = (out / "wan-cnn-custom.md").read_text()
     for x in r["rows"]:
         assert x["label"] in table
