@@ -1,16 +1,22 @@
-"""Synchronization algorithms on real deployments: HFA and DiLoCo (model averaging on the workers, DC-only
-rounds at the local servers), --slowdown, and DCASGD on the global server in dist_async.
+"""Synchronization algorithms: HFA and DiLoCo (model averaging on the workers, DC-only rounds at the local
+servers), DGA, --slowdown, and DCASGD on the global server in dist_async.
 
-The training scripts inject deterministic gradients (tests/scripts/kvhelp.py) into a plain SGD, so every
-worker's model after every step can be recomputed here and compared number for number.
+The workers inject deterministic gradients (tests/scripts/kvhelp.py) into a plain SGD, so every worker's model
+after every step can be recomputed here and compared number for number. Cases with a slowdown (set per process),
+ESync and DCASGD run as real deployments (processes over sockets, started by the launcher); the others run the
+same worker code as threads of a whole in-process deployment (tests/scripts/inproc.py: the real schedulers,
+servers and KVStores over the in-memory van), which saves the suite five torch start-ups per case.
 """
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 
 import kvhelp
+from inproc import DEADLINE_S, HipsCluster
 from harness import check_ok, launch, load_json, load_npz
 
 SEED = 31
@@ -26,8 +32,6 @@ from geomx.torch import DistributedOptimizer
 torch.set_num_threads(1)
 SEED, KEYS, LR, STEPS = {SEED}, {KEYS!r}, {LR}, int(os.environ["TEST_STEPS"])
 kv = geomx.kvstore.create()
-if os.environ.get("TEST_COMPRESSION"):
-    kv.set_gradient_compression(json.loads(os.environ["TEST_COMPRESSION"]))
 me = h.worker_index()
 tag = 0 if kv.is_master_worker else me + 1          # workers start from their own values: the master's must win
 params = {{k: torch.nn.Parameter(torch.from_numpy(h.value(tag, k, s))) for k, s in KEYS.items()}}
@@ -131,31 +135,86 @@ CASES = {
 }
 
 
-def _run_case(tmp_path, case: dict, name: str, compression: str | None = None):
-    env = {"TEST_STEPS": str(case["steps"]), "TEST_SAMPLES": str(case["samples"]),
-           "GEOMX_HFA_WEIGHTS": case["weights"], **({"TEST_COMPRESSION": compression} if compression else {})}
-    return check_ok(launch(tmp_path, AVERAGING_SCRIPT, dcs=2, workers_per_dc=case["per_dc"], env=env, name=name,
-                           sync={"algorithm": case["algorithm"], "k1": case["k1"], "k2": case["k2"],
-                                 **({"overlap": case["overlap"]} if case.get("overlap") else {})},
-                           slowdown=case["slowdown"]))
+def _sync_table(case: dict) -> dict:
+    return {"algorithm": case["algorithm"], "k1": case["k1"], "k2": case["k2"], "weights": case["weights"],
+            **({"overlap": case["overlap"]} if case.get("overlap") else {})}
+
+
+def _run_case(tmp_path, case: dict, name: str) -> tuple[list[dict], list[dict]]:
+    """A real deployment running AVERAGING_SCRIPT: (each worker's models by "key@step", each worker's sync info)."""
+    env = {"TEST_STEPS": str(case["steps"]), "TEST_SAMPLES": str(case["samples"])}
+    run_dir = check_ok(launch(tmp_path, AVERAGING_SCRIPT, dcs=2, workers_per_dc=case["per_dc"], env=env, name=name,
+                              sync=_sync_table(case), slowdown=case["slowdown"]))
+    n = sum(case["per_dc"])
+    return [load_npz(run_dir, f"models-{i}") for i in range(n)], [load_json(run_dir, f"sync-{i}") for i in range(n)]
+
+
+def _averaging_worker(kv, me: int, steps: int, samples, policy, compression: dict | None) -> tuple[dict, dict]:
+    """AVERAGING_SCRIPT's worker, on a KVStore of an in-process deployment (``me`` = -1: the master worker)."""
+    from geomx.torch import DistributedOptimizer
+
+    if compression:
+        kv.set_gradient_compression(compression)
+    tag = 0 if kv.is_master_worker else me + 1
+    params = {k: torch.nn.Parameter(torch.from_numpy(kvhelp.value(tag, k, s))) for k, s in KEYS.items()}
+    opt = DistributedOptimizer(torch.optim.SGD(params.values(), lr=LR), list(params.items()), kvstore=kv,
+                               num_samples=samples, sync=policy)
+    out: dict = {}
+    if kv.is_master_worker:
+        return out, {}
+    for step in range(steps):
+        opt.zero_grad()
+        for k, p in params.items():
+            p.grad = torch.from_numpy(kvhelp.grad(SEED, me, step, k, KEYS[k]))
+        opt.step()
+        for k, p in params.items():
+            out[f"{k}@{step}"] = p.detach().numpy().copy()
+    opt.finish()
+    for k, p in params.items():
+        out[f"{k}@final"] = p.detach().numpy().copy()
+    return out, {"algorithm": repr(opt.sync), "global_averages": getattr(opt.sync, "global_averages", None)}
+
+
+def _run_inproc(sync_table: dict, per_dc: list[int], steps: int, samples: list,
+                compression: dict | None = None) -> tuple[list[dict], list[dict]]:
+    """The same workers as threads of one in-process deployment; the policy is built from the environment the
+    launcher would give every worker for ``sync_table`` (geomx.sync.launch_env), as ``geomx launch`` does."""
+    from geomx.sync import launch_env, policy_class, settings_from_env
+
+    settings = settings_from_env(launch_env(sync_table))
+    cluster = HipsCluster(per_dc=list(per_dc))
+    try:
+        stores = [kv for dc in ("a", "b") for kv in cluster.workers[dc]]
+        with ThreadPoolExecutor(len(stores) + 1) as pool:
+            futures = [pool.submit(_averaging_worker, kv, me, steps, samples[me] if me >= 0 else None,
+                                   policy_class(settings.algorithm)(**settings.options()), compression)
+                       for me, kv in [(-1, cluster.master), *enumerate(stores)]]
+            results = [f.result(timeout=DEADLINE_S) for f in futures][1:]
+    finally:
+        cluster.close()
+    return [models for models, _ in results], [info for _, info in results]
+
+
+def _run_averaging(tmp_path, case: dict, name: str) -> tuple[list[dict], list[dict]]:
+    if case["slowdown"]:          # a slowdown is per process (GEOMX_SLOWDOWN): a real deployment
+        return _run_case(tmp_path, case, name)
+    return _run_inproc(_sync_table(case), case["per_dc"], case["steps"], case["samples"])
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_model_averaging_matches_the_reference_at_every_step(tmp_path, name):
     case = CASES[name]
-    run_dir = _run_case(tmp_path, case, name)
+    models, infos = _run_averaging(tmp_path, case, name)
     per_dc = case["per_dc"]
     dcs = [list(range(sum(per_dc[:d]), sum(per_dc[:d + 1]))) for d in range(len(per_dc))]
     ref = simulate(algorithm=case["algorithm"], k1=case["k1"], k2=case["k2"], weights=case["weights"],
                    samples=[float(s) for s in case["samples"]], dcs=dcs, steps=case["steps"],
                    overlap=case.get("overlap", 0))
     n = sum(per_dc)
-    models = [load_npz(run_dir, f"models-{i}") for i in range(n)]
     for (i, key, step), expected in ref.items():
         np.testing.assert_allclose(models[i][f"{key}@{step}"], expected, rtol=0, atol=2e-5,
                                    err_msg=f"{name}: worker {i}, key {key}, step {step}")
     last = case["steps"] - 1
-    infos = [load_json(run_dir, f"sync-{i}") for i in range(n)]
     assert all(x["global_averages"] == case["steps"] // (case["k1"] * case["k2"]) for x in infos), infos
     if name == "hfa-overlap":
         # while the average sent at step 3 travels (steps 3 and 4: indices 2, 3) the DCs train on their own
@@ -189,11 +248,12 @@ def test_hfa_composes_with_compression_its_global_averages_travel_as_compressed_
     bits (a model itself would lose its low bits for good), so the run tracks the exact reference within
     fp16's rounding of those changes, and not exactly (the compression did act)."""
     case = CASES["hfa-weighted"]
-    run_dir = _run_case(tmp_path, case, "hfa-fp16", compression='{"type": "fp16"}')
+    # in process: the slowdown only stretches time, the values are the same
+    models, _ = _run_inproc(_sync_table(case), case["per_dc"], case["steps"], case["samples"],
+                            compression={"type": "fp16"})
     dcs = [[0, 1], [2, 3]]
     ref = simulate(algorithm="hfa", k1=case["k1"], k2=case["k2"], weights=case["weights"],
                    samples=[float(s) for s in case["samples"]], dcs=dcs, steps=case["steps"])
-    models = [load_npz(run_dir, f"models-{i}") for i in range(4)]
     worst = max(np.abs(models[i][f"{key}@{step}"] - expected).max() for (i, key, step), expected in ref.items())
     assert 1e-6 < worst < 2e-3, worst
     assert all(np.array_equal(models[i]["w@3"], models[0]["w@3"]) for i in range(4))   # the global average agrees
@@ -210,11 +270,8 @@ def _fsa_reference(key, shape, steps: int) -> list[np.ndarray]:
 
 
 def test_dga_with_delay_zero_is_fsa_exactly(tmp_path):
-    run_dir = check_ok(launch(tmp_path, AVERAGING_SCRIPT, dcs=2, workers_per_dc=2, name="dga-0",
-                              env={"TEST_STEPS": "3", "TEST_SAMPLES": "[1, 1, 1, 1]"},
-                              sync={"algorithm": "dga", "delay": 0}))
-    models = [load_npz(run_dir, f"models-{i}") for i in range(4)]
-    assert load_json(run_dir, "sync-0")["algorithm"] == "DGA(delay=0)"
+    models, infos = _run_inproc({"algorithm": "dga", "delay": 0}, [2, 2], 3, [1, 1, 1, 1])
+    assert infos[0]["algorithm"] == "DGA(delay=0)"
     for key, shape in KEYS.items():
         for step, expected in enumerate(_fsa_reference(key, shape, 3)):
             for i in range(4):
@@ -223,10 +280,7 @@ def test_dga_with_delay_zero_is_fsa_exactly(tmp_path):
 
 def test_dga_applies_the_average_from_d_steps_ago_with_the_correction(tmp_path):
     delay, steps = 2, 6
-    run_dir = check_ok(launch(tmp_path, AVERAGING_SCRIPT, dcs=2, workers_per_dc=[1, 2], name="dga-2",
-                              env={"TEST_STEPS": str(steps), "TEST_SAMPLES": "[1, 1, 1]"},
-                              sync="dga", sync_delay=delay))
-    models = [load_npz(run_dir, f"models-{i}") for i in range(3)]
+    models, _ = _run_inproc({"algorithm": "dga", "delay": delay}, [1, 2], steps, [1, 1, 1])
     for key, shape in KEYS.items():
         g = {(i, t): kvhelp.grad(SEED, i, t, key, shape).astype(np.float64) for i in range(3) for t in range(steps)}
         w = {i: kvhelp.value(0, key, shape).astype(np.float64) for i in range(3)}
@@ -245,8 +299,7 @@ def test_hfa_with_k1_k2_one_is_fsa_model_averaging_exactly(tmp_path):
     as the servers sum; and (plain SGD) what FSA's gradient averaging gives, up to rounding."""
     case = dict(algorithm="hfa", k1=1, k2=1, weights="samples", per_dc=[2, 2], samples=[100, 100, 100, 100],
                 steps=3, slowdown=None)
-    run_dir = _run_case(tmp_path, case, "hfa-1-1")
-    models = [load_npz(run_dir, f"models-{i}") for i in range(4)]
+    models, _ = _run_averaging(tmp_path, case, "hfa-1-1")
     for key, shape in KEYS.items():
         w = torch.from_numpy(kvhelp.value(0, key, shape))
         fsa = kvhelp.value(0, key, shape).astype(np.float64)

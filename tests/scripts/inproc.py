@@ -111,27 +111,28 @@ class FlatCluster(Deployment):
 
 
 class HipsCluster(Deployment):
-    """``dcs`` DCs of ``per_dc`` workers each; ``self.workers[dc]`` are their KVStores, ``self.local[dc]``
-    their local servers."""
+    """``dcs`` DCs of ``per_dc`` workers each (a number, or one per DC); ``self.workers[dc]`` are their KVStores,
+    ``self.local[dc]`` their local servers."""
 
-    def __init__(self, dcs=("a", "b"), per_dc: int = 2, mode: str = "dist_sync", van: str = "inproc",
+    def __init__(self, dcs=("a", "b"), per_dc: int | list[int] = 2, mode: str = "dist_sync", van: str = "inproc",
                  link: Callable | None = None) -> None:
         super().__init__(van, link)
-        total = len(dcs) * per_dc
+        sizes = dict(zip(dcs, per_dc if isinstance(per_dc, list | tuple) else [per_dc] * len(dcs), strict=True))
+        total = sum(sizes.values())
         gs = self.scheduler("global", CENTRAL_DC, {"server": 1, "worker": len(dcs)})
         cs = self.scheduler("dc:central", CENTRAL_DC, {"server": 1, "worker": 1})
         counts = {"num_global_servers": 1, "num_global_workers": len(dcs), "num_all_workers": total}
         makers: list = [lambda: start_global_server(
             self.config(role="global_server", dc=CENTRAL_DC, scheduler=cs, global_scheduler=gs, num_workers=1,
                         num_servers=1, **counts), threading.Event(), node_id="global_server-0")]
-        for dc in dcs:
-            ds = self.scheduler(f"dc:{dc}", dc, {"server": 1, "worker": per_dc})
-            makers.append(lambda dc=dc, ds=ds: start_local_server(
-                self.config(role="server", dc=dc, scheduler=ds, global_scheduler=gs, num_workers=per_dc,
+        for dc, size in sizes.items():
+            ds = self.scheduler(f"dc:{dc}", dc, {"server": 1, "worker": size})
+            makers.append(lambda dc=dc, ds=ds, size=size: start_local_server(
+                self.config(role="server", dc=dc, scheduler=ds, global_scheduler=gs, num_workers=size,
                             num_servers=1, **counts), threading.Event(), node_id=f"server-{dc}"))
-            for rank in range(per_dc):
-                makers.append(lambda dc=dc, ds=ds, rank=rank: KVStore(
-                    self.config(role="worker", dc=dc, scheduler=ds, num_workers=per_dc, num_servers=1, rank=rank,
+            for rank in range(size):
+                makers.append(lambda dc=dc, ds=ds, rank=rank, size=size: KVStore(
+                    self.config(role="worker", dc=dc, scheduler=ds, num_workers=size, num_servers=1, rank=rank,
                                 **counts), mode))
         makers.append(lambda: KVStore(self.config(role="master", dc=CENTRAL_DC, scheduler=cs, num_workers=1,
                                                   num_servers=1, **counts), mode))
@@ -139,6 +140,6 @@ class HipsCluster(Deployment):
         self.global_server, self.master = nodes[0], nodes[-1]
         self.local, self.workers = {}, {}
         it = iter(nodes[1:-1])
-        for dc in dcs:
+        for dc, size in sizes.items():
             self.local[dc] = next(it)
-            self.workers[dc] = [next(it) for _ in range(per_dc)]
+            self.workers[dc] = [next(it) for _ in range(size)]
