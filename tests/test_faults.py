@@ -3,6 +3,7 @@ order in which a server learns its members. Every run is real processes over rea
 is a liveness bound ("within N seconds"), never a performance claim."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -206,6 +207,7 @@ def test_role_started_on_a_port_in_use_exits_non_zero_naming_the_address(busy_po
 # -- dead workers --------------------------------------------------------------------------------------------
 
 TRAIN_FOREVER = """
+import contextlib
 import os
 import numpy as np
 import geomx
@@ -267,9 +269,35 @@ def test_killed_worker_makes_launch_exit_non_zero_naming_the_role(tmp_path):
     assert "role b-worker-0 was killed by signal 9" in output, output
 
 
+def test_a_frozen_worker_is_named_in_the_launchers_headline_not_the_role_that_gave_up_on_it(tmp_path):
+    """SIGSTOP (a frozen host, a debugger): the worker never exits, its scheduler stops hearing its heartbeats and
+    gives up; the headline must name the frozen worker."""
+    state = {}
+
+    def freeze_when_training(launcher, run_dir):
+        if state or not all((run_dir / f"training-{i}.json").exists() for i in range(4)):
+            return
+        victim = next(r for r in launcher.running if r.spec.name == "a-worker-1")
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        state["pid"] = victim.proc.pid
+
+    try:
+        code, run_dir, output = launch(tmp_path, TRAIN_FOREVER, env=FAST_HEARTBEAT, watch=freeze_when_training,
+                                       timeout=60)
+    finally:
+        if state:       # the launcher's SIGTERM cannot reach a stopped process's handler; let it die
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(state["pid"], signal.SIGCONT)
+    assert state, "the workers never trained\n" + describe(code, run_dir, output)
+    assert code == 1, describe(code, run_dir, output)
+    headline = next(line for line in output.splitlines() if "stopping every process" in line)
+    assert headline.startswith("geomx: role a-worker-1 is frozen (stopped, not running);"), output
+
+
 # -- garbage on the wire ---------------------------------------------------------------------------------------
 
 GARBAGE_SCRIPT = """
+import contextlib
 import os
 import re
 import socket
@@ -376,6 +404,7 @@ def test_garbage_bytes_junk_frames_and_forgeries_are_dropped_and_training_stays_
 
 
 BAD_REGISTER_SCRIPT = """
+import contextlib
 import os
 import time
 import msgpack

@@ -253,12 +253,15 @@ class Launcher:
             if interrupted["sig"] is not None:
                 self.say("geomx: interrupted; stopping every process")
                 return 130
+            failed = []
             for r in self.running:
                 if r.returncode is None:
                     r.returncode = r.proc.poll()
                     if r.returncode not in (None, 0) and not (r.spec.kind == "emulator" and trainers_done_at):
-                        self._report_failure(r)
-                        return 1
+                        failed.append(r)
+            if failed:
+                self._report_failure(min(failed, key=_blame_order))
+                return 1
             if trainers_done_at is None and all(r.returncode == 0 for r in trainers):
                 trainers_done_at = time.monotonic()
             if trainers_done_at is not None:
@@ -283,6 +286,13 @@ class Launcher:
         if r.pump is not None:
             r.pump.join(timeout=2)
         tail = _tail(r.log_path, 30)
+        # a role stopped by a signal (SIGSTOP, a debugger, a frozen VM) never exits: whoever gave up waiting for it
+        # (a scheduler's heartbeat check, a peer's deadline) fails instead; the headline names the frozen one
+        frozen = [x.spec.name for x in self.running if x.returncode is None and _is_stopped(x.proc.pid)]
+        if frozen:
+            self.say(f"geomx: role {', '.join(frozen)} is frozen (stopped, not running); {r.spec.name} gave up "
+                     f"waiting for it ({how}); stopping every process. Last lines of {r.log_path}:\n{tail}")
+            return
         self.say(f"geomx: role {r.spec.name} {how}; stopping every process. Last lines of {r.log_path}:\n{tail}")
 
     def _stop_all(self) -> None:
@@ -299,6 +309,21 @@ class Launcher:
         for r in self.running:
             if r.pump is not None:
                 r.pump.join(timeout=2)
+
+
+def _blame_order(r: Running) -> tuple[int, int]:
+    """Which of the roles found failed in one poll to name: one killed by a signal (the cause) before one that
+    exited with an error (often a peer giving up on it), a trainer or server before a scheduler."""
+    return (0 if r.returncode < 0 else 1, 1 if r.spec.kind == "scheduler" else 0)
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether the process is stopped by a signal (state T in /proc; False where there is no /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:][:1] in ("T", "t")
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
