@@ -252,18 +252,21 @@ def test_killed_worker_stops_every_other_worker_with_an_error_naming_it_within_3
         procs.close()
 
 
-def test_killed_worker_makes_launch_exit_non_zero_naming_the_role(tmp_path):
-    state = {}
-
-    def kill_when_training(launcher, run_dir):
+def signal_when_training(role: str, sig: int, state: dict):
+    """A ``launch`` watch: once all 4 workers train, send ``sig`` to ``role`` (once); its pid goes to ``state``."""
+    def watch(launcher, run_dir):
         if state or not all((run_dir / f"training-{i}.json").exists() for i in range(4)):
             return
-        victim = next(r for r in launcher.running if r.spec.name == "b-worker-0")
-        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim = next(r for r in launcher.running if r.spec.name == role)
+        os.kill(victim.proc.pid, sig)
         state["pid"] = victim.proc.pid
+    return watch
 
-    code, run_dir, output = launch(tmp_path, TRAIN_FOREVER, env=FAST_HEARTBEAT, watch=kill_when_training,
-                                   timeout=60)
+
+def test_killed_worker_makes_launch_exit_non_zero_naming_the_role(tmp_path):
+    state = {}
+    code, run_dir, output = launch(tmp_path, TRAIN_FOREVER, env=FAST_HEARTBEAT, timeout=60,
+                                   watch=signal_when_training("b-worker-0", signal.SIGKILL, state))
     assert state, "the workers never trained\n" + describe(code, run_dir, output)
     assert code == 1, describe(code, run_dir, output)
     assert "role b-worker-0 was killed by signal 9" in output, output
@@ -273,17 +276,9 @@ def test_a_frozen_worker_is_named_in_the_launchers_headline_not_the_role_that_ga
     """SIGSTOP (a frozen host, a debugger): the worker never exits, its scheduler stops hearing its heartbeats and
     gives up; the headline must name the frozen worker."""
     state = {}
-
-    def freeze_when_training(launcher, run_dir):
-        if state or not all((run_dir / f"training-{i}.json").exists() for i in range(4)):
-            return
-        victim = next(r for r in launcher.running if r.spec.name == "a-worker-1")
-        os.kill(victim.proc.pid, signal.SIGSTOP)
-        state["pid"] = victim.proc.pid
-
     try:
-        code, run_dir, output = launch(tmp_path, TRAIN_FOREVER, env=FAST_HEARTBEAT, watch=freeze_when_training,
-                                       timeout=60)
+        code, run_dir, output = launch(tmp_path, TRAIN_FOREVER, env=FAST_HEARTBEAT, timeout=60,
+                                       watch=signal_when_training("a-worker-1", signal.SIGSTOP, state))
     finally:
         if state:       # the launcher's SIGTERM cannot reach a stopped process's handler; let it die
             with contextlib.suppress(ProcessLookupError):

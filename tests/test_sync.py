@@ -16,45 +16,24 @@ import pytest
 import torch
 
 import kvhelp
+from averaging import KEYS, LR, SEED, train
 from inproc import DEADLINE_S, HipsCluster
 from harness import check_ok, launch, load_json, load_npz
 
-SEED = 31
-KEYS = {"w": (10,), "b": (3, 4)}
-LR = 0.1
-
-AVERAGING_SCRIPT = f"""
-import json, os, time
+AVERAGING_SCRIPT = """
+import json, os
 import torch
 import geomx, kvhelp as h
-from geomx.torch import DistributedOptimizer
+from averaging import train
 
 torch.set_num_threads(1)
-SEED, KEYS, LR, STEPS = {SEED}, {KEYS!r}, {LR}, int(os.environ["TEST_STEPS"])
 kv = geomx.kvstore.create()
 me = h.worker_index()
-tag = 0 if kv.is_master_worker else me + 1          # workers start from their own values: the master's must win
-params = {{k: torch.nn.Parameter(torch.from_numpy(h.value(tag, k, s))) for k, s in KEYS.items()}}
 samples = json.loads(os.environ["TEST_SAMPLES"])[me] if me >= 0 else None
-opt = DistributedOptimizer(torch.optim.SGD(params.values(), lr=LR), list(params.items()), kvstore=kv,
-                           num_samples=samples)
-if kv.is_master_worker:
-    raise SystemExit(0)
-out = {{}}
-for step in range(STEPS):
-    opt.zero_grad()
-    time.sleep(0.02)                                   # "compute", which --slowdown stretches
-    for k, p in params.items():
-        p.grad = torch.from_numpy(h.grad(SEED, me, step, k, KEYS[k]))
-    opt.step()
-    for k, p in params.items():
-        out[f"{{k}}@{{step}}"] = p.detach().numpy().copy()
-opt.finish()                                           # overlap: the last global average lands
-for k, p in params.items():
-    out[f"{{k}}@final"] = p.detach().numpy().copy()
-h.save(f"models-{{me}}", out)
-h.dump(f"sync-{{me}}", {{"algorithm": repr(opt.sync), "factor": opt.slowdown.factor, "slept_s": opt.slowdown.slept_s,
-                       "global_averages": getattr(opt.sync, "global_averages", None)}})
+models, info = train(kv, me, int(os.environ["TEST_STEPS"]), samples=samples, compute_s=0.02)
+if not kv.is_master_worker:
+    h.save(f"models-{me}", models)
+    h.dump(f"sync-{me}", info)
 """
 
 
@@ -151,28 +130,9 @@ def _run_case(tmp_path, case: dict, name: str) -> tuple[list[dict], list[dict]]:
 
 def _averaging_worker(kv, me: int, steps: int, samples, policy, compression: dict | None) -> tuple[dict, dict]:
     """AVERAGING_SCRIPT's worker, on a KVStore of an in-process deployment (``me`` = -1: the master worker)."""
-    from geomx.torch import DistributedOptimizer
-
     if compression:
         kv.set_gradient_compression(compression)
-    tag = 0 if kv.is_master_worker else me + 1
-    params = {k: torch.nn.Parameter(torch.from_numpy(kvhelp.value(tag, k, s))) for k, s in KEYS.items()}
-    opt = DistributedOptimizer(torch.optim.SGD(params.values(), lr=LR), list(params.items()), kvstore=kv,
-                               num_samples=samples, sync=policy)
-    out: dict = {}
-    if kv.is_master_worker:
-        return out, {}
-    for step in range(steps):
-        opt.zero_grad()
-        for k, p in params.items():
-            p.grad = torch.from_numpy(kvhelp.grad(SEED, me, step, k, KEYS[k]))
-        opt.step()
-        for k, p in params.items():
-            out[f"{k}@{step}"] = p.detach().numpy().copy()
-    opt.finish()
-    for k, p in params.items():
-        out[f"{k}@final"] = p.detach().numpy().copy()
-    return out, {"algorithm": repr(opt.sync), "global_averages": getattr(opt.sync, "global_averages", None)}
+    return train(kv, me, steps, samples=samples, sync=policy)
 
 
 def _run_inproc(sync_table: dict, per_dc: list[int], steps: int, samples: list,
