@@ -63,9 +63,10 @@ def flush_round():
         total[k] += kv.pushpull(k, np.zeros(s, np.float32)).wait()
 
 if drain:
-    # MixedSync overlap: a DC round never waits for the WAN, so no fixed number of flush rounds is sure to have
-    # let every residual through. Flush in batches until every worker's totals are complete; a DC must go on
-    # flushing while another is still short, since its own residuals only travel with its pushes. All workers
+    # dist_async: a DC's rounds do not wait for the other DC's (and under MixedSync overlap not for the WAN
+    # either), so no fixed number of flush rounds is sure to have let every residual through. Flush in batches
+    # until every worker's totals are complete; a DC must go on flushing while another is still short, since
+    # its own residuals only travel with its pushes. All workers
     # decide together, on the files every one wrote before the barrier (the two workers of a DC must push the
     # same number of rounds); then 10 more rounds, in which nothing may arrive twice.
     expected = {{k: sum(h.grad(SEED, i, step, k, s) for i in range(kv.num_all_workers) for step in range(STEPS))
@@ -163,8 +164,12 @@ def test_server_sgd_with_compression_ends_at_the_weights_of_uncompressed_sgd(spe
 
 @pytest.mark.parametrize("mixedsync", ["wait", "overlap"])
 def test_dist_async_with_compression_delivers_every_gradient_to_every_dc(tmp_path_factory, mixedsync):
+    """dist_async: the global server applies each DC's push when it comes, so a DC's last pulls see the other
+    DC's residuals only once that DC has flushed them; with either MixedSync mode the workers flush until all
+    totals are complete (a fixed count of rounds fails when one DC runs ahead), then flush more, in which
+    nothing may arrive twice."""
     run = _run(tmp_path_factory, f"async-topk-{mixedsync}", TOPK_BOTH_TIERS, mode="dist_async", global_servers=1,
-               mixedsync=mixedsync, env={"TEST_DRAIN": "1" if mixedsync == "overlap" else "0"})
+               mixedsync=mixedsync, env={"TEST_DRAIN": "1"})
     for me in range(N):
         total = load_npz(run, f"total-{me}")
         for key in KEYS:

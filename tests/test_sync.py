@@ -343,7 +343,7 @@ if kv.is_master_worker:
 out, local = {{}}, 0
 while opt.progress < ROUNDS:
     opt.zero_grad()
-    time.sleep(0.03)                                   # "compute"; DC b's worker is slowed 3x
+    time.sleep(0.1)                                    # "compute"; DC b's worker is slowed 3x
     for k, p in params.items():
         p.grad = torch.from_numpy(h.grad(SEED, me, local, k, KEYS[k]))
     local += 1
@@ -364,7 +364,9 @@ def test_esync_gives_the_slowed_worker_fewer_local_steps_and_averages_model_delt
     run_dir = check_ok(launch(tmp_path, ESYNC_SCRIPT, dcs=2, workers_per_dc=1, sync="esync", slowdown=["b=3"]))
     fast, slow = (load_json(run_dir, f"esync-{i}")["schedule"] for i in (0, 1))
     assert slow == [1] * 6, slow                        # the slowest worker takes `steps` (1) per round
-    assert fast[0] == 1 and all(2 <= k <= 4 for k in fast[1:]), fast   # ~3x faster: ~3 local steps per round
+    # ~3x faster: ~3 local steps per round. Each round's count comes from one round's timing, which a loaded
+    # machine can stretch for either worker, so one round of the five may fall outside [2, 4].
+    assert fast[0] == 1 and sum(2 <= k <= 4 for k in fast[1:]) >= 4 and min(fast) >= 1, fast
     models = [load_npz(run_dir, f"models-{i}") for i in (0, 1)]
     for key, shape in KEYS.items():
         start = kvhelp.value(0, key, shape).astype(np.float64)
