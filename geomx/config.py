@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from geomx.errors import ConfigError
 from geomx.profiles import CENTRAL_DC
-from geomx.transport.security import Curve, link_security
+from geomx.transport.security import Curve, Sealed, link_security
 from geomx.unimplemented import report_unimplemented
 
 log = logging.getLogger("geomx.config")
@@ -55,7 +55,7 @@ class NodeConfig:
     connect_timeout: float = 120.0
     op_timeout: float = 300.0
     partition_bytes: int = DEFAULT_PARTITION_BYTES   # tensors above this travel in parts (0: never)
-    security: object = None                # geomx.transport.security.Curve (GEOMX_SECRET) or Plain (GEOMX_AUTH_TOKEN)
+    security: object = None                # geomx.transport.security: Sealed/Curve (GEOMX_SECRET), Plain (token)
     scheduler_tier: str | None = None      # the tier of this DC's (or the central party's) scheduler, if not dc:DC
     van: str = "zmq"                       # the transport (geomx.transport.base.Van.create); "inproc": in one process
     van_options: dict = field(default_factory=dict)   # extra arguments of that van (inproc: its Hub)
@@ -164,7 +164,7 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
     cfg.port = _int(env, "PORT", role, 0)
     cfg.emulator = env.get("GEOMX_WAN_EMULATOR") or None
     cfg.security = link_security(env)
-    if not isinstance(cfg.security, Curve) and not cfg.host.startswith("127.") and cfg.host != "localhost":
+    if not isinstance(cfg.security, Sealed | Curve) and not cfg.host.startswith("127.") and cfg.host != "localhost":
         if env.get("GEOMX_INSECURE") != "1":
             raise ConfigError(f"{role} would listen on {cfg.host} without GEOMX_SECRET (or GEOMX_SECRET_FILE): "
                               f"across hosts every link needs the shared secret; set GEOMX_INSECURE=1 to run "

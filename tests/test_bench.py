@@ -7,7 +7,7 @@ import pytest
 
 from geomx.bench import common
 from geomx.cli.main import main
-from geomx.errors import ConfigError
+from geomx.errors import ConfigError, GeomxError
 
 
 def _finite_positive(x) -> bool:
@@ -30,6 +30,28 @@ def test_transport_smoke_appends_report(tmp_path, capsys):
     assert "`geomx bench transport --sizes 1 --repeats 2" in text
     assert "| 1 MiB |" in text and "* date: " in text and "* machine: " in text
     assert "| 1 MiB |" in capsys.readouterr().out
+
+
+def test_transport_secure_verdict_holds_each_mode_to_its_bar_and_reports_misses():
+    """The report's verdict (deployments themselves: test_security's --secure launch); round trips chosen so
+    that aes-gcm keeps 55% of plaintext at 64 MiB (LAN bar 50%: met) and curve 20% (NOT met), and over a WAN
+    aes-gcm 85% (WAN bar 90%: NOT met)."""
+    from geomx.bench.transport import bench_transport_secure, format_transport_secure_report
+
+    def result(wan, rtts):
+        mbps = {m: 2 * 64 / rtt for m, rtt in rtts.items()}
+        return {"repeats": 1, "passes": 1, "wan": wan, "modes": list(rtts),
+                "rows": [{"mib": 64.0, "bytes": 64 << 20, "rtt_s": rtts, "mib_per_s": mbps,
+                          "vs_token": {m: mbps[m] / mbps["token"] for m in rtts if m != "token"}}]}
+
+    lan = format_transport_secure_report(result("lan", {"token": 0.055, "aes-gcm": 0.1, "curve": 0.275}))
+    assert "aes-gcm: met (lowest 55%); curve: NOT met (lowest 20%)" in lan and ">= 50% of plaintext at >= 64" in lan
+    wan = format_transport_secure_report(result("regional", {"token": 0.85, "aes-gcm": 1.0}))
+    assert "aes-gcm: NOT met (lowest 85%)" in wan and ">= 90% of plaintext" in wan
+    with pytest.raises(GeomxError, match="'token' included"):
+        bench_transport_secure([1], 1, modes=("aes-gcm",))
+    with pytest.raises(GeomxError, match="each one of token, aes-gcm, curve"):
+        bench_transport_secure([1], 1, modes=("token", "rot13"))
 
 
 def test_raw_echo_sends_the_parts_geomx_sends_pipelined(tmp_path):

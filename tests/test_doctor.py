@@ -80,6 +80,7 @@ CASES = [
     ("secret missing on one role", _drop("a-server", "GEOMX_SECRET"), "GEOMX_SECRET"),
     ("two different secrets", _set("global-server-0", GEOMX_SECRET="another secret of 16+ chars"),
      "different secrets"),
+    ("two encryptions", _set("b-worker-0", GEOMX_ENCRYPTION="curve"), "b-worker-0 (curve)"),
     ("variable missing", _drop("master", "DMLC_NUM_ALL_WORKER"), "DMLC_NUM_ALL_WORKER"),
     ("malformed number", _set("a-scheduler", DMLC_NUM_WORKER="two"), "DMLC_NUM_WORKER='two'"),
     ("two schedulers on one port", lambda e: e["b-scheduler"].update(

@@ -1,4 +1,6 @@
-"""With GEOMX_SECRET set, only holders of the secret can talk to a node (CurveZMQ on every link)."""
+"""With GEOMX_SECRET set, only holders of the secret can talk to a node: CurveZMQ on every link
+(GEOMX_ENCRYPTION=curve) here, and a whole `--secure` launch with the default, AES-GCM on every message (whose
+attacks are in test_sealing); without a secret, the launcher's per-run token."""
 import time
 
 import numpy as np
@@ -9,18 +11,15 @@ from geomx.errors import ConfigError
 from geomx.transport.message import Message, encode
 from geomx.transport.security import Curve
 from geomx.transport.van import ZmqVan
-from harness import Inbox
+from harness import Inbox, listening_van
 
 SECRET = "correct horse battery staple 42"
 
 
 @pytest.fixture
 def secured_server():
-    inbox = Inbox()
-    van = ZmqVan(node_id="server", dc="a", on_message=inbox, security=Curve(SECRET))
-    van.start()
-    yield van, inbox
-    van.stop()
+    with listening_van(Curve(SECRET)) as served:
+        yield served
 
 
 def test_peers_sharing_the_secret_exchange_tensors(secured_server):
@@ -96,7 +95,7 @@ def test_a_secure_launch_trains_through_the_wan_emulator_with_every_link_encrypt
 
     script = tmp_path / "secure_script.py"
     script.write_text(SCRIPT)
-    topo = load_topology(workers_per_dc=1)            # 2 DCs, regional WAN: the emulator is a CURVE peer too
+    topo = load_topology(workers_per_dc=1)            # 2 DCs, regional WAN: sealed messages cross the emulator
     launcher = Launcher(topo, [sys.executable, str(script)], run_dir=tmp_path / "run", out=io.StringIO(),
                         secure=True)
     assert launcher.run(timeout=120) == 0, launcher.out.getvalue()

@@ -61,14 +61,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 # -- deployments ---------------------------------------------------------------------------------------------
 
-def launch(topo, command: list[str], run_dir: Path, timeout: float, what: str) -> float:
-    """Run ``command`` in a whole deployment of ``topo`` (geomx's Launcher); returns the wall time in seconds.
-    Raises GeomxError with the launcher's report (which names the failed role) if anything fails."""
+def launch(topo, command: list[str], run_dir: Path, timeout: float, what: str, *, secure: bool = False) -> float:
+    """Run ``command`` in a whole deployment of ``topo`` (geomx's Launcher; ``secure``: as ``--secure``); returns
+    the wall time in seconds. Raises GeomxError with the launcher's report (which names the failed role) if
+    anything fails."""
     from geomx.cli.launch import Launcher
 
     out = io.StringIO()
     t0 = time.monotonic()
-    rc = Launcher(topo, command, run_dir=run_dir, quiet=True, out=out).run(timeout=timeout)
+    rc = Launcher(topo, command, run_dir=run_dir, quiet=True, out=out, secure=secure).run(timeout=timeout)
     if rc != 0:
         raise GeomxError(f"{what}: the deployment failed (exit status {rc}; logs in {run_dir}).\n"
                          f"{out.getvalue().strip()}")

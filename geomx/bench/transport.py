@@ -219,10 +219,30 @@ class EchoClient:
 
 # -- the benchmark -----------------------------------------------------------------------------------------------
 
-def bench_transport(sizes: list[float], repeats: int, *, run_dir: str | None = None, timeout: float = 600.0,
-                    profile: bool = False) -> dict:
+# --secure: the links' protection in each deployment compared; "token" is the launcher's default (an
+# authenticated connection, plaintext messages), the baseline the encrypted ones are measured against
+SECURITY_MODES = {"token": ({}, False), "aes-gcm": ({"GEOMX_ENCRYPTION": "aes-gcm"}, True),
+                  "curve": ({"GEOMX_ENCRYPTION": "curve"}, True)}
+# issue 18: encrypted / plaintext throughput >= 50% at 64 MiB on loopback, >= 90% over emulated 1 Gbit/s links
+SECURE_TARGETS = {"lan": (0.50, 64), "wan": (0.90, TARGET_FROM_MIB)}    # (ratio, from this many MiB)
+
+
+def _deploy(rd: Path, sizes_arg: str, repeats: int, timeout: float, *, wan: str = "lan", security: str = "token",
+            echo_port: int = 0, env: dict | None = None) -> tuple[dict, float]:
+    """One deployment (flat, 1 DC, 1 worker; over ``wan``, with ``security``): the worker's samples, the wall."""
     from geomx.cli.topology import load_topology
 
+    topo = load_topology(None, dcs=1, workers_per_dc=1, wan=wan, topology="flat")
+    mode_env, secure = SECURITY_MODES[security]
+    topo.env.update({**mode_env, **(env or {})})
+    wall = launch(topo, [sys.executable, "-m", "geomx.bench.transport", "kv-worker", "--sizes", sizes_arg,
+                         "--repeats", str(repeats), "--echo-port", str(echo_port)],
+                  rd, timeout, f"transport bench ({security})", secure=secure)
+    return read_json(rd / "transport-a-0.json", "transport bench"), wall
+
+
+def bench_transport(sizes: list[float], repeats: int, *, run_dir: str | None = None, timeout: float = 600.0,
+                    profile: bool = False) -> dict:
     if repeats < 1:
         raise GeomxError(f"--repeats must be >= 1, got {repeats}")
     sizes_arg = ",".join(f"{m:g}" for m in sizes)
@@ -230,15 +250,10 @@ def bench_transport(sizes: list[float], repeats: int, *, run_dir: str | None = N
         env = profile_env(rd) if profile else {}
         echo = EchoServer(rd, timeout + 60) if not profile else None
         try:
-            topo = load_topology(None, dcs=1, workers_per_dc=1, wan="lan", topology="flat")
-            topo.env.update(env)
-            wall = launch(topo, [sys.executable, "-m", "geomx.bench.transport", "kv-worker", "--sizes", sizes_arg,
-                                 "--repeats", str(repeats), "--echo-port", str(echo.port if echo else 0)],
-                          rd, timeout, "transport bench")
+            worker, wall = _deploy(rd, sizes_arg, repeats, timeout, echo_port=echo.port if echo else 0, env=env)
         finally:
             if echo:
                 echo.close()
-        worker = read_json(rd / "transport-a-0.json", "transport bench")
         rows = []
         for entry in worker["sizes"]:
             m, nbytes = entry["mib"], entry["bytes"]
@@ -256,6 +271,66 @@ def bench_transport(sizes: list[float], repeats: int, *, run_dir: str | None = N
         if profile:
             result["profile"] = summarize_profiles(rd)
         return result
+
+
+def bench_transport_secure(sizes: list[float], repeats: int, *, wan: str = "lan", passes: int = 2,
+                           modes: tuple[str, ...] = tuple(SECURITY_MODES), run_dir: str | None = None,
+                           timeout: float = 600.0) -> dict:
+    """``pushpull`` round trips under each of ``modes``, one deployment per mode and pass, the modes taking
+    turns (token, aes-gcm, curve, token, ...) so that load drifting over the run reaches every mode alike;
+    each mode's samples pooled over its passes."""
+    if repeats < 1 or passes < 1:
+        raise GeomxError(f"--repeats and --passes must be >= 1, got {repeats} and {passes}")
+    unknown = [m for m in modes if m not in SECURITY_MODES]
+    if unknown or "token" not in modes:
+        raise GeomxError(f"--modes {','.join(modes)}: each one of {', '.join(SECURITY_MODES)}, 'token' included "
+                         f"(the plaintext baseline)")
+    sizes_arg = ",".join(f"{m:g}" for m in sizes)
+    samples: dict[str, dict[float, list[float]]] = {m: {} for m in modes}
+    nbytes: dict[float, int] = {}
+    with run_directory(run_dir, "transport-secure") as rd:
+        for p in range(passes):
+            for mode in modes:
+                sub = rd / f"{mode}-{p}"
+                sub.mkdir()
+                worker, _ = _deploy(sub, sizes_arg, repeats, timeout, wan=wan, security=mode)
+                for entry in worker["sizes"]:
+                    samples[mode].setdefault(entry["mib"], []).extend(entry["pushpull_s"])
+                    nbytes[entry["mib"]] = entry["bytes"]
+    rows = []
+    for mib in sorted(nbytes):
+        rtt = {m: median(samples[m][mib]) for m in modes}
+        mbps = {m: 2 * nbytes[mib] / rtt[m] / MIB for m in modes}
+        rows.append({"mib": mib, "bytes": nbytes[mib], "rtt_s": rtt, "mib_per_s": mbps,
+                     "vs_token": {m: ratio(mbps[m], mbps["token"]) for m in modes if m != "token"},
+                     "samples": {m: samples[m][mib] for m in modes}})
+    return {"repeats": repeats, "passes": passes, "wan": wan, "modes": list(modes), "rows": rows}
+
+
+def format_transport_secure_report(result: dict) -> str:
+    modes, encrypted = result["modes"], [m for m in result["modes"] if m != "token"]
+    rows = [[fmt_mib(r["mib"]), *(_num(r["rtt_s"][m] * 1000, ".2f") for m in modes),
+             *(_num(r["mib_per_s"][m], ".0f") for m in modes), *(_num(r["vs_token"][m], ".0%") for m in encrypted)]
+            for r in result["rows"]]
+    table = markdown_table([*("tensor",), *(f"{m} RTT (ms)" for m in modes), *(f"{m} MiB/s" for m in modes),
+                            *(f"{m} / token" for m in encrypted)], rows)
+    where = "wan" if result["wan"] != "lan" else "lan"
+    target, from_mib = SECURE_TARGETS[where]
+    verdicts = []
+    for m in encrypted:
+        big = [r["vs_token"][m] for r in result["rows"] if r["mib"] >= from_mib and math.isfinite(r["vs_token"][m])]
+        if big:
+            verdicts.append(f"{m}: {'met' if min(big) >= target else 'NOT met'} (lowest {min(big):.0%})")
+    verdict = (f"Target ({'encrypted' if where == 'wan' else 'encrypted LAN'} throughput >= {target:.0%} of "
+               f"plaintext at >= {from_mib} MiB): " + "; ".join(verdicts) + "."
+               if verdicts else f"(no size >= {from_mib} MiB: the target was not checked)")
+    return "\n".join([table, "",
+                      f"`pushpull` round trips of one worker to its global server (flat, 1 DC, `{result['wan']}`), "
+                      f"median of {result['repeats']} x {result['passes']} per size and mode; one deployment per "
+                      f"mode and pass, the modes taking turns. token: the launcher's default (PLAIN-authenticated "
+                      f"connections, plaintext); aes-gcm: `--secure` (every frame sealed with AES-256-GCM); curve: "
+                      f"`--secure` with GEOMX_ENCRYPTION=curve (CurveZMQ). MiB/s = 2 x tensor bytes / round trip. "
+                      f"{verdict}"])
 
 
 def format_transport_report(result: dict) -> str:
@@ -296,6 +371,15 @@ def _num(x: float, spec: str) -> str:
 
 
 def cmd_transport(args) -> int:
+    if args.secure:
+        result = bench_transport_secure(parse_sizes(args.sizes), args.repeats, wan=args.wan, passes=args.passes,
+                                        modes=tuple(args.modes.split(",")), run_dir=args.run_dir,
+                                        timeout=args.timeout)
+        emit_report(args, f"geomx bench transport --secure: the cost of encryption (`{args.wan}`)",
+                    format_transport_secure_report(result), result)
+        return 0
+    if args.wan != "lan":
+        raise GeomxError("--wan applies to --secure only (the raw pyzmq side has no WAN)")
     result = bench_transport(parse_sizes(args.sizes), args.repeats, run_dir=args.run_dir, timeout=args.timeout,
                              profile=args.profile)
     emit_report(args, "geomx bench transport: push+pull vs raw pyzmq", format_transport_report(result), result)
@@ -310,6 +394,13 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true",
                    help="run every geomx process under cProfile (all threads) and print where the time goes; "
                         "skips the raw side")
+    p.add_argument("--secure", action="store_true",
+                   help="compare the links' protection instead: plaintext (token) against AES-GCM and CurveZMQ")
+    p.add_argument("--wan", default="lan", help="with --secure: the WAN profile between worker and server "
+                                                 "(default lan: loopback, no emulator; e.g. regional: 1 Gbit/s)")
+    p.add_argument("--passes", type=int, default=2, help="with --secure: deployments per mode (default 2)")
+    p.add_argument("--modes", default=",".join(SECURITY_MODES),
+                   help=f"with --secure: the modes compared (default {','.join(SECURITY_MODES)})")
     p.set_defaults(fn=cmd_transport)
     return p
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from geomx.config import NodeConfig, config_from_env
 from geomx.errors import ConfigError, GeomxError
-from geomx.transport.security import read_secret
+from geomx.transport.security import DEFAULT_ENCRYPTION, read_secret
 
 CONNECT_TIMEOUT_S = 1.0
 
@@ -198,6 +198,14 @@ def check_secrets(roles: list[Role]) -> list[Problem]:
         problems.append(Problem("deployment", "roles hold different secrets: " + "; ".join(
             f"{', '.join(names)} (secret #{i + 1})" for i, names in enumerate(groups.values())),
             "give every role the same GEOMX_SECRET or GEOMX_SECRET_FILE content"))
+    encryptions: dict[str, list[str]] = {}
+    for r in roles:
+        if digests[r.name] is not None:
+            encryptions.setdefault(r.env.get("GEOMX_ENCRYPTION") or DEFAULT_ENCRYPTION, []).append(r.name)
+    if len(encryptions) > 1:      # each side would drop every message of the other
+        problems.append(Problem("deployment", "roles use different GEOMX_ENCRYPTION: " + "; ".join(
+            f"{', '.join(names)} ({name})" for name, names in encryptions.items()),
+            "set the same GEOMX_ENCRYPTION (or none: aes-gcm) on every role"))
     for r in roles:
         if digests[r.name] is None and (held or not _is_loopback(r.env.get("DMLC_NODE_HOST", "127.0.0.1"))):
             problems.append(Problem(r.name, "no GEOMX_SECRET or GEOMX_SECRET_FILE" + (

@@ -156,7 +156,7 @@ class Launcher:
                  out: TextIO | None = None, secure: bool = False, insecure: bool = False) -> None:
         if secure and insecure:
             raise ConfigError("--secure and --insecure contradict each other")
-        # --secure: a fresh shared secret per run; every link then runs CurveZMQ (geomx.transport.security).
+        # --secure: a fresh shared secret per run; every message is then sealed (geomx.transport.security).
         # By default a fresh token per run that every connection presents (PLAIN: authenticated, not
         # encrypted, free per message); --insecure: neither, and every process says so in its log
         self.secret = secrets.token_urlsafe(32) if secure else None

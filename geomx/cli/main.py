@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no live progress, no echo of the workers' output")
     p.add_argument("--timeout", type=float, help="stop everything after this many seconds")
     p.add_argument("--secure", action="store_true",
-                   help="authenticate and encrypt every link (CurveZMQ, a fresh secret for this run); by default "
+                   help="encrypt and authenticate every message (AES-GCM, or CurveZMQ with GEOMX_ENCRYPTION=curve; a "
+                        "fresh secret for this run); by default "
                         "every connection is authenticated with a fresh token (not encrypted)")
     p.add_argument("--insecure", action="store_true",
                    help="no authentication at all (every process logs it); message senders are still checked")

@@ -69,7 +69,8 @@ def _wire_frame(arr: np.ndarray):
     return memoryview(arr.reshape(-1).view(np.uint8))
 
 
-def _buffer(frame) -> memoryview:
+def frame_buffer(frame) -> memoryview:
+    """The bytes of a frame as received or about to be sent (zmq.Frame, bytes, memoryview, array)."""
     return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
 
 
@@ -77,7 +78,7 @@ def decode_header(frame) -> dict:
     """The header frame -> its map, checked: an ``op`` string, ``t`` a list of valid (dtype, shape) specs,
     ``f`` a map. Raises ProtocolError on anything malformed."""
     try:
-        header = msgpack.unpackb(_buffer(frame), raw=False, strict_map_key=False)
+        header = msgpack.unpackb(frame_buffer(frame), raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f"header is not msgpack ({exc.__class__.__name__})") from None
     if not isinstance(header, dict) or not isinstance(header.get("op"), str):
@@ -123,7 +124,7 @@ def build_message(header: dict, frames: Sequence) -> Message:
                                     f"{dtype} {shape}")
             tensors.append(frame)
             continue
-        buf = _buffer(frame)
+        buf = frame_buffer(frame)
         if count * dtype.itemsize != buf.nbytes:
             raise ProtocolError(f"tensor of shape {shape} {dtype.name} needs {count * dtype.itemsize} bytes, "
                                 f"frame has {buf.nbytes}")
@@ -143,4 +144,4 @@ def decode(frames: Sequence) -> Message:
 
 def payload_nbytes(frames: Sequence) -> int:
     """Bytes a message occupies on the wire (header + tensor frames)."""
-    return sum(f.nbytes if isinstance(f, np.ndarray) else _buffer(f).nbytes for f in frames)
+    return sum(f.nbytes if isinstance(f, np.ndarray) else frame_buffer(f).nbytes for f in frames)

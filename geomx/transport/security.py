@@ -1,10 +1,16 @@
-"""Who may connect: CurveZMQ (authenticated and encrypted, keyed by one shared secret) or ZeroMQ PLAIN
-(authenticated, not encrypted, keyed by a per-run token).
+"""Who may connect and who may read: with one shared secret, AES-GCM on every message (the default) or
+CurveZMQ; without one, ZeroMQ PLAIN (authenticated, not encrypted, keyed by a per-run token).
 
 WAN links cross the public internet: with ``GEOMX_SECRET`` set (``geomx launch --secure`` makes one per run),
-every socket runs CurveZMQ. Both key pairs are derived from the secret, so a peer that does not know it can
-neither complete a handshake (it does not know the servers' public key, and the ZAP handler admits only the
-derived client key) nor read the traffic (every message is encrypted and authenticated).
+every message is encrypted and authenticated.
+
+* ``GEOMX_ENCRYPTION=aes-gcm`` (default): :class:`Sealed`, see :mod:`geomx.transport.sealing`. Each message
+  is sealed under its sender's key derived from the secret; a message that does not open, or that was seen
+  before, is dropped.
+* ``GEOMX_ENCRYPTION=curve``: :class:`Curve`, every socket runs CurveZMQ. Both key pairs are derived from the
+  secret, so a peer that does not know it can neither complete a handshake (it does not know the servers'
+  public key, and the ZAP handler admits only the derived client key) nor read the traffic. Several times
+  slower on large tensors (libzmq's cipher, and a copy per message).
 
 Without a secret, ``geomx launch`` still authenticates every connection on its host: it makes a token per run
 (``GEOMX_AUTH_TOKEN``) that every socket presents through ZeroMQ's PLAIN mechanism. PLAIN sends the token in
@@ -45,6 +51,11 @@ def read_secret(env) -> str | None:
     return secret or None
 
 
+def _check_secret(secret: str) -> None:
+    if len(secret) < _MIN_SECRET_CHARS:
+        raise ConfigError(f"GEOMX_SECRET must have at least {_MIN_SECRET_CHARS} characters (got {len(secret)})")
+
+
 def _keypair(secret: str, purpose: str) -> tuple[bytes, bytes]:
     raw = hashlib.sha256(f"geomx-curve-{purpose}\0{secret}".encode()).digest()
     secret_key = zmq.utils.z85.encode(raw)
@@ -55,8 +66,7 @@ class Curve:
     """The key pairs of one deployment; apply them to sockets with :meth:`server` and :meth:`client`."""
 
     def __init__(self, secret: str) -> None:
-        if len(secret) < _MIN_SECRET_CHARS:
-            raise ConfigError(f"GEOMX_SECRET must have at least {_MIN_SECRET_CHARS} characters (got {len(secret)})")
+        _check_secret(secret)
         if not zmq.has("curve"):
             raise ConfigError("GEOMX_SECRET is set but this libzmq was built without CURVE support")
         self.server_public, self.server_secret = _keypair(secret, "server")
@@ -74,6 +84,10 @@ class Curve:
         sock.curve_secretkey = self.server_secret
         sock.curve_publickey = self.server_public
         sock.curve_server = True
+
+    def sealing(self, node_id: str) -> None:
+        """Curve encrypts inside libzmq: messages need no sealing of their own."""
+        return None
 
     def client(self, sock: zmq.Socket) -> None:
         sock.curve_serverkey = self.server_public
@@ -96,18 +110,57 @@ class Plain:
                                                                              passwords={self.USER: self.token}))
         sock.plain_server = True
 
+    def sealing(self, node_id: str) -> None:
+        return None
+
     def client(self, sock: zmq.Socket) -> None:
         sock.plain_username = self.USER.encode()
         sock.plain_password = self.token.encode()
 
 
-def link_security(env=None) -> Curve | Plain | None:
-    """What protects a node's links: CurveZMQ with GEOMX_SECRET/GEOMX_SECRET_FILE, else PLAIN with
-    GEOMX_AUTH_TOKEN (geomx launch sets it), else nothing."""
+class Sealed:
+    """AES-256-GCM on every frame of every message, keyed by the secret (geomx.transport.sealing); connections
+    admitted by a PLAIN token derived from the secret."""
+
+    def __init__(self, secret: str) -> None:
+        _check_secret(secret)
+        from geomx.transport.sealing import derive
+
+        self._master = derive(secret.encode(), "geomx-aead-master")
+        self._plain = Plain(derive(secret.encode(), "geomx-plain-token").hex())
+
+    def server(self, sock: zmq.Socket) -> None:
+        self._plain.server(sock)
+
+    def client(self, sock: zmq.Socket) -> None:
+        self._plain.client(sock)
+
+    def sealing(self, node_id: str):
+        from geomx.transport.sealing import MessageSeal
+
+        return MessageSeal(self._master, node_id)
+
+
+# GEOMX_ENCRYPTION: how links that hold a secret are encrypted
+ENCRYPTIONS = {"aes-gcm": Sealed, "curve": Curve}
+DEFAULT_ENCRYPTION = "aes-gcm"
+
+
+def secret_security(secret: str, encryption: str | None = None) -> Sealed | Curve:
+    """The protection a deployment with ``secret`` runs: GEOMX_ENCRYPTION's choice, AES-GCM by default."""
+    name = encryption or DEFAULT_ENCRYPTION
+    if name not in ENCRYPTIONS:
+        raise ConfigError(f"GEOMX_ENCRYPTION={name!r} is not one of {sorted(ENCRYPTIONS)}")
+    return ENCRYPTIONS[name](secret)
+
+
+def link_security(env=None) -> Sealed | Curve | Plain | None:
+    """What protects a node's links: with GEOMX_SECRET/GEOMX_SECRET_FILE, AES-GCM on every message (or CurveZMQ
+    with GEOMX_ENCRYPTION=curve); else PLAIN with GEOMX_AUTH_TOKEN (geomx launch sets it); else nothing."""
     env = os.environ if env is None else env
-    curve = Curve.from_env(env)
-    if curve is not None:
-        return curve
+    secret = read_secret(env)
+    if secret:
+        return secret_security(secret, env.get("GEOMX_ENCRYPTION"))
     token = env.get("GEOMX_AUTH_TOKEN")
     return Plain(token) if token else None
 

@@ -37,7 +37,7 @@ from geomx.errors import ConfigError, ProtocolError
 from geomx.transport.base import STALL_S, Van, register_van
 from geomx.transport.message import Message, build_message, decode_header, encode, payload_nbytes
 from geomx.transport.refusals import RefusalLog
-from geomx.transport.security import Curve
+from geomx.transport.security import Curve, Plain, Sealed
 
 log = logging.getLogger("geomx.van")
 
@@ -127,7 +127,7 @@ class ZmqVan(Van):
 
     def __init__(self, *, node_id: str, dc: str, on_message: Callable[[Message], None], host: str = "127.0.0.1",
                  port: int = 0, bind_host: str | None = None, emulator: str | None = None,
-                 context: zmq.Context | None = None, security: Curve | None = None) -> None:
+                 context: zmq.Context | None = None, security: Sealed | Curve | Plain | None = None) -> None:
         super().__init__(node_id=node_id, dc=dc, on_message=on_message)
         self.host = host
         self._bind_host = bind_host or host
@@ -135,6 +135,7 @@ class ZmqVan(Van):
         self._emulator = emulator
         self._ctx = context or zmq.Context.instance()
         self._security = security
+        self._seal = security.sealing(node_id) if security is not None else None   # Sealed: AES-GCM per message
         self._queue: list = []
         self._seq = itertools.count()
         self._cv = threading.Condition()
@@ -243,23 +244,37 @@ class ZmqVan(Van):
             sock.close(linger=0)
 
     def _receive_one(self, sock: zmq.Socket, peer: zmq.Frame) -> None:
-        """Read the rest of one message (always all its frames, so the next message starts clean), decode it
-        and hand it on."""
+        """Read the rest of one message (always all its frames, so the next message starts clean), open it when
+        links are sealed, decode it and hand it on."""
         header, error, frames = None, None, []
         nbytes = 0
-        if peer.more:
-            head = sock.recv(copy=False)
-            nbytes += len(head)
+        letter, more = None, peer.more
+        if more and self._seal is not None:
+            envelope = sock.recv(copy=False)
+            nbytes, more = len(envelope), envelope.more
             try:
-                header = decode_header(head)
+                letter = self._seal.letter(envelope, self._port)
             except ProtocolError as exc:
                 error = exc
+        if more:
+            head = sock.recv(copy=False)
+            nbytes += len(head)
+            if error is None:
+                try:
+                    header = decode_header(letter.open(0, head) if letter is not None else head)
+                except ProtocolError as exc:
+                    error = exc
             targets = self.targets(header) if header is not None else ()
             while sock.getsockopt(zmq.RCVMORE):
                 target = targets[len(frames)] if len(frames) < len(targets) else None
-                if target is None:
+                if target is None or letter is not None:
                     frame = sock.recv(copy=False)
                     nbytes += len(frame)
+                    if letter is not None and error is None:
+                        try:
+                            frame = letter.open(len(frames) + 1, frame, into=target)
+                        except ProtocolError as exc:
+                            error = exc
                     frames.append(frame)
                     continue
                 got = sock.recv_into(target.reshape(-1).view(np.uint8))
@@ -274,8 +289,12 @@ class ZmqVan(Van):
         if error is None:
             try:
                 msg = build_message(header, frames)
+                if letter is not None:
+                    if msg.src != letter.sender:
+                        raise ProtocolError(f"a message sealed by {letter.sender!r} claims to be from {msg.src!r}")
+                    letter.accept()
             except ProtocolError as exc:
-                error = exc
+                msg, error = None, exc
         if msg is None:
             self.dropped_messages += 1
             self.refusals.note(bytes(peer.bytes[:32]), "%s dropped a malformed message from peer %r: %s",
@@ -305,6 +324,8 @@ class ZmqVan(Van):
 
     def _send_now(self, priority: int, addr: str, dst_dc: str | None, frames: list) -> None:
         """Hand one message to ZeroMQ (the caller holds the send lock)."""
+        if self._seal is not None:      # here, not in send(): counters go out in order on each connection
+            frames = self._seal.seal(frames, addr)
         via_emulator = self._emulator is not None and dst_dc is not None and dst_dc != self.dc
         if via_emulator:
             route = msgpack.packb({"dst": addr, "src_dc": self.dc, "dst_dc": dst_dc, "prio": priority},

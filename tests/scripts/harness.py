@@ -226,3 +226,17 @@ class Inbox:
         while len(self.messages) < n and time.monotonic() < end:
             time.sleep(0.01)
         return len(self.messages) >= n
+
+
+@contextlib.contextmanager
+def listening_van(security, node_id: str = "server"):
+    """A started ZmqVan on the loopback with ``security``, and the Inbox of what it receives; stopped after."""
+    from geomx.transport.van import ZmqVan
+
+    inbox = Inbox()
+    van = ZmqVan(node_id=node_id, dc="a", on_message=inbox, security=security)
+    van.start()
+    try:
+        yield van, inbox
+    finally:
+        van.stop()
