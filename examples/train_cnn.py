@@ -180,7 +180,8 @@ def main(argv=None) -> int:
     step, history = loop.run_steps(opt, batches(), total_steps=args.steps or args.epochs * steps_per_epoch,
                                    eval_every=args.eval_every,
                                    evaluate=lambda: {"test_acc": evaluate(model, xt, yt)},
-                                   describe=lambda f: f"test accuracy {f['test_acc']:.4f}")
+                                   describe=lambda f: f"test accuracy {f['test_acc']:.4f}",
+                                   checkpoint=loop.checkpointer(args, kv, opt, model))
     final = history[-1]["test_acc"]
     print(f"final test accuracy {final:.4f} after {step} steps in {time.perf_counter() - start:.1f} s "
           f"(communication wait {opt.comm_wait_s:.1f} s)", flush=True)

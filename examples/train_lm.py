@@ -335,7 +335,8 @@ def main(argv=None) -> int:
                                    max(1, args.steps // 10), evaluate=lambda: evaluate(model, windows),
                                    describe=lambda f: f"validation loss {f['val_loss']:.4f} "
                                                       f"({f['val_bpb']:.3f} bits per byte)",
-                                   after_step=schedule.step)
+                                   after_step=schedule.step,
+                                   checkpoint=loop.checkpointer(args, kv, opt, model, schedule=schedule))
     final = history[-1]
     print(f"final validation loss {final['val_loss']:.4f} ({final['val_bpb']:.3f} bits per byte) after {step} steps "
           f"in {time.perf_counter() - started:.1f} s (communication wait {opt.comm_wait_s:.1f} s)", flush=True)

@@ -151,11 +151,35 @@ def clear_previous_run(run_dir: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def resume_directory(previous_run: Path, run_dir: Path, workers: int, step: int | None = None) -> Path:
+    """The checkpoint directory of ``previous_run`` that ``--resume`` reads, checked before anything starts:
+    every worker of the saved run must have a checkpoint of one common step (geomx.torch.checkpoint)."""
+    from geomx.torch.checkpoint import common_step
+
+    if previous_run.resolve() == run_dir.resolve():
+        raise ConfigError(f"--resume {previous_run}: give the resumed run its own --run-dir (its checkpoints would "
+                          f"replace the ones it resumes from)")
+    directory = (previous_run / "checkpoints").resolve()
+    if not directory.is_dir():
+        raise ConfigError(f"--resume {previous_run}: it has no checkpoints directory (was it run with "
+                          f"--checkpoint-every?)")
+    common_step(directory, workers, step)
+    return directory
+
+
 class Launcher:
     def __init__(self, topo: Topology, command: list[str], *, run_dir: Path, quiet: bool = False,
-                 out: TextIO | None = None, secure: bool = False, insecure: bool = False) -> None:
+                 out: TextIO | None = None, secure: bool = False, insecure: bool = False,
+                 resume: Path | str | None = None, resume_step: int | None = None) -> None:
         if secure and insecure:
             raise ConfigError("--secure and --insecure contradict each other")
+        if resume is not None:
+            topo.env["GEOMX_RESUME_FROM"] = str(resume_directory(Path(resume), Path(run_dir), topo.num_all_workers,
+                                                                 resume_step))
+            if resume_step is not None:
+                topo.env["GEOMX_RESUME_STEP"] = str(resume_step)
+        elif resume_step is not None:
+            raise ConfigError("--resume-step goes with --resume RUN_DIR")
         # --secure: a fresh shared secret per run; every message is then sealed (geomx.transport.security).
         # By default a fresh token per run that every connection presents (PLAIN: authenticated, not
         # encrypted, free per message); --insecure: neither, and every process says so in its log

@@ -63,8 +63,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
                          "geomx launch -- python examples/train_cnn.py")
     topo = topology_from_args(args)
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
-    return Launcher(topo, command, run_dir=run_dir, quiet=args.quiet,
-                    secure=args.secure, insecure=args.insecure).run(timeout=args.timeout)
+    if args.checkpoint_every is not None:
+        if args.checkpoint_every < 1:
+            raise GeomxError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+        topo.env["GEOMX_CHECKPOINT_EVERY"] = str(args.checkpoint_every)
+    return Launcher(topo, command, run_dir=run_dir, quiet=args.quiet, secure=args.secure, insecure=args.insecure,
+                    resume=args.resume, resume_step=args.resume_step).run(timeout=args.timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +87,14 @@ def main(argv: list[str] | None = None) -> int:
                         "every connection is authenticated with a fresh token (not encrypted)")
     p.add_argument("--insecure", action="store_true",
                    help="no authentication at all (every process logs it); message senders are still checked")
+    p.add_argument("--checkpoint-every", type=int, metavar="N",
+                   help="every N steps each worker checkpoints its model and optimizer into <run dir>/checkpoints "
+                        "(GEOMX_CHECKPOINT_EVERY; read by scripts built on geomx.torch.loop)")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="resume the job whose run directory this was, from the latest step every worker "
+                        "checkpointed (run it with its own --run-dir)")
+    p.add_argument("--resume-step", type=int, metavar="N",
+                   help="with --resume: go back to step N (every worker must have kept its checkpoint)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
     p.set_defaults(fn=cmd_launch)
 

@@ -24,6 +24,7 @@ import torch
 
 import geomx.kvstore
 from geomx import metrics
+from geomx.torch.checkpoint import Checkpointer
 
 # one batch: (epoch, last batch of its epoch?, a callable computing the batch's loss)
 Batch = tuple[int, bool, Callable[[], torch.Tensor]]
@@ -49,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser, *, steps: int, steps_help: str) ->
                    help="where the optimizer runs: on every worker, or on the global servers")
     p.add_argument("--data-slice-idx", type=int, default=None,
                    help="this worker's slice (default: GEOMX_WORKER_INDEX set by geomx launch)")
+    p.add_argument("--checkpoint-every", type=int, default=int(os.environ.get("GEOMX_CHECKPOINT_EVERY") or 0),
+                   help="every N steps each worker saves its model and optimizer to <run dir>/checkpoints "
+                        "(default GEOMX_CHECKPOINT_EVERY, else 0: never); geomx launch --resume RUN_DIR resumes")
     p.add_argument("--compression", default=None, type=parse_compression,
                    help='gradient compression: a codec name (fp16) or a JSON dict, e.g. \'{"type": "bsc", '
                         '"threshold": 0.01}\' (docs/compression.md)')
@@ -70,13 +74,41 @@ def worker_index(args: argparse.Namespace) -> int:
     return args.data_slice_idx if args.data_slice_idx is not None else int(os.environ.get("GEOMX_WORKER_INDEX", 0))
 
 
+def checkpointer(args: argparse.Namespace, kv, opt, model: torch.nn.Module, **stateful) -> Checkpointer | None:
+    """The worker's :class:`Checkpointer` when ``--checkpoint-every`` is set or the run resumes
+    (``GEOMX_RESUME_FROM``, set by ``geomx launch --resume``): the model, ``opt`` and ``stateful`` (a schedule)."""
+    resume_from = os.environ.get("GEOMX_RESUME_FROM") or None
+    if not args.checkpoint_every and not resume_from:
+        return None
+    if args.update_on == "server":
+        raise SystemExit("--checkpoint-every / --resume with --update-on server: the model and its optimizer live on "
+                         "the global servers, whose checkpoints are not written yet; use --update-on worker")
+    directory = Path(os.environ.get("GEOMX_RUN_DIR") or ".") / "checkpoints"
+    resume_step = os.environ.get("GEOMX_RESUME_STEP")
+    return Checkpointer(directory, worker=worker_index(args), workers=kv.num_all_workers, every=args.checkpoint_every,
+                        resume_from=resume_from, resume_step=int(resume_step) if resume_step else None,
+                        model=model, optimizer=opt, **stateful)
+
+
 def run_steps(opt, batches: Iterable[Batch], *, total_steps: int, eval_every: int,
               evaluate: Callable[[], dict[str, float]], describe: Callable[[dict[str, float]], str],
-              after_step: Callable[[], None] | None = None) -> tuple[int, list[dict]]:
+              after_step: Callable[[], None] | None = None,
+              checkpoint: Checkpointer | None = None) -> tuple[int, list[dict]]:
     """Train until ``opt.progress`` reaches ``total_steps``; evaluate every ``eval_every`` steps (0: at the end
     of every epoch) and after the last. ``after_step`` runs after every local step (a learning-rate
-    schedule). Returns (steps, evaluation history)."""
-    step, started, history = 0, time.perf_counter(), []
+    schedule). With ``checkpoint``: resume from it first (the batches already consumed are drawn again, not
+    computed, so the data order goes on where it stopped), and save every ``checkpoint.every`` steps.
+    Returns (steps, evaluation history)."""
+    batches = iter(batches)
+    if checkpoint is not None:
+        for _ in range(checkpoint.restore()):
+            next(batches)
+    step, started, history = opt.progress, time.perf_counter(), []
+    if step:
+        if step >= total_steps:
+            raise SystemExit(f"resumed at step {step} from {checkpoint.resume_from}, not below --steps "
+                             f"{total_steps}: nothing left to train")
+        print(f"resumed at step {step} from {checkpoint.resume_from}", flush=True)
     for epoch, epoch_end, compute_loss in batches:
         opt.zero_grad()
         loss = compute_loss()
@@ -87,6 +119,8 @@ def run_steps(opt, batches: Iterable[Batch], *, total_steps: int, eval_every: in
         if opt.progress == step:
             continue        # ESync: a faster worker's extra local step inside a round
         step = opt.progress
+        if checkpoint is not None and checkpoint.due(step):
+            checkpoint.save(step, local_steps=opt.steps_taken)
         last = step >= total_steps
         if last:
             opt.finish()        # HFA/DiLoCo with overlap: the last global average lands first

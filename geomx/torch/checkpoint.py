@@ -1,0 +1,125 @@
+"""Worker checkpoints of a training loop, and resuming from them (issue 16's "checkpoints", worker side).
+
+Every ``every`` steps each training worker writes ``worker-<index>-step-<N>.pt`` into ``directory``,
+atomically (temporary file, fsync, rename): the model, the :class:`DistributedOptimizer` (the wrapped
+optimizer's state and the synchronization algorithm's: DiLoCo's outer momentum, HFA's round counters...),
+any other object with ``state_dict`` (a learning-rate schedule), the local steps taken and torch's RNG. It keeps
+the last ``keep`` of its own files.
+
+Resuming (``geomx launch --resume RUN_DIR`` sets ``GEOMX_RESUME_FROM`` to that run's checkpoint directory,
+``--resume-step N`` sets ``GEOMX_RESUME_STEP`` to go back to an earlier one): every worker loads the latest
+step that *every* worker of the saved run checkpointed, so that all of them
+restart from the same model, whichever worker died first. Under synchronous training (FSA, or any algorithm
+whose rounds all workers take together) workers are at most one checkpoint apart, which ``keep=2`` covers. The
+data position is restored by replaying the batch order without computing (``skip``), so the resumed run sees
+exactly the batches the uninterrupted one would have: with deterministic kernels the result is bit-identical.
+
+What is not here yet: the global servers' state (``--update-on server`` keeps the model and the optimizer on
+the servers, so resuming such a run is refused by name), and checkpoints on storage other than a directory
+every worker can read (one host, or a shared file system).
+"""
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from geomx.errors import ConfigError
+
+_FILE = re.compile(r"worker-(\d+)-step-(\d+)\.pt$")
+FORMAT = "geomx-worker-checkpoint/1"
+
+
+class Checkpointer:
+    """Saves and restores one worker's training state; see the module docstring."""
+
+    def __init__(self, directory: str | os.PathLike, *, worker: int, workers: int, every: int, keep: int = 2,
+                 resume_from: str | os.PathLike | None = None, resume_step: int | None = None,
+                 **stateful: Any) -> None:
+        if every < 0 or keep < 1:
+            raise ConfigError(f"checkpoint every {every} steps keeping {keep}: every must be >= 0 and keep >= 1")
+        for name, obj in stateful.items():
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise ConfigError(f"checkpoint part {name!r} ({type(obj).__name__}) has no state_dict/load_state_dict")
+        self.directory = Path(directory)
+        self.worker, self.workers, self.every, self.keep = worker, workers, every, keep
+        self.resume_from = Path(resume_from) if resume_from else None
+        self.resume_step = resume_step
+        self.stateful = stateful
+
+    # saving -------------------------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step > 0 and step % self.every == 0
+
+    def save(self, step: int, *, local_steps: int) -> Path:
+        """Write this worker's state at progress ``step`` (``local_steps`` batches consumed) and prune."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        state = {"format": FORMAT, "worker": self.worker, "workers": self.workers, "step": step,
+                 "local_steps": local_steps, "torch_rng": torch.get_rng_state(),
+                 "parts": {name: obj.state_dict() for name, obj in self.stateful.items()}}
+        path = self.directory / f"worker-{self.worker}-step-{step}.pt"
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        for old in sorted(steps_saved(self.directory).get(self.worker, []))[:-self.keep]:
+            (self.directory / f"worker-{self.worker}-step-{old}.pt").unlink(missing_ok=True)
+        return path
+
+    # resuming -----------------------------------------------------------------------------------------------
+    def restore(self) -> int:
+        """Load ``resume_step``, else the latest step every worker of the saved run has (0 and nothing loaded
+        without ``resume_from``); returns the local steps (batches) to skip."""
+        if self.resume_from is None:
+            return 0
+        step = common_step(self.resume_from, self.workers, self.resume_step)
+        path = self.resume_from / f"worker-{self.worker}-step-{step}.pt"
+        state = torch.load(path, weights_only=True)
+        if state.get("format") != FORMAT or state.get("workers") != self.workers:
+            raise ConfigError(f"{path}: a checkpoint of {state.get('workers')} workers (format "
+                              f"{state.get('format')!r}); this run has {self.workers}")
+        missing = set(self.stateful) - set(state["parts"])
+        if missing:
+            raise ConfigError(f"{path} has no state for {sorted(missing)}")
+        for name, obj in self.stateful.items():
+            obj.load_state_dict(state["parts"][name])
+        torch.set_rng_state(state["torch_rng"])
+        return int(state["local_steps"])
+
+
+def steps_saved(directory: Path) -> dict[int, list[int]]:
+    """worker index -> the steps it has checkpoint files for."""
+    found: dict[int, list[int]] = {}
+    for entry in directory.iterdir() if directory.is_dir() else ():
+        m = _FILE.match(entry.name)
+        if m:
+            found.setdefault(int(m.group(1)), []).append(int(m.group(2)))
+    return found
+
+
+def common_step(directory: Path, workers: int, step: int | None = None) -> int:
+    """The latest step that each of ``workers`` workers has a checkpoint of in ``directory``; with ``step``,
+    that step, checked."""
+    found = steps_saved(directory)
+    absent = [w for w in range(workers) if w not in found]
+    if absent:
+        raise ConfigError(f"cannot resume from {directory}: no checkpoint of worker(s) {absent} "
+                          f"(found workers {sorted(found)}; was the run started with --checkpoint-every?)")
+    common = set.intersection(*(set(found[w]) for w in range(workers)))
+    if step is not None and step not in common:
+        raise ConfigError(f"cannot resume from {directory} at step {step}: every worker has only steps "
+                          f"{sorted(common) or 'none in common'}")
+    if not common:
+        raise ConfigError(f"cannot resume from {directory}: the workers share no checkpointed step "
+                          f"({ {w: sorted(s) for w, s in sorted(found.items())} })")
+    return max(common) if step is None else step

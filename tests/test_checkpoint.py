@@ -1,0 +1,106 @@
+"""Worker checkpoints (geomx.torch.checkpoint) and `geomx launch --resume`: a job stopped after a checkpoint and
+resumed ends on exactly the model of the job that never stopped."""
+import io
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from geomx.cli.launch import Launcher, resume_directory
+from geomx.cli.topology import load_topology
+from geomx.errors import ConfigError
+from geomx.torch.checkpoint import Checkpointer, common_step, steps_saved
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_cnn.py"
+
+
+def _training_state(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(5, 4)).square().sum().backward()
+        opt.step()
+        schedule.step()
+    return model, opt, schedule
+
+
+def test_a_restored_checkpoint_continues_exactly_like_the_saved_state_with_rng_and_schedule(tmp_path):
+    model, opt, schedule = _training_state(0)
+    saver = Checkpointer(tmp_path, worker=0, workers=1, every=3, model=model, optimizer=opt, schedule=schedule)
+    saver.save(3, local_steps=3)
+    expected = [model(torch.randn(2, 4)).detach(), opt.param_groups[0]["lr"]]    # draws from torch's RNG
+
+    model2, opt2, schedule2 = _training_state(1)                                  # another state entirely
+    loader = Checkpointer(tmp_path / "new", worker=0, workers=1, every=3, resume_from=tmp_path, model=model2,
+                          optimizer=opt2, schedule=schedule2)
+    assert loader.restore() == 3
+    assert torch.equal(model2(torch.randn(2, 4)).detach(), expected[0])          # same weights, same RNG draw
+    assert opt2.param_groups[0]["lr"] == expected[1]
+    for a, b in zip(opt.state.values(), opt2.state.values(), strict=True):
+        assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"]) and torch.equal(a["step"], b["step"])
+
+
+def test_each_worker_keeps_its_last_two_files_and_resume_takes_the_latest_step_all_workers_have(tmp_path):
+    model, opt, _ = _training_state(0)
+    for worker, steps in ((0, [2, 4, 6, 8]), (1, [2, 4, 6])):       # worker 1 died before its step-8 save
+        saver = Checkpointer(tmp_path, worker=worker, workers=2, every=2, model=model, optimizer=opt)
+        for step in steps:
+            saver.save(step, local_steps=step)
+    assert {w: sorted(s) for w, s in steps_saved(tmp_path).items()} == {0: [6, 8], 1: [4, 6]}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]        # no temporary file left
+    assert common_step(tmp_path, 2) == 6
+    with pytest.raises(ConfigError, match=r"no checkpoint of worker\(s\) \[2\]"):
+        common_step(tmp_path, 3)
+
+
+def test_resume_is_checked_before_anything_starts_naming_what_is_wrong(tmp_path):
+    with pytest.raises(ConfigError, match="has no checkpoints directory"):
+        resume_directory(tmp_path / "old", tmp_path / "new", 2)
+    (tmp_path / "old" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="its own --run-dir"):
+        resume_directory(tmp_path / "old", tmp_path / "old", 2)
+    with pytest.raises(ConfigError, match=r"no checkpoint of worker\(s\) \[0, 1\]"):
+        resume_directory(tmp_path / "old", tmp_path / "new", 2)
+    model, opt, _ = _training_state(0)
+    for worker in (0, 1):
+        Checkpointer(tmp_path / "old" / "checkpoints", worker=worker, workers=2, every=3, model=model,
+                     optimizer=opt).save(3, local_steps=3)
+    with pytest.raises(ConfigError, match=r"at step 2: every worker has only steps \[3\]"):
+        resume_directory(tmp_path / "old", tmp_path / "new", 2, step=2)
+    assert resume_directory(tmp_path / "old", tmp_path / "new", 2).name == "checkpoints"
+
+
+def _train(run_dir: Path, steps: int, **resume) -> str:
+    topo = load_topology(dcs=1, workers_per_dc=2, topology="flat", wan="lan")
+    out = io.StringIO()
+    launcher = Launcher(topo, [sys.executable, str(EXAMPLE), "--steps", str(steps), "--checkpoint-every", "3"],
+                        run_dir=run_dir, out=out, **resume)
+    assert launcher.run(timeout=120) == 0, out.getvalue()[-3000:]
+    return out.getvalue()
+
+
+def test_a_job_resumed_from_a_checkpoint_ends_on_the_uninterrupted_jobs_model_bit_for_bit(tmp_path):
+    """Adam's moments, the step counts and the data order all carry over: new processes resumed from the
+    step-3 checkpoint and trained to step 6 give the very model (and optimizer state) that the job that went on
+    from step 3 gave. (The resumed processes share nothing with the first run but its checkpoint files, so
+    whether that run stopped at step 3 or went on makes no difference to them.)"""
+    _train(tmp_path / "straight", 6)
+    assert "resumed at step 3" in _train(tmp_path / "resumed", 6, resume=tmp_path / "straight", resume_step=3)
+    checkpoints = {run: tmp_path / run / "checkpoints" for run in ("straight", "resumed")}
+    assert sorted(steps_saved(checkpoints["resumed"])[0]) == [6]               # it trained steps 4-6 only
+    for worker in (0, 1):
+        straight, resumed = (torch.load(checkpoints[run] / f"worker-{worker}-step-6.pt", weights_only=True)
+                             for run in ("straight", "resumed"))
+        for name, tensor in straight["parts"]["model"].items():
+            assert torch.equal(tensor, resumed["parts"]["model"][name]), (worker, name)
+        adam = [s["exp_avg"] for s in straight["parts"]["optimizer"]["state"].values()]
+        assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(
+            adam, resumed["parts"]["optimizer"]["state"].values(), strict=True))
+        assert resumed["local_steps"] == 6
+    at_3 = torch.load(checkpoints["straight"] / "worker-0-step-3.pt", weights_only=True)["parts"]["model"]
+    final = torch.load(checkpoints["straight"] / "worker-0-step-6.pt", weights_only=True)["parts"]["model"]
+    assert not all(torch.equal(t, final[n]) for n, t in at_3.items())        # the control: steps 4-6 changed it
