@@ -180,3 +180,30 @@ def test_a_local_servers_state_survives_a_file_and_a_fresh_server(tmp_path):
     assert saved["keys"][0]["upstream"]["applied_rounds"] == 3 and saved["keys"][0]["wire"] is not None
     assert saved["config"]["dc_rounds"]["counts"]
     assert _same(saved, again)
+
+
+def test_a_worker_pushing_on_alone_is_refused_past_the_open_round_cap_and_the_rounds_then_complete():
+    """A member that pushes without the others (a stuck peer, a script that never pulls, a hostile member)
+    opens at most MAX_OPEN_ROUNDS rounds, each holding a copy of the key; its next push is refused by name.
+    The other worker then completes every open round, and the results are the exact means."""
+    from geomx.cluster.kvserver import MAX_OPEN_ROUNDS
+    from geomx.errors import KVError
+
+    cluster = FlatCluster()
+    try:
+        _configure(cluster, "dist_sync", None, None)
+        _join_keys(cluster)
+        eager, late = (w.kv for w in cluster.workers)
+        ones = np.ones(KEYS["w"], np.float32)
+        for _ in range(MAX_OPEN_ROUNDS):
+            eager.push("w", ones).wait(WAIT_S)
+        with pytest.raises(KVError, match=rf"push of key 'w' from .* refused: {MAX_OPEN_ROUNDS} rounds of this key "
+                                          rf"already wait"):
+            eager.push("w", ones).wait(WAIT_S)
+        assert len(cluster.server.keys["w"].rounds) == MAX_OPEN_ROUNDS
+        for _ in range(MAX_OPEN_ROUNDS):
+            late.push("w", 3 * ones).wait(WAIT_S)
+        np.testing.assert_array_equal(eager.pull("w").wait(WAIT_S), 2 * ones)     # the mean of 1 and 3
+        assert cluster.server.keys["w"].rounds == {}
+    finally:
+        cluster.close()

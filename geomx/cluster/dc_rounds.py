@@ -37,7 +37,8 @@ class DCRounds:
             raise Refused(f"{client.label} does not train; only workers take part in DC rounds")
         n = self.counts[(st.key, msg.src)] = self.counts.get((st.key, msg.src), 0) + 1
         rnd, held = self.open.setdefault((st.key, n), (Round(), []))
-        rnd.add(msg.src, value, msg.priority)
+        rnd.add(msg.src, value, msg.priority, reusable=msg.private)
+        msg.tensors = []        # held until the round completes: the round has the value
         held.append(msg)
         if len(rnd.contributors) == server.expected_contributors(st):
             del self.open[(st.key, n)]

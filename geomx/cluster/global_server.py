@@ -184,9 +184,9 @@ class GlobalServer(KVServer):
         else:
             super().handle_other(msg, client)
 
-    def accept_push(self, st, src, number, value, priority):
+    def accept_push(self, st, src, number, value, priority, *, reusable=False):
         if self.policy.synchronous:
-            super().accept_push(st, src, number, value, priority)
+            super().accept_push(st, src, number, value, priority, reusable=reusable)
         else:
             self.policy.apply(self, st, value.astype(accumulator_dtype(value.dtype)), [src])
 

@@ -26,6 +26,10 @@ log = logging.getLogger("geomx.kvserver")
 
 
 _MAX_EARLY = 10_000
+# rounds of one key that may wait for pushes at once: a client pushing on without the others (a stuck peer, a
+# script that never pulls, a hostile member) is refused past it instead of growing the server by a copy of the
+# key per round
+MAX_OPEN_ROUNDS = 64
 
 
 class Refused(Exception):
@@ -38,14 +42,18 @@ class Round:
     total: np.ndarray | None = None
     contributors: list[str] = field(default_factory=list)
     priority: int = 0
+    owned: bool = False         # total may be summed into in place (not saved: a restored total is a copy)
 
-    def add(self, src: str, value: np.ndarray, priority: int) -> None:
+    def add(self, src: str, value: np.ndarray, priority: int, *, reusable: bool = False) -> None:
+        """``reusable``: ``value`` is a received buffer nobody else holds (Message.private), which may become
+        the round's sum: a round of a large key then holds its pushes and no extra copy."""
         acc = accumulator_dtype(value.dtype)
         if self.total is None:
             # keep the first push as it came (no copy): a round of one client costs no pass over the data
             self.total, self.priority = value.astype(acc, copy=False), priority
+            self.owned = reusable and self.total is value and value.flags.writeable
         else:
-            if len(self.contributors) == 1:   # the first push may be the received (read-only) buffer: sum
+            if len(self.contributors) == 1 and not self.owned:   # the first push is someone else's buffer
                 self.total = np.add(self.total, value, dtype=acc, casting="unsafe")   # a new array, one pass
             else:
                 np.add(self.total, value, out=self.total, casting="unsafe")
@@ -186,10 +194,12 @@ class KVServer:
     def on_command(self, msg: Message, client: NodeInfo) -> None:
         raise Refused(f"unknown command {msg.get('name')!r}")
 
-    def accept_push(self, st: KeyState, src: str, number: int, value: np.ndarray, priority: int) -> None:
-        """Default (synchronous) aggregation: sum the round, complete it when everyone pushed."""
+    def accept_push(self, st: KeyState, src: str, number: int, value: np.ndarray, priority: int, *,
+                    reusable: bool = False) -> None:
+        """Default (synchronous) aggregation: sum the round, complete it when everyone pushed. ``reusable``: see
+        :meth:`Round.add`."""
         rnd = st.rounds.setdefault(number, Round())
-        rnd.add(src, value, priority)
+        rnd.add(src, value, priority, reusable=reusable)
         if len(rnd.contributors) == self.expected_contributors(st):
             del st.rounds[number]
             self.on_round(st, number, rnd)
@@ -309,6 +319,11 @@ class KVServer:
     def _on_push(self, msg: Message, client: NodeInfo) -> None:
         st = self.key_state(msg)
         try:
+            # before decoding: a refused push must not advance the codec's streams
+            if len(st.rounds) >= MAX_OPEN_ROUNDS and st.pushes.get(msg.src, 0) + 1 not in st.rounds:
+                raise Refused(f"push of key {st.key!r} from {client.label} refused: {len(st.rounds)} rounds of "
+                              f"this key already wait for other workers' pushes (at most {MAX_OPEN_ROUNDS}); "
+                              f"pull between pushes, or find the worker that stopped pushing")
             value = self.push_value(st, msg)
             if client.tier_role != "worker" or client.kind == "master":
                 raise Refused(f"{client.label} does not train; only workers push gradients")
@@ -323,7 +338,9 @@ class KVServer:
         else:
             # waiting entries count pushes as the client does, refused ones included
             st.waiting.append((msg, number + st.refused.get(msg.src, 0)))
-        self.accept_push(st, msg.src, number, value, msg.priority)
+        reusable = msg.private and len(msg.tensors) == 1 and value is msg.tensors[0]
+        msg.tensors = []        # a held pushpull must not keep its pushed tensor alive (the round has it)
+        self.accept_push(st, msg.src, number, value, msg.priority, reusable=reusable)
         self.serve_waiting(st)
 
     def push_value(self, st: KeyState, msg: Message) -> np.ndarray:

@@ -123,7 +123,8 @@ class LocalServer(KVServer):
             return
         # the fp32 sum: the client sends it in the key's dtype (a 16-bit key's sum as the mean, see dense_push)
         h = self.upstream.pushpull(st.key, rnd.total, priority=rnd.priority, count=len(rnd.contributors))
-        h.add_done_callback(lambda h: self._round_done(st, number, rnd.contributors, h))
+        contributors = rnd.contributors     # not the round: its sum is freed once sent, not at the reply
+        h.add_done_callback(lambda h: self._round_done(st, number, contributors, h))
 
     def _round_done(self, st: KeyState, number: int, contributors: list[str], h: Handle) -> None:
         if h.error is not None:

@@ -30,6 +30,9 @@ class Message:
     fields: dict[str, Any] = field(default_factory=dict)
     tensors: list[np.ndarray] = field(default_factory=list)
     priority: int = 0
+    # set by a receiving van when the tensors are buffers of this message alone (received off a socket, not the
+    # sender's arrays, nor a caller's output): a handler may then accumulate into them instead of copying
+    private: bool = False
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.fields.get(name, default)

@@ -289,6 +289,7 @@ class ZmqVan(Van):
         if error is None:
             try:
                 msg = build_message(header, frames)
+                msg.private = all(t is None for t in targets)     # nothing received into a caller's array
                 if letter is not None:
                     if msg.src != letter.sender:
                         raise ProtocolError(f"a message sealed by {letter.sender!r} claims to be from {msg.src!r}")
