@@ -50,6 +50,9 @@ class NodeConfig:
     mixedsync: str = "wait"                # dist_async: MIXEDSYNC, what the master worker tells the servers
     emulator: str | None = None            # tcp:// address of the WAN emulator, if any
     run_dir: str | None = None
+    checkpoint_every: int = 0              # global servers with an optimizer: checkpoint every N rounds
+    resume_from: str | None = None         # a previous run's checkpoint directory (geomx launch --resume)
+    resume_step: int | None = None         # the step (= round) to resume at
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
     connect_timeout: float = 120.0
@@ -176,6 +179,9 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
             "%s runs unauthenticated (no GEOMX_SECRET or GEOMX_AUTH_TOKEN): it accepts every connection and "
             "checks only who sent each message", role)
     cfg.run_dir = env.get("GEOMX_RUN_DIR") or None
+    cfg.checkpoint_every = _int(env, "GEOMX_CHECKPOINT_EVERY", role, 0)
+    cfg.resume_from = env.get("GEOMX_RESUME_FROM") or None
+    cfg.resume_step = _int(env, "GEOMX_RESUME_STEP", role) if env.get("GEOMX_RESUME_STEP") else None
     cfg.heartbeat_interval = _float(env, "GEOMX_HEARTBEAT_INTERVAL", cfg.heartbeat_interval)
     cfg.heartbeat_timeout = _float(env, "GEOMX_HEARTBEAT_TIMEOUT", cfg.heartbeat_timeout)
     cfg.connect_timeout = _float(env, "GEOMX_CONNECT_TIMEOUT", cfg.connect_timeout)

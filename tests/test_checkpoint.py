@@ -71,25 +71,28 @@ def test_resume_is_checked_before_anything_starts_naming_what_is_wrong(tmp_path)
                      optimizer=opt).save(3, local_steps=3)
     with pytest.raises(ConfigError, match=r"at step 2: every worker has only steps \[3\]"):
         resume_directory(tmp_path / "old", tmp_path / "new", 2, step=2)
-    assert resume_directory(tmp_path / "old", tmp_path / "new", 2).name == "checkpoints"
+    assert resume_directory(tmp_path / "old", tmp_path / "new", 2)[0].name == "checkpoints"
 
 
-def _train(run_dir: Path, steps: int, **resume) -> str:
+def _train(run_dir: Path, steps: int, update_on: str, **resume) -> str:
     topo = load_topology(dcs=1, workers_per_dc=2, topology="flat", wan="lan")
+    topo.env["GEOMX_CHECKPOINT_EVERY"] = "3"          # what geomx launch --checkpoint-every 3 sets for every role
     out = io.StringIO()
-    launcher = Launcher(topo, [sys.executable, str(EXAMPLE), "--steps", str(steps), "--checkpoint-every", "3"],
+    launcher = Launcher(topo, [sys.executable, str(EXAMPLE), "--steps", str(steps), "--update-on", update_on],
                         run_dir=run_dir, out=out, **resume)
     assert launcher.run(timeout=120) == 0, out.getvalue()[-3000:]
     return out.getvalue()
 
 
-def test_a_job_resumed_from_a_checkpoint_ends_on_the_uninterrupted_jobs_model_bit_for_bit(tmp_path):
-    """Adam's moments, the step counts and the data order all carry over: new processes resumed from the
-    step-3 checkpoint and trained to step 6 give the very model (and optimizer state) that the job that went on
-    from step 3 gave. (The resumed processes share nothing with the first run but its checkpoint files, so
-    whether that run stopped at step 3 or went on makes no difference to them.)"""
-    _train(tmp_path / "straight", 6)
-    assert "resumed at step 3" in _train(tmp_path / "resumed", 6, resume=tmp_path / "straight", resume_step=3)
+@pytest.mark.parametrize("update_on", ["worker", "server"])
+def test_a_job_resumed_from_a_checkpoint_ends_on_the_uninterrupted_jobs_model_bit_for_bit(tmp_path, update_on):
+    """Adam's moments (on the workers, or on the global server with --update-on server), the step counts and
+    the data order all carry over: new processes resumed from the step-3 checkpoint and trained to step 6 give
+    the very model that the job that went on from step 3 gave. (The resumed processes share nothing with the
+    first run but its checkpoint files, so whether that run stopped at step 3 or went on makes no difference.)"""
+    _train(tmp_path / "straight", 6, update_on)
+    resumed_out = _train(tmp_path / "resumed", 6, update_on, resume=tmp_path / "straight", resume_step=3)
+    assert "resumed at step 3" in resumed_out
     checkpoints = {run: tmp_path / run / "checkpoints" for run in ("straight", "resumed")}
     assert sorted(steps_saved(checkpoints["resumed"])[0]) == [6]               # it trained steps 4-6 only
     for worker in (0, 1):
@@ -97,10 +100,60 @@ def test_a_job_resumed_from_a_checkpoint_ends_on_the_uninterrupted_jobs_model_bi
                              for run in ("straight", "resumed"))
         for name, tensor in straight["parts"]["model"].items():
             assert torch.equal(tensor, resumed["parts"]["model"][name]), (worker, name)
-        adam = [s["exp_avg"] for s in straight["parts"]["optimizer"]["state"].values()]
-        assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(
-            adam, resumed["parts"]["optimizer"]["state"].values(), strict=True))
+        if update_on == "worker":
+            adam = [s["exp_avg"] for s in straight["parts"]["optimizer"]["state"].values()]
+            assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(
+                adam, resumed["parts"]["optimizer"]["state"].values(), strict=True))
         assert resumed["local_steps"] == 6
+    if update_on == "server":       # the weights and Adam's state lived on the global server: it checkpointed
+        from geomx import statefile
+
+        server = {run: statefile.load(checkpoints[run] / "global-server-0-round-6.state")
+                  for run in ("straight", "resumed")}
+        for a, b in zip(server["straight"]["keys"], server["resumed"]["keys"], strict=True):
+            assert a["key"] == b["key"] and (a["value"] == b["value"]).all()
+            assert (a["update"]["optimizer"]["state"][0]["exp_avg_sq"]
+                    == b["update"]["optimizer"]["state"][0]["exp_avg_sq"]).all()
     at_3 = torch.load(checkpoints["straight"] / "worker-0-step-3.pt", weights_only=True)["parts"]["model"]
     final = torch.load(checkpoints["straight"] / "worker-0-step-6.pt", weights_only=True)["parts"]["model"]
     assert not all(torch.equal(t, final[n]) for n, t in at_3.items())        # the control: steps 4-6 changed it
+
+
+def test_a_global_server_resumes_only_from_its_own_checkpoint_of_that_round_and_names_what_is_missing(tmp_path):
+    """Workers' checkpoints alone cannot resume a job whose model lives on the global server; a checkpoint is
+    written once every key reached the round, and only the last two are kept."""
+    import numpy as np
+
+    from geomx.cluster.kvserver import KeyState
+    from geomx.cluster.server_checkpoint import ServerCheckpoints
+
+    keys = [KeyState(k, (2,), np.dtype(np.float32), value=np.full(2, float(i), np.float32))
+            for i, k in enumerate(("w", 7))]
+    writer = ServerCheckpoints(rank=0, every=2, directory=tmp_path)
+    for _ in range(6):
+        writer.round_done(keys[0], keys=2)
+        assert not list(tmp_path.iterdir())         # key 7 has not reached round 2 yet
+    for _ in range(6):
+        writer.round_done(keys[1], keys=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global-server-0-round-4.state",
+                                                          "global-server-0-round-6.state"]
+    reader = ServerCheckpoints(rank=0, every=2, directory=None, resume_from=tmp_path, resume_round=4)
+    assert reader.resumed_state(7)["value"].tolist() == [1.0, 1.0] and reader.rounds[7] == 4
+    with pytest.raises(ConfigError, match="key 'b' is not in global server 0's checkpoint of round 4"):
+        reader.resumed_state("b")
+    with pytest.raises(ConfigError, match="global-server-1-round-4.state does not exist"):
+        ServerCheckpoints(rank=1, every=2, directory=None, resume_from=tmp_path, resume_round=4).resumed_state("w")
+
+
+def test_a_server_optimizer_job_asks_for_the_interval_on_every_role_not_only_the_script(monkeypatch):
+    """With --update-on server the global servers checkpoint the model: an interval only the script knows would
+    leave them without one, and the job could not be resumed. Refused at start, with the fix."""
+    import argparse
+
+    from geomx.torch import loop
+
+    monkeypatch.delenv("GEOMX_CHECKPOINT_EVERY", raising=False)
+    monkeypatch.delenv("GEOMX_RESUME_FROM", raising=False)
+    args = argparse.Namespace(checkpoint_every=3, update_on="server", data_slice_idx=None)
+    with pytest.raises(SystemExit, match="geomx launch --checkpoint-every 3"):
+        loop.checkpointer(args, None, None, None)

@@ -151,9 +151,10 @@ def clear_previous_run(run_dir: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def resume_directory(previous_run: Path, run_dir: Path, workers: int, step: int | None = None) -> Path:
-    """The checkpoint directory of ``previous_run`` that ``--resume`` reads, checked before anything starts:
-    every worker of the saved run must have a checkpoint of one common step (geomx.torch.checkpoint)."""
+def resume_directory(previous_run: Path, run_dir: Path, workers: int, step: int | None = None) -> tuple[Path, int]:
+    """The checkpoint directory of ``previous_run`` that ``--resume`` reads and the step to resume at (``step``,
+    else the latest), checked before anything starts: every worker of the saved run must have a checkpoint of
+    that step (geomx.torch.checkpoint)."""
     from geomx.torch.checkpoint import common_step
 
     if previous_run.resolve() == run_dir.resolve():
@@ -163,8 +164,7 @@ def resume_directory(previous_run: Path, run_dir: Path, workers: int, step: int 
     if not directory.is_dir():
         raise ConfigError(f"--resume {previous_run}: it has no checkpoints directory (was it run with "
                           f"--checkpoint-every?)")
-    common_step(directory, workers, step)
-    return directory
+    return directory, common_step(directory, workers, step)
 
 
 class Launcher:
@@ -174,10 +174,10 @@ class Launcher:
         if secure and insecure:
             raise ConfigError("--secure and --insecure contradict each other")
         if resume is not None:
-            topo.env["GEOMX_RESUME_FROM"] = str(resume_directory(Path(resume), Path(run_dir), topo.num_all_workers,
-                                                                 resume_step))
-            if resume_step is not None:
-                topo.env["GEOMX_RESUME_STEP"] = str(resume_step)
+            directory, step = resume_directory(Path(resume), Path(run_dir), topo.num_all_workers, resume_step)
+            # every role resumes at the same step: the workers' checkpoints and the global servers' (a server
+            # optimizer's), whose rounds are the steps under FSA
+            topo.env.update({"GEOMX_RESUME_FROM": str(directory), "GEOMX_RESUME_STEP": str(step)})
         elif resume_step is not None:
             raise ConfigError("--resume-step goes with --resume RUN_DIR")
         # --secure: a fresh shared secret per run; every message is then sealed (geomx.transport.security).

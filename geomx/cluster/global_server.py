@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 
 import numpy as np
 
@@ -15,6 +16,7 @@ from geomx.cluster.global_update import (GradientRelay, MeanGradient, ServerOpti
 from geomx.cluster.compressed import ServerWire
 from geomx.cluster.kvserver import KeyState, KVServer, Refused, accumulator_dtype, init_layout
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
+from geomx.cluster.server_checkpoint import ServerCheckpoints
 from geomx.cluster.protocol import Command, Field, Op
 from geomx.compat import conflict
 from geomx.compression import CompressionPolicy
@@ -41,6 +43,7 @@ class GlobalServer(KVServer):
         self.directory: dict = {}                  # key -> owning global server rank
         self.held_inits: dict = {}                 # key -> init requests waiting for the master's init
         self.tables_pending = 2                    # the global tier and the central party's tier
+        self.checkpoints: ServerCheckpoints | None = None   # with a synchronous server optimizer (resume)
 
     def attach(self, tier: Tier) -> None:
         if tier.name == "global":
@@ -104,6 +107,13 @@ class GlobalServer(KVServer):
         if self.compression is not None:
             self.wire = ServerWire(self.compression, "wan", weights=self.optimizer is not None,
                                    per_client=not self.policy.synchronous, salt=self.po.cfg.label)
+        cfg = self.po.cfg
+        if self.optimizer is not None and self.policy.synchronous and (cfg.checkpoint_every or cfg.resume_from):
+            # the model lives here: checkpoint it, and resume from a checkpoint (server_checkpoint.py)
+            self.checkpoints = ServerCheckpoints(
+                rank=self.rank, every=cfg.checkpoint_every,
+                directory=Path(cfg.run_dir) / "checkpoints" if cfg.run_dir else None,
+                resume_from=Path(cfg.resume_from) if cfg.resume_from else None, resume_round=cfg.resume_step)
 
     # saved state ----------------------------------------------------------------------------------------------
     def config_state(self) -> dict:
@@ -154,6 +164,8 @@ class GlobalServer(KVServer):
                 self._configure()
             st = KeyState(key, tuple(value.shape), value.dtype, value=np.array(value))
             self.policy.init_key(st)
+            if self.checkpoints is not None:
+                self._resume_key(st)
             self.keys[key] = st
             self.reply_init(msg, st)
             for held in self.held_inits.pop(key, []):
@@ -166,6 +178,18 @@ class GlobalServer(KVServer):
             self.reply(msg, redirect=owner)
         else:
             self._answer_init(msg, self.keys[key])
+
+    def _resume_key(self, st: KeyState) -> None:
+        """Start ``st`` from the checkpoint being resumed (when resuming): its value and optimizer state."""
+        try:
+            saved = self.checkpoints.resumed_state(st.key)
+            if saved is None:
+                return
+            self.check_value(st, np.asarray(saved["value"]), "the checkpointed value")
+            st.update.load_state_dict(saved["update"])
+        except ConfigError as exc:
+            raise Refused(str(exc)) from None
+        st.value = np.array(saved["value"])
 
     def _answer_init(self, msg: Message, st: KeyState) -> None:
         try:
@@ -192,6 +216,8 @@ class GlobalServer(KVServer):
 
     def on_round(self, st, number, rnd):
         self.policy.apply(self, st, rnd.total, rnd.contributors)
+        if self.checkpoints is not None:
+            self.checkpoints.round_done(st, len(self.keys))
 
     def read_value(self, st, src):
         return self.policy.read(st, src)

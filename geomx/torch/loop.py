@@ -76,13 +76,16 @@ def worker_index(args: argparse.Namespace) -> int:
 
 def checkpointer(args: argparse.Namespace, kv, opt, model: torch.nn.Module, **stateful) -> Checkpointer | None:
     """The worker's :class:`Checkpointer` when ``--checkpoint-every`` is set or the run resumes
-    (``GEOMX_RESUME_FROM``, set by ``geomx launch --resume``): the model, ``opt`` and ``stateful`` (a schedule)."""
+    (``GEOMX_RESUME_FROM``, set by ``geomx launch --resume``): the model, ``opt`` and ``stateful`` (a schedule).
+    With ``--update-on server`` the global servers checkpoint and resume the weights and the optimizer
+    (geomx.cluster.server_checkpoint); the worker's file keeps its step and data position."""
     resume_from = os.environ.get("GEOMX_RESUME_FROM") or None
     if not args.checkpoint_every and not resume_from:
         return None
-    if args.update_on == "server":
-        raise SystemExit("--checkpoint-every / --resume with --update-on server: the model and its optimizer live on "
-                         "the global servers, whose checkpoints are not written yet; use --update-on worker")
+    if args.update_on == "server" and args.checkpoint_every != int(os.environ.get("GEOMX_CHECKPOINT_EVERY") or 0):
+        raise SystemExit(f"--checkpoint-every {args.checkpoint_every} with --update-on server: the model lives on the "
+                         f"global servers, which checkpoint it too; give the interval to every role with geomx "
+                         f"launch --checkpoint-every {args.checkpoint_every} (GEOMX_CHECKPOINT_EVERY)")
     directory = Path(os.environ.get("GEOMX_RUN_DIR") or ".") / "checkpoints"
     resume_step = os.environ.get("GEOMX_RESUME_STEP")
     return Checkpointer(directory, worker=worker_index(args), workers=kv.num_all_workers, every=args.checkpoint_every,
