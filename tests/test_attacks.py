@@ -176,3 +176,22 @@ def test_the_launcher_tells_the_emulator_its_dcs_and_host(tmp_path):
     topo = load_topology(workers_per_dc=1, wan="regional")
     spec = next(s for s in plan(topo, ["x"], tmp_path) if s.kind == "emulator")
     assert spec.env["GEOMX_EMULATOR_DCS"] == "central,a,b" and spec.env["GEOMX_EMULATOR_HOSTS"] == topo.host
+
+
+def test_a_server_still_waiting_for_its_member_table_holds_at_most_256_mib_of_early_requests():
+    """Requests that overtake a server's member table are held for it, but a stranger cannot fill a starting
+    server's memory that way: past 256 MiB of tensors (or 10,000 messages) they are dropped and logged."""
+    import logging
+    from types import SimpleNamespace
+
+    from geomx.cluster.kvserver import KVServer
+
+    po = SimpleNamespace(metrics_fields=[], refusals=RefusalLog(logging.getLogger("test")),
+                         cfg=SimpleNamespace(label="server of DC a"))
+    server = KVServer(po)
+    big = np.broadcast_to(np.zeros(1, np.uint8), (64 << 20,))          # 64 MiB as far as nbytes goes, no memory
+    for _ in range(6):
+        server.handle(Message("push", src="stranger", fields={"key": 1}, tensors=[big]))
+    server.handle(Message("pull", src="stranger", fields={"key": 1}))       # no tensor: still held
+    assert [m.op for m in server._early] == ["push"] * 4 + ["pull"]
+    assert server.queue_depths()["held_requests"] == 5

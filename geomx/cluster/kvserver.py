@@ -25,7 +25,10 @@ from geomx.transport.message import WIRE_DTYPES, Message
 log = logging.getLogger("geomx.kvserver")
 
 
-_MAX_EARLY = 10_000
+# requests held until this server's member table arrives (they may come from members who heard theirs first):
+# at most this many, and this many bytes of tensors; beyond, they are dropped (logged): a stranger cannot fill
+# the memory of a server that is still starting
+_MAX_EARLY, _MAX_EARLY_BYTES = 10_000, 256 * 1024 * 1024
 # rounds of one key that may wait for pushes at once: a client pushing on without the others (a stuck peer, a
 # script that never pulls, a hostile member) is refused past it instead of growing the server by a copy of the
 # key per round
@@ -172,6 +175,7 @@ class KVServer:
         self.wire: ServerWire | None = None       # gradient compression, once configured
         self.tables_pending = 1                   # member tables still to come; subclasses set it
         self._early: list[Message] = []           # requests that overtook our own member table
+        self._early_bytes = 0
         po.metrics_fields.append(self.queue_depths)
 
     def queue_depths(self) -> dict:
@@ -261,15 +265,18 @@ class KVServer:
         scheduler sends every member its table at once, so a client may hear first and ask first."""
         self.clients.update({m.id: m for m in members if m.id != self.po.node_id})
         self.tables_pending -= 1
-        early, self._early = self._early, []
+        early, self._early, self._early_bytes = self._early, [], 0
         for msg in early:
             self.handle(msg)
 
     def handle(self, msg: Message) -> None:
         client = self.clients.get(msg.src)
-        if client is None and self.tables_pending > 0 and len(self._early) < _MAX_EARLY:
-            self._early.append(msg)
-            return
+        if client is None and self.tables_pending > 0:
+            nbytes = sum(t.nbytes for t in msg.tensors)
+            if len(self._early) < _MAX_EARLY and self._early_bytes + nbytes <= _MAX_EARLY_BYTES:
+                self._early.append(msg)
+                self._early_bytes += nbytes
+                return
         if client is None:
             self.po.refusals.note(msg.src, "%s: %r from unknown sender %r dropped (not a member of any tier this "
                                   "server serves)", self.po.cfg.label, msg.op, msg.src)
