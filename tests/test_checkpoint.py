@@ -74,8 +74,14 @@ def test_resume_is_checked_before_anything_starts_naming_what_is_wrong(tmp_path)
     assert resume_directory(tmp_path / "old", tmp_path / "new", 2)[0].name == "checkpoints"
 
 
+# how each variant is deployed: FSA with the optimizer on the global server (flat), and DiLoCo over two DCs
+# (HiPS), whose workers carry the inner optimizer, the outer momentum and a round's base model
+DEPLOYMENTS = {"server": dict(dcs=1, workers_per_dc=2, topology="flat"),
+               "worker": dict(dcs=2, workers_per_dc=1, topology="hips", sync={"algorithm": "diloco", "k1": 2})}
+
+
 def _train(run_dir: Path, steps: int, update_on: str, **resume) -> str:
-    topo = load_topology(dcs=1, workers_per_dc=2, topology="flat", wan="lan")
+    topo = load_topology(wan="lan", **DEPLOYMENTS[update_on])
     topo.env["GEOMX_CHECKPOINT_EVERY"] = "3"          # what geomx launch --checkpoint-every 3 sets for every role
     out = io.StringIO()
     launcher = Launcher(topo, [sys.executable, str(EXAMPLE), "--steps", str(steps), "--update-on", update_on],
@@ -86,10 +92,11 @@ def _train(run_dir: Path, steps: int, update_on: str, **resume) -> str:
 
 @pytest.mark.parametrize("update_on", ["worker", "server"])
 def test_a_job_resumed_from_a_checkpoint_ends_on_the_uninterrupted_jobs_model_bit_for_bit(tmp_path, update_on):
-    """Adam's moments (on the workers, or on the global server with --update-on server), the step counts and
-    the data order all carry over: new processes resumed from the step-3 checkpoint and trained to step 6 give
-    the very model that the job that went on from step 3 gave. (The resumed processes share nothing with the
-    first run but its checkpoint files, so whether that run stopped at step 3 or went on makes no difference.)"""
+    """Adam's moments (on the workers, or on the global server with --update-on server), DiLoCo's outer
+    momentum and round base (on the workers), the step counts and the data order all carry over: new processes
+    resumed from the step-3 checkpoint (mid-round for DiLoCo, k1=2) and trained to step 6 give the very model
+    that the job that went on from step 3 gave. (The resumed processes share nothing with the first run but its
+    checkpoint files, so whether that run stopped at step 3 or went on makes no difference.)"""
     _train(tmp_path / "straight", 6, update_on)
     resumed_out = _train(tmp_path / "resumed", 6, update_on, resume=tmp_path / "straight", resume_step=3)
     assert "resumed at step 3" in resumed_out

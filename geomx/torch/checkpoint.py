@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from geomx.errors import ConfigError
@@ -60,7 +61,7 @@ class Checkpointer:
         self.directory.mkdir(parents=True, exist_ok=True)
         state = {"format": FORMAT, "worker": self.worker, "workers": self.workers, "step": step,
                  "local_steps": local_steps, "torch_rng": torch.get_rng_state(),
-                 "parts": {name: obj.state_dict() for name, obj in self.stateful.items()}}
+                 "parts": {name: _loadable(obj.state_dict()) for name, obj in self.stateful.items()}}
         path = self.directory / f"worker-{self.worker}-step-{step}.pt"
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{path.name}.")
         try:
@@ -95,6 +96,18 @@ class Checkpointer:
             obj.load_state_dict(state["parts"][name])
         torch.set_rng_state(state["torch_rng"])
         return int(state["local_steps"])
+
+
+def _loadable(obj: Any) -> Any:
+    """``obj`` with numpy scalars as Python numbers (HFA's weights are numpy floats): ``torch.load`` with
+    ``weights_only=True``, which never runs code from the file, refuses numpy objects."""
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {k: _loadable(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):          # not a named tuple: its constructor takes fields, not an iterable
+        return type(obj)(_loadable(v) for v in obj)
+    return obj
 
 
 def steps_saved(directory: Path) -> dict[int, list[int]]:
