@@ -160,3 +160,53 @@ def test_message_ops_and_commands_are_spelled_only_in_the_protocol_module():
     assert offenders == []
     values = [v for cls in (Op, Command) for k, v in vars(cls).items() if k.isupper()]
     assert len(values) == len(set(values))
+
+
+def test_mxnet_device_lists_push_their_sum_and_pull_into_every_output():
+    """MXNet's forms for a worker with several devices: ``push(key, [v1, v2])`` sends the devices' sum,
+    ``pull(key, out=[o1, o2])`` fills every output, ``init(key, [v, v])`` starts from the (equal) value;
+    devices whose values differ in shape are named."""
+    from geomx.errors import KVError
+
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=1)
+    try:
+        shape = (3, 4)
+        cluster.master.init("w", np.zeros(shape, np.float32))
+        kvs = [kv for kvs in cluster.workers.values() for kv in kvs]
+        for kv in kvs:
+            kv.init("w", [np.zeros(shape, np.float32)] * 2)
+        handles = [kv.push("w", [np.full(shape, 1.0 + i, np.float32), np.full(shape, 10.0, np.float32)])
+                   for i, kv in enumerate(kvs)]       # device sums 11 and 12
+        for h in handles:
+            h.wait(DEADLINE_S)
+        outs = [np.zeros(shape, np.float32) for _ in range(2)]
+        kvs[0].pull("w", out=outs).wait(DEADLINE_S)
+        for out in outs:
+            np.testing.assert_array_equal(out, np.full(shape, 11.5, np.float32))   # the mean of 11 and 12
+        with pytest.raises(KVError, match=r"key 'w' from several devices have different shapes"):
+            kvs[0].push("w", [np.zeros(shape, np.float32), np.zeros(4, np.float32)])
+    finally:
+        cluster.close()
+
+
+def test_set_optimizer_after_init_as_mxnet_orders_it_runs_the_optimizer_from_the_initial_weights():
+    """MXNet's own test order: init, then set_optimizer, then pushes. Allowed while no key has been pushed; the
+    optimizer starts from the keys' initial values. Once a key has been pushed, a later call is refused."""
+    from geomx.errors import KVError
+
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=1)
+    try:
+        w0 = np.arange(6, dtype=np.float32).reshape(2, 3)
+        cluster.master.init("w", w0)
+        kvs = [kv for kvs in cluster.workers.values() for kv in kvs]
+        for kv in kvs:
+            kv.init("w", np.zeros_like(w0))
+        cluster.master.set_optimizer("SGD", lr=0.5)
+        grads = [np.full_like(w0, 2.0), np.full_like(w0, 4.0)]
+        for h in [kv.push("w", g) for kv, g in zip(kvs, grads, strict=True)]:
+            h.wait(DEADLINE_S)
+        np.testing.assert_array_equal(kvs[0].pull("w").wait(DEADLINE_S), w0 - 0.5 * 3.0)   # the mean gradient 3
+        with pytest.raises(KVError, match="key 'w' has been pushed"):
+            cluster.master.set_optimizer("Adam", lr=0.1)
+    finally:
+        cluster.close()

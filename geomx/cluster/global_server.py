@@ -59,7 +59,8 @@ class GlobalServer(KVServer):
         if client.kind != "master":
             raise Refused(f"only the master worker configures the global servers ({client.label} sent {name!r})")
         if self.policy is not None:
-            raise Refused(f"{name} must come before the first kv.init (keys are already initialized)")
+            self._reconfigure(msg, name, args)
+            return
         if name == Command.SET_MODE:
             if args.get("mode") not in MODES:
                 raise Refused(f"unknown kvstore mode {args.get('mode')!r}; modes are {', '.join(MODES)}")
@@ -71,12 +72,7 @@ class GlobalServer(KVServer):
                 raise Refused(problem)
             self.mode, self.mixedsync = args["mode"], mixedsync
         elif name == Command.SET_OPTIMIZER:
-            problem = conflict(mode=self.mode, mixedsync=self.mixedsync, server_optimizer=True)
-            if problem:
-                raise Refused(problem)
-            kwargs = dict(args.get("kwargs") or {})
-            self.optimizer = (resolve_optimizer(str(args.get("optimizer")), kwargs), kwargs)
-            self.optimizer_name = str(args.get("optimizer"))
+            self._set_optimizer(args)
         elif name == Command.SET_COMPRESSION:
             try:
                 self.compression = CompressionPolicy.from_wire(args.get("policy"))
@@ -85,6 +81,28 @@ class GlobalServer(KVServer):
         else:
             raise Refused(f"unknown command {name!r}")
         log.info("global server %d: %s %s", self.rank, name, args)
+        self.reply(msg)
+
+    def _set_optimizer(self, args: dict) -> None:
+        problem = conflict(mode=self.mode, mixedsync=self.mixedsync, server_optimizer=True)
+        if problem:
+            raise Refused(problem)
+        kwargs = dict(args.get("kwargs") or {})
+        self.optimizer = (resolve_optimizer(str(args.get("optimizer")), kwargs), kwargs)
+        self.optimizer_name = str(args.get("optimizer"))
+
+    def _reconfigure(self, msg: Message, name: str, args: dict) -> None:
+        """A command after the first kv.init. MXNet's own order, init then set_optimizer, is served while no key
+        has seen a push: every key's value is still its initial weights, which the optimizer starts from."""
+        pushed = [st.key for st in self.keys.values() if st.pushes]
+        if name != Command.SET_OPTIMIZER or self.optimizer is not None or self.compression is not None or pushed:
+            raise Refused(f"{name} must come before the first kv.init (keys are already initialized"
+                          + (f"; key {pushed[0]!r} has been pushed" if pushed else "") + ")")
+        self._set_optimizer(args)
+        self._configure()
+        for st in self.keys.values():
+            self.policy.init_key(st)
+        log.info("global server %d: %s %s after %d key(s) were initialized", self.rank, name, args, len(self.keys))
         self.reply(msg)
 
     def _choose_policy(self) -> UpdatePolicy:

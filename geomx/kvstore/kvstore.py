@@ -16,6 +16,7 @@ socket (``out`` may be ``value`` itself). Other outputs get a copy.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -143,7 +144,8 @@ class KVStore:
     # configuration (master worker) ----------------------------------------------------------------------------
     def set_optimizer(self, optimizer: Any, **kwargs) -> None:
         """Run ``optimizer`` (a torch.optim class, its name, or an instance) on the global servers. Only the
-        master worker's call counts (others return at once, as in GeoMX); it must come before kv.init."""
+        master worker's call counts (others return at once, as in GeoMX). Before kv.init, or after it (MXNet's
+        order) as long as no key has been pushed yet."""
         if isinstance(optimizer, str):
             name = optimizer
         elif isinstance(optimizer, type):
@@ -169,10 +171,9 @@ class KVStore:
         if not self.is_master_worker:
             log.debug("set_optimizer on a non-master worker is ignored (GeoMX semantics)")
             return
-        if self._initialized_keys:
-            raise ConfigError("set_optimizer must be called before the first kv.init")
         for h in self._client.command(Command.SET_OPTIMIZER, optimizer=name, kwargs=kwargs):
             h.wait()
+        self._client.info["server_optimizer"] = True
 
     def set_gradient_compression(self, compression: dict | str | None) -> None:
         """Compress gradients on the wire (docs/compression.md). GeoMX's forms: ``{"type": "bsc", "threshold":
@@ -199,7 +200,7 @@ class KVStore:
         for k, v in zip(keys, values, strict=False):
             check_key(k)
             check_user_key(k)
-            arr = np.ascontiguousarray(_as_numpy_view(v))     # init blocks until answered: no copy needed
+            arr = np.ascontiguousarray(_as_numpy_view(_one_device(k, v)))   # init blocks until answered: no copy
             parts = plan_parts(k, arr.shape, arr.itemsize, self.cfg.partition_bytes)
             self._layout[k] = (arr.shape, arr.dtype, parts)
             if parts is None:
@@ -286,7 +287,8 @@ class KVStore:
         check_key(key)
         if self._unclaimed_sync is not None and op != "pull":
             raise ConfigError(self._unclaimed_sync)
-        src = _as_numpy_view(value) if value is not None else None
+        src = _as_numpy_view(_device_sum(key, value)) if value is not None else None
+        out, more_outs = (out[0], list(out[1:])) if isinstance(out, list | tuple) and out else (out, [])
         shape, dtype, parts = self._layout.get(key, (None, None, None))
         if out is not None and shape is not None and tuple(out.shape) != tuple(shape):
             raise KVError(f"{op} of key {key!r} into an output of shape {tuple(out.shape)}, but the key has shape "
@@ -307,7 +309,12 @@ class KVStore:
             h = gather([self._send(op, p.key, v, o, priority) for p, v, o in zip(parts, values, outs, strict=False)],
                        lambda _: into, f"{op} of key {key!r}")
             target = into if into is target else None
-        return h if op == Op.PUSH else h.then(_copier(key, out, target))
+        if op == Op.PUSH:
+            return h
+        h = h.then(_copier(key, out, target))
+        for extra in more_outs:                  # MXNet's out=[o1, o2]: every device gets the value
+            h = h.then(_copier(key, extra))
+        return h
 
     def _send(self, op: str, key, value, out, priority: int) -> Handle:
         if op == Op.PUSH:
@@ -353,6 +360,30 @@ def _pairs(key, value) -> tuple[list, list]:
     if len(keys) != len(values):
         raise GeomxError(f"{len(keys)} keys but {len(values)} values")
     return keys, values
+
+
+def _device_values(key, value) -> list:
+    """MXNet's several devices' values of one key (``[v1, v2]``), checked to share a shape; else ``[value]``."""
+    if not isinstance(value, list | tuple):
+        return [value]
+    if not value:
+        raise GeomxError(f"an empty list of values for key {key!r}")
+    arrays = [_as_numpy_view(v) for v in value]
+    shapes = {tuple(a.shape) for a in arrays}
+    if len(shapes) > 1:
+        raise KVError(f"the values of key {key!r} from several devices have different shapes {sorted(shapes)}")
+    return arrays
+
+
+def _device_sum(key, value):
+    """What a worker pushes for ``value``: MXNet sums a list of devices' values before it leaves the worker."""
+    arrays = _device_values(key, value)
+    return arrays[0] if len(arrays) == 1 else functools.reduce(np.add, arrays)
+
+
+def _one_device(key, value):
+    """An init's value: with several devices' values (as MXNet allows), the first (they start equal)."""
+    return _device_values(key, value)[0]
 
 
 def _as_numpy_view(value) -> np.ndarray:
