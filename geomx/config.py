@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from geomx.errors import ConfigError
 from geomx.profiles import CENTRAL_DC
+from geomx.compression.policy import SIZE_BOUND_ENV, env_size_bound
 from geomx.transport.security import Curve, Sealed, link_security
 from geomx.unimplemented import report_unimplemented
 
@@ -53,6 +54,7 @@ class NodeConfig:
     checkpoint_every: int = 0              # global servers with an optimizer: checkpoint every N rounds
     resume_from: str | None = None         # a previous run's checkpoint directory (geomx launch --resume)
     resume_step: int | None = None         # the step (= round) to resume at
+    size_lower_bound: int | None = None    # MXNET_KVSTORE_SIZE_LOWER_BOUND here (global servers: theirs wins)
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
     connect_timeout: float = 120.0
@@ -182,6 +184,8 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
     cfg.checkpoint_every = _int(env, "GEOMX_CHECKPOINT_EVERY", role, 0)
     cfg.resume_from = env.get("GEOMX_RESUME_FROM") or None
     cfg.resume_step = _int(env, "GEOMX_RESUME_STEP", role) if env.get("GEOMX_RESUME_STEP") else None
+    if (env.get(SIZE_BOUND_ENV) or "").strip():
+        cfg.size_lower_bound = env_size_bound(env)
     cfg.heartbeat_interval = _float(env, "GEOMX_HEARTBEAT_INTERVAL", cfg.heartbeat_interval)
     cfg.heartbeat_timeout = _float(env, "GEOMX_HEARTBEAT_TIMEOUT", cfg.heartbeat_timeout)
     cfg.connect_timeout = _float(env, "GEOMX_CONNECT_TIMEOUT", cfg.connect_timeout)

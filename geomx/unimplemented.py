@@ -69,11 +69,10 @@ UNIMPLEMENTED: tuple[Unimplemented, ...] = (
     Unimplemented("MXNET_ENABLE_GPU_P2P", _MULTI_DEVICE),
     Unimplemented("MXNET_KVSTORE_USETREE", _MULTI_DEVICE),
     Unimplemented("MXNET_KVSTORE_LOGTREE", _MULTI_DEVICE),
-    # geomx reads it where the compression policy is set, not where GeoMX's Bi-Sparse script sets it
-    Unimplemented("MXNET_KVSTORE_SIZE_LOWER_BOUND", "geomx reads it on the master worker when it calls "
-                  "kv.set_gradient_compression (the bound travels to every server with the policy): set it there, "
-                  "or give size_lower_bound in the setting", switch=False,
-                  roles=("global_scheduler", "global_server", "scheduler", "server")),
+    # the global servers and the master worker read it; a DC's local server takes the global servers' bound
+    Unimplemented("MXNET_KVSTORE_SIZE_LOWER_BOUND", "geomx reads it on the global servers (whose bound every "
+                  "process then uses) and on the master worker: set it there, or give size_lower_bound in the "
+                  "setting", switch=False, roles=("global_scheduler", "scheduler", "server")),
 )
 
 _reported: set[str] = set()

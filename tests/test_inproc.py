@@ -210,3 +210,27 @@ def test_set_optimizer_after_init_as_mxnet_orders_it_runs_the_optimizer_from_the
             cluster.master.set_optimizer("Adam", lr=0.1)
     finally:
         cluster.close()
+
+
+@pytest.mark.parametrize("server_bound", [None, 10])
+def test_the_size_bound_set_on_the_global_server_decides_what_every_process_compresses(server_bound):
+    """GeoMX's Bi-Sparse script sets MXNET_KVSTORE_SIZE_LOWER_BOUND on its servers. A 100-element key under a
+    top-k WAN codec (ratio 1/4) crosses the WAN dense with the default bound (200,000 elements: the exact mean
+    comes back) and sparsified with the servers' bound of 10 (a quarter of the entries); the workers' own
+    set_gradient_compression calls, with the default bound, agree with the servers either way."""
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=1,
+                          global_server_fields={"size_lower_bound": server_bound} if server_bound else None)
+    try:
+        kvs = [kv for kvs in cluster.workers.values() for kv in kvs]
+        for kv in [cluster.master, *kvs]:
+            kv.set_gradient_compression({"wan": {"type": "topk", "ratio": 0.25}})
+        cluster.master.init("g", np.zeros(100, np.float32))
+        for kv in kvs:
+            kv.init("g", np.zeros(100, np.float32))
+        grad = np.arange(1, 101, dtype=np.float32)
+        results = [h.wait(DEADLINE_S) for h in [kv.pushpull("g", grad) for kv in kvs]]
+        for got in results:
+            exact = np.count_nonzero(got == grad)           # both workers pushed grad: its mean is grad
+            assert exact == (25 if server_bound else 100), got
+    finally:
+        cluster.close()

@@ -76,6 +76,10 @@ class GlobalServer(KVServer):
         elif name == Command.SET_COMPRESSION:
             try:
                 self.compression = CompressionPolicy.from_wire(args.get("policy"))
+                bound = self.po.cfg.size_lower_bound
+                if bound is not None:   # GeoMX sets the size bound on its servers: theirs decides for everyone
+                    self.compression = CompressionPolicy.from_wire({**self.compression.to_wire(),
+                                                                    "size_lower_bound": bound})
             except ConfigError as exc:
                 raise Refused(str(exc)) from None
         else:

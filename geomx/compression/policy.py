@@ -111,7 +111,7 @@ def parse_policy(spec: dict | str | None, *, env: Mapping[str, str] | None = Non
         raise ConfigError(f"gradient compression must be a dict, a codec name or None, got {spec!r}")
     params = dict(spec)
     bound = _check_bound(params.pop("size_lower_bound"), "size_lower_bound") if "size_lower_bound" in params \
-        else _env_bound(os.environ if env is None else env)
+        else env_size_bound(os.environ if env is None else env)
     if "type" not in params:
         return _per_tier(params, bound)
     kind = str(params.pop("type")).lower()
@@ -154,7 +154,7 @@ def _check_bound(value, what: str) -> int:
     return value
 
 
-def _env_bound(env: Mapping[str, str]) -> int:
+def env_size_bound(env: Mapping[str, str]) -> int:
     text = env.get(SIZE_BOUND_ENV)
     if text is None or not text.strip():
         return DEFAULT_SIZE_LOWER_BOUND

@@ -336,13 +336,22 @@ class KVStore:
         if mode is not None and mode != self.type:
             raise ConfigError(f"this worker created a {self.type!r} kvstore but the master worker created "
                               f"{mode!r}")
-        if self._compression is not None and "compression" in info and info["compression"] != self._compression:
+        if self._compression is not None and "compression" in info and not _same_codecs(info["compression"],
+                                                                                        self._compression):
             raise ConfigError(f"this worker set gradient compression {self._compression} but the master worker set "
                               f"{info['compression']}")
         n = info.get("num_all_workers")
         if n is not None and n != self.cfg.num_all_workers:
             raise ConfigError(f"this worker counts DMLC_NUM_ALL_WORKER={self.cfg.num_all_workers} but the global "
                               f"servers count {n}")
+
+
+def _same_codecs(servers: dict | None, mine: dict | None) -> bool:
+    """The servers' policy against this worker's own call: the codecs must match; the size bound is the global
+    servers' to set (GeoMX reads MXNET_KVSTORE_SIZE_LOWER_BOUND on its servers), and every client uses theirs."""
+    def codecs(policy):
+        return None if policy is None else {k: v for k, v in policy.items() if k != "size_lower_bound"}
+    return codecs(servers) == codecs(mine)
 
 
 def _plain(v) -> bool:

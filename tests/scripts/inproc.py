@@ -112,10 +112,11 @@ class FlatCluster(Deployment):
 
 class HipsCluster(Deployment):
     """``dcs`` DCs of ``per_dc`` workers each (a number, or one per DC); ``self.workers[dc]`` are their KVStores,
-    ``self.local[dc]`` their local servers."""
+    ``self.local[dc]`` their local servers. ``global_server_fields``: NodeConfig fields of the global server
+    alone (what its environment would set)."""
 
     def __init__(self, dcs=("a", "b"), per_dc: int | list[int] = 2, mode: str = "dist_sync", van: str = "inproc",
-                 link: Callable | None = None) -> None:
+                 link: Callable | None = None, global_server_fields: dict | None = None) -> None:
         super().__init__(van, link)
         sizes = dict(zip(dcs, per_dc if isinstance(per_dc, list | tuple) else [per_dc] * len(dcs), strict=True))
         total = sum(sizes.values())
@@ -124,7 +125,8 @@ class HipsCluster(Deployment):
         counts = {"num_global_servers": 1, "num_global_workers": len(dcs), "num_all_workers": total}
         makers: list = [lambda: start_global_server(
             self.config(role="global_server", dc=CENTRAL_DC, scheduler=cs, global_scheduler=gs, num_workers=1,
-                        num_servers=1, **counts), threading.Event(), node_id="global_server-0")]
+                        num_servers=1, **counts, **(global_server_fields or {})), threading.Event(),
+            node_id="global_server-0")]
         for dc, size in sizes.items():
             ds = self.scheduler(f"dc:{dc}", dc, {"server": 1, "worker": size})
             makers.append(lambda dc=dc, ds=ds, size=size: start_local_server(
