@@ -234,3 +234,29 @@ def test_the_size_bound_set_on_the_global_server_decides_what_every_process_comp
             assert exact == (25 if server_bound else 100), got
     finally:
         cluster.close()
+
+
+def test_workers_of_a_geomx_mixedsync_script_join_with_dist_sync_while_the_master_asks_for_dist_async():
+    """GeoMX's MixedSync scripts give dist_async to the master worker only; their workers create dist_sync
+    (synchronous inside the DC). They join, and the servers run asynchronously; the converse is refused."""
+    from geomx.errors import ConfigError
+
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=1, mode="dist_sync", master_mode="dist_async")
+    try:
+        cluster.master.init("w", np.zeros(4, np.float32))
+        kvs = [kv for kvs in cluster.workers.values() for kv in kvs]
+        for kv in kvs:
+            kv.init("w", np.zeros(4, np.float32))
+        assert cluster.global_server.mode == "dist_async" and [kv.type for kv in kvs] == ["dist_sync"] * 2
+        first = kvs[0].pushpull("w", np.ones(4, np.float32)).wait(DEADLINE_S)   # DC b has not pushed: no wait
+        assert first.shape == (4,) and np.isfinite(first).all()
+    finally:
+        cluster.close()
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=1, mode="dist_async", master_mode="dist_sync")
+    try:
+        cluster.master.init("w", np.zeros(4, np.float32))
+        with pytest.raises(ConfigError, match="created a 'dist_async' kvstore but the master worker created "
+                                              "'dist_sync'"):
+            cluster.workers["a"][0].init("w", np.zeros(4, np.float32))
+    finally:
+        cluster.close()

@@ -39,6 +39,15 @@ from geomx.sync.settings import sync_requested
 log = logging.getLogger("geomx.kvstore")
 
 
+def joins_mode(role: str, created: str, deployment_mode: str) -> bool:
+    """Whether a kvstore of type ``created`` on ``role`` fits a deployment in ``deployment_mode``: the same
+    type, or a worker's ``dist_sync`` in ``dist_async``. GeoMX's MixedSync scripts give the asynchronous type
+    to the master worker only; their workers create ``dist_sync``, synchronous inside their DC, which is what
+    MixedSync does there anyway."""
+    return created == deployment_mode or (role == "worker" and created == "dist_sync"
+                                          and deployment_mode == "dist_async")
+
+
 def create(name: str | None = None, *, env: dict | None = None) -> KVStore:
     """Join the deployment described by the environment (set by ``geomx launch`` or by hand, see
     docs/environment.md) as a worker or as the master worker."""
@@ -47,7 +56,7 @@ def create(name: str | None = None, *, env: dict | None = None) -> KVStore:
         name = cfg.mode or "dist_sync"
     if name not in MODES:
         raise ConfigError(f"unknown kvstore type {name!r}; geomx offers {', '.join(MODES)}")
-    if cfg.mode is not None and name != cfg.mode:
+    if cfg.mode is not None and not joins_mode(cfg.role, name, cfg.mode):
         raise ConfigError(f"this script creates a {name!r} kvstore but the deployment runs in {cfg.mode!r} "
                           f"(geomx launch --mode / GEOMX_MODE)")
     check_combination(mode=name, mixedsync=cfg.mixedsync)
@@ -333,7 +342,7 @@ class KVStore:
 
     def _check_info(self, info: dict) -> None:
         mode = info.get("mode")
-        if mode is not None and mode != self.type:
+        if mode is not None and not joins_mode(self.cfg.role, self.type, mode):
             raise ConfigError(f"this worker created a {self.type!r} kvstore but the master worker created "
                               f"{mode!r}")
         if self._compression is not None and "compression" in info and not _same_codecs(info["compression"],
