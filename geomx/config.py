@@ -55,6 +55,7 @@ class NodeConfig:
     resume_from: str | None = None         # a previous run's checkpoint directory (geomx launch --resume)
     resume_step: int | None = None         # the step (= round) to resume at
     size_lower_bound: int | None = None    # MXNET_KVSTORE_SIZE_LOWER_BOUND here (global servers: theirs wins)
+    optimizer_modules: tuple[str, ...] = ()   # GEOMX_OPTIMIZER_MODULES: user optimizer modules servers may import
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
     connect_timeout: float = 120.0
@@ -184,6 +185,8 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
     cfg.checkpoint_every = _int(env, "GEOMX_CHECKPOINT_EVERY", role, 0)
     cfg.resume_from = env.get("GEOMX_RESUME_FROM") or None
     cfg.resume_step = _int(env, "GEOMX_RESUME_STEP", role) if env.get("GEOMX_RESUME_STEP") else None
+    cfg.optimizer_modules = tuple(m.strip() for m in (env.get("GEOMX_OPTIMIZER_MODULES") or "").split(",")
+                                  if m.strip())
     if (env.get(SIZE_BOUND_ENV) or "").strip():
         cfg.size_lower_bound = env_size_bound(env)
     cfg.heartbeat_interval = _float(env, "GEOMX_HEARTBEAT_INTERVAL", cfg.heartbeat_interval)

@@ -260,3 +260,29 @@ def test_workers_of_a_geomx_mixedsync_script_join_with_dist_sync_while_the_maste
             cluster.workers["a"][0].init("w", np.zeros(4, np.float32))
     finally:
         cluster.close()
+
+
+@pytest.mark.parametrize("allowed", [True, False])
+def test_a_users_own_optimizer_class_runs_on_the_global_server_only_where_its_module_is_allowed(allowed):
+    """kv.set_optimizer(MyOptimizer) names the class by its module; the global server imports it only if its
+    operator listed the module in GEOMX_OPTIMIZER_MODULES (a configuration message never imports code
+    otherwise), and says so when not."""
+    from custom_optim import HalfStepSGD
+
+    from geomx.errors import KVError
+
+    cluster = HipsCluster(dcs=("a",), per_dc=1,
+                          global_server_fields={"optimizer_modules": ("custom_optim",)} if allowed else None)
+    try:
+        if not allowed:
+            with pytest.raises(KVError, match="'custom_optim.HalfStepSGD' is not from .* GEOMX_OPTIMIZER_MODULES"):
+                cluster.master.set_optimizer(HalfStepSGD, lr=1.0)
+            return
+        cluster.master.set_optimizer(HalfStepSGD, lr=1.0)
+        cluster.master.init("w", np.full(3, 10.0, np.float32))
+        (kv,) = cluster.workers["a"]
+        kv.init("w", np.zeros(3, np.float32))
+        got = kv.pushpull("w", np.full(3, 4.0, np.float32)).wait(DEADLINE_S)
+        np.testing.assert_array_equal(got, np.full(3, 8.0, np.float32))       # 10 - 1.0 * 4 / 2
+    finally:
+        cluster.close()

@@ -92,7 +92,8 @@ class GlobalServer(KVServer):
         if problem:
             raise Refused(problem)
         kwargs = dict(args.get("kwargs") or {})
-        self.optimizer = (resolve_optimizer(str(args.get("optimizer")), kwargs), kwargs)
+        self.optimizer = (resolve_optimizer(str(args.get("optimizer")), kwargs, self.po.cfg.optimizer_modules),
+                          kwargs)
         self.optimizer_name = str(args.get("optimizer"))
 
     def _reconfigure(self, msg: Message, name: str, args: dict) -> None:
@@ -152,7 +153,9 @@ class GlobalServer(KVServer):
         if config["optimizer"] is not None:
             name, kwargs = config["optimizer"]
             try:
-                self.optimizer, self.optimizer_name = (resolve_optimizer(name, dict(kwargs)), dict(kwargs)), name
+                self.optimizer, self.optimizer_name = (resolve_optimizer(name, dict(kwargs),
+                                                                         self.po.cfg.optimizer_modules),
+                                                       dict(kwargs)), name
             except Refused as exc:
                 raise ConfigError(f"saved server optimizer: {exc}") from None
         if config["compression"] is not None:

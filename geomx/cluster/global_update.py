@@ -180,18 +180,21 @@ class ServerOptimizer(UpdatePolicy):
         server.set_value(st, param.detach().numpy().astype(st.dtype, copy=True), contributors)
 
 
-def resolve_optimizer(name: str, kwargs: dict):
+def resolve_optimizer(name: str, kwargs: dict, extra_modules: tuple[str, ...] = ()):
     """'torch.optim.SGD' or 'SGD' -> the class, after checking it accepts ``kwargs``. Only optimizer modules
-    are searched: a configuration message must never import arbitrary code."""
+    are searched: a configuration message must never import arbitrary code. ``extra_modules``: the user's own
+    optimizer modules that the server's operator allowed (GEOMX_OPTIMIZER_MODULES on the global servers)."""
     import importlib
 
     import torch
 
+    allowed = (*OPTIMIZER_MODULES, *extra_modules)
     module_name, _, cls_name = name.rpartition(".")
     modules = [module_name] if module_name else list(OPTIMIZER_MODULES)
     for mod in modules:
-        if mod not in OPTIMIZER_MODULES:
-            raise Refused(f"optimizer {name!r} is not from {' or '.join(OPTIMIZER_MODULES)}")
+        if mod not in allowed:
+            raise Refused(f"optimizer {name!r} is not from {' or '.join(allowed)} (a module of your own: list it "
+                          f"in GEOMX_OPTIMIZER_MODULES on the global servers)")
         cls = getattr(importlib.import_module(mod), cls_name, None)
         if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
             break

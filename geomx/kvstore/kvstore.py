@@ -158,8 +158,11 @@ class KVStore:
         if isinstance(optimizer, str):
             name = optimizer
         elif isinstance(optimizer, type):
+            # torch's and geomx's classes by their public module; the user's own by theirs (the global servers
+            # import it only if GEOMX_OPTIMIZER_MODULES there lists it)
             name = f"{optimizer.__module__.split('.')[0]}.optim.{optimizer.__name__}" \
-                if optimizer.__module__.startswith(("torch.optim", "geomx.optim")) else optimizer.__name__
+                if optimizer.__module__.startswith(("torch.optim", "geomx.optim")) \
+                else f"{optimizer.__module__}.{optimizer.__name__}"
         else:
             import torch
 
