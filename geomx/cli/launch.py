@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from geomx.cli.inject import Injector, parse_faults
 from geomx.cli.topology import Topology
 from geomx.lifeline import ENV as LAUNCHER_PID_ENV
 from geomx.errors import ConfigError
@@ -170,7 +171,8 @@ def resume_directory(previous_run: Path, run_dir: Path, workers: int, step: int 
 class Launcher:
     def __init__(self, topo: Topology, command: list[str], *, run_dir: Path, quiet: bool = False,
                  out: TextIO | None = None, secure: bool = False, insecure: bool = False,
-                 resume: Path | str | None = None, resume_step: int | None = None) -> None:
+                 resume: Path | str | None = None, resume_step: int | None = None,
+                 inject: list[str] | None = None, inject_seed: int = 0) -> None:
         if secure and insecure:
             raise ConfigError("--secure and --insecure contradict each other")
         if resume is not None:
@@ -191,6 +193,7 @@ class Launcher:
         self.running: list[Running] = []
         self._print_lock = threading.Lock()
         self.progress = None        # geomx.cli.progress.Progress while the deployment runs (not with quiet)
+        self.injector = Injector(parse_faults(inject), seed=inject_seed) if inject else None   # --inject
 
     def say(self, text: str) -> None:
         with self._print_lock:
@@ -205,6 +208,8 @@ class Launcher:
         if self.insecure:
             for spec in specs:
                 spec.env["GEOMX_INSECURE"] = "1"
+        if self.injector is not None:
+            self.injector.bind([s.name for s in specs], [s.name for s in specs if s.kind == "worker"])
         self._write_manifest(specs)
         interrupted = {"sig": None}
 
@@ -302,6 +307,8 @@ class Launcher:
             if timeout is not None and time.monotonic() - start > timeout:
                 self.say(f"geomx: the run exceeded --timeout {timeout:g} s; stopping every process")
                 return 124
+            if self.injector is not None:
+                self.injector.tick(time.monotonic() - start, self._pids(), self.say)
             time.sleep(0.1)
 
     def _report_failure(self, r: Running) -> None:
@@ -319,7 +326,13 @@ class Launcher:
             return
         self.say(f"geomx: role {r.spec.name} {how}; stopping every process. Last lines of {r.log_path}:\n{tail}")
 
+    def _pids(self) -> dict[str, int]:
+        """Role name -> process group id (every role leads its own session)."""
+        return {r.spec.name: r.proc.pid for r in self.running if r.returncode is None}
+
     def _stop_all(self) -> None:
+        if self.injector is not None:
+            self.injector.release(self._pids())
         alive = [r for r in self.running if r.proc.poll() is None]
         for r in alive:
             _signal_group(r.proc, signal.SIGTERM)

@@ -68,7 +68,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
             raise GeomxError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
         topo.env["GEOMX_CHECKPOINT_EVERY"] = str(args.checkpoint_every)
     return Launcher(topo, command, run_dir=run_dir, quiet=args.quiet, secure=args.secure, insecure=args.insecure,
-                    resume=args.resume, resume_step=args.resume_step).run(timeout=args.timeout)
+                    resume=args.resume, resume_step=args.resume_step, inject=args.inject,
+                    inject_seed=args.inject_seed).run(timeout=args.timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="resume the job whose run directory this was, from the latest step every worker "
                         "checkpointed (run it with its own --run-dir)")
+    p.add_argument("--inject", action="append", metavar="ACTION:ROLE@T[+D]",
+                   help="inject a fault T seconds after every role started: kill or stop (SIGSTOP, undone after D "
+                        "seconds) a role, e.g. kill:a-worker-1@10, stop:b-server@5+3, kill:random@10; repeatable")
+    p.add_argument("--inject-seed", type=int, default=0, help="the seed that picks --inject's random role")
     p.add_argument("--resume-step", type=int, metavar="N",
                    help="with --resume: go back to step N (every worker must have kept its checkpoint)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")

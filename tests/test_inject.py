@@ -1,0 +1,84 @@
+"""Fault injection (geomx launch --inject): faults land at their times on the named process groups, are undone
+after their duration, and a deployment survives a short freeze."""
+import subprocess
+import time
+
+import pytest
+
+from geomx.cli.inject import Injector, parse_faults
+from geomx.errors import ConfigError
+from harness import check_ok, launch
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_faults_are_applied_at_their_times_and_a_stop_is_undone_after_its_duration():
+    procs = {name: subprocess.Popen(["sleep", "30"], start_new_session=True) for name in ("a-worker-0", "b-server")}
+    said = []
+    try:
+        injector = Injector(parse_faults(["stop:b-server@0.2+0.5", "kill:a-worker-0@0.4"]))
+        injector.bind(list(procs), ["a-worker-0"])
+        pids = {name: p.pid for name, p in procs.items()}
+        injector.tick(0.1, pids, said.append)
+        assert _state(procs["b-server"].pid) != "T" and said == []                 # nothing due yet
+        injector.tick(0.3, pids, said.append)
+        time.sleep(0.1)
+        assert _state(procs["b-server"].pid) == "T"                                # stopped
+        injector.tick(0.5, pids, said.append)
+        assert procs["a-worker-0"].wait(5) == -9                                   # killed
+        injector.tick(0.8, pids, said.append)
+        time.sleep(0.1)
+        assert _state(procs["b-server"].pid) != "T"                                # running again
+        assert said == ["geomx: injected stop of b-server at 0.3 s for 0.5 s",
+                        "geomx: injected kill of a-worker-0 at 0.5 s",
+                        "geomx: undid the stop of b-server at 0.8 s"]
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+
+
+def test_bad_fault_specs_and_unknown_roles_are_refused_naming_them_and_random_is_seeded():
+    with pytest.raises(ConfigError, match="write ACTION:ROLE@SECONDS"):
+        parse_faults(["kill a-worker-1"])
+    with pytest.raises(ConfigError, match="unknown action 'crash'; actions are kill, stop"):
+        parse_faults(["crash:a-worker-1@3"])
+    with pytest.raises(ConfigError, match="a kill cannot be undone"):
+        parse_faults(["kill:a-worker-1@3+1"])
+    with pytest.raises(ConfigError, match="no role 'c-worker-0' in this deployment"):
+        Injector(parse_faults(["kill:c-worker-0@1"])).bind(["a-worker-0"], ["a-worker-0"])
+    picks = set()
+    for seed in (0, 1, 2, 3):
+        injector = Injector(parse_faults(["kill:random@1"]), seed=seed)
+        injector.bind(["a-worker-0", "a-worker-1", "b-worker-0"], ["a-worker-0", "a-worker-1", "b-worker-0"])
+        again = Injector(parse_faults(["kill:random@1"]), seed=seed)
+        again.bind(["a-worker-0", "a-worker-1", "b-worker-0"], ["a-worker-0", "a-worker-1", "b-worker-0"])
+        assert injector.faults[0].role == again.faults[0].role                   # the seed decides
+        picks.add(injector.faults[0].role)
+    assert len(picks) > 1
+
+
+SHORT_TRAINING = """
+import time
+import numpy as np
+import geomx
+
+kv = geomx.kvstore.create()
+kv.init("w", np.zeros(10, np.float32))
+if not kv.is_master_worker:
+    for _ in range(120):              # about 6 s of rounds; both workers take the same number
+        assert (kv.pushpull("w", np.ones(10, np.float32)).wait() == 1).all()
+        time.sleep(0.05)
+"""
+
+
+def test_a_deployment_survives_a_worker_frozen_for_a_second_by_launch_inject(tmp_path):
+    """A freeze shorter than the heartbeat timeout (10 s): the other worker waits in its rounds, training goes
+    on when the frozen one resumes, and the launcher reports what it injected."""
+    code, run_dir, output = launch(tmp_path, SHORT_TRAINING, dcs=1, workers_per_dc=2, timeout=90,
+                                   inject=["stop:a-worker-1@3+1"])
+    check_ok((code, run_dir, output))
+    assert "geomx: injected stop of a-worker-1 at 3." in output and "undid the stop of a-worker-1" in output
