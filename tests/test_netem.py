@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -459,3 +460,38 @@ def test_python_m_geomx_netem_forwards_until_sigterm_and_writes_final_stats(net,
         reader.join(timeout=2.0)
     stats = json.loads((tmp_path / "wan_links.json").read_text())
     assert stats["links"]["a->central"]["bytes"] == wire_bytes([msg], "a0")
+
+
+def test_a_link_matrix_gives_named_links_their_own_rate_and_rtt_and_names_bad_entries():
+    """A DC near the central party and one far away: overrides by DC (both directions) or by directed link;
+    the launcher hands them to the emulator, which builds those links with them, and sizes the parts for the
+    slowest link."""
+    from geomx.cli.launch import plan
+    from geomx.cli.topology import load_topology
+    from geomx.netem import link_matrix
+    from geomx.profiles import get_profile
+
+    topo = load_topology(dcs=2, workers_per_dc=1, wan="regional",
+                         wan_links=["b=50mbit/250ms", "a->central=500mbit/30ms"])
+    assert topo.wan_links[("b", "central")] == topo.wan_links[("central", "b")] == link_matrix.LinkSpec(5e7, 0.25)
+    emulator_env = next(s.env for s in plan(topo, ["x"], Path("/tmp")) if s.kind == "emulator")
+    assert emulator_env["GEOMX_PARTITION_BYTES"] == str(2 << 20)      # 0.4 s on 50 Mbit/s: 2 MiB parts
+    links = link_matrix.from_env(emulator_env[link_matrix.ENV], emulator_env["GEOMX_EMULATOR_DCS"].split(","))
+    assert links == topo.wan_links
+    emulator = WanEmulator(profile=get_profile("regional"), dcs=["central", "a", "b"], links=links)
+    built = {pair: emulator.link(*pair) for pair in [("a", "central"), ("central", "a"), ("b", "central")]}
+    try:
+        assert (built[("a", "central")].rate_bps, built[("a", "central")].one_way_delay_s) == (5e8, 0.015)
+        assert (built[("central", "a")].rate_bps, built[("central", "a")].one_way_delay_s) == (1e9, 0.010)
+        assert (built[("b", "central")].rate_bps, built[("b", "central")].one_way_delay_s) == (5e7, 0.125)
+    finally:
+        for link in built.values():
+            link.close()
+    for entries, named in [(["c=1gbit/10ms"], "link c->central names a DC outside this deployment"),
+                           (["a->a=1gbit/10ms"], "link a->a joins a DC to itself"),
+                           (["a->central=fast/10ms"], "cannot read a rate from 'fast'"),
+                           (["b=50mbit"], "write SRC->DST=RATE/RTT or DC=RATE/RTT")]:
+        with pytest.raises(ConfigError, match=named):
+            load_topology(dcs=2, wan="regional", wan_links=entries)
+    with pytest.raises(ConfigError, match="wan_links need an emulated WAN"):
+        load_topology(dcs=2, wan="lan", wan_links=["b=50mbit/250ms"])

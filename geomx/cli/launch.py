@@ -25,6 +25,7 @@ from geomx.cli.topology import Topology
 from geomx.lifeline import ENV as LAUNCHER_PID_ENV
 from geomx.errors import ConfigError
 from geomx.metrics import METRICS_DIR
+from geomx.netem import link_matrix
 from geomx.netem.emulator import STATS_FILE
 from geomx.profiles import CENTRAL_DC
 from geomx.sync.slowdown import ENV as SLOWDOWN_ENV
@@ -94,10 +95,11 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
         if "GEOMX_PARTITION_BYTES" not in base and "GEOMX_PARTITION_BYTES" not in os.environ:
             # parts sized for the WAN (geomx.kvstore.partition.wan_partition_bytes), one value for every role
             from geomx.kvstore.partition import wan_partition_bytes
-            base["GEOMX_PARTITION_BYTES"] = str(wan_partition_bytes(min(p.uplink_bps, p.downlink_bps)))
+            base["GEOMX_PARTITION_BYTES"] = str(wan_partition_bytes(topo.slowest_link_bps))
         specs.append(RoleSpec("wan-emulator", "emulator", node, {
             **base, "GEOMX_ROLE": "emulator", "GEOMX_EMULATOR_HOST": h, "GEOMX_EMULATOR_PORT": str(p_emu),
             "GEOMX_EMULATOR_DCS": ",".join([CENTRAL_DC, *topo.dc_names]), "GEOMX_EMULATOR_HOSTS": h,
+            **({link_matrix.ENV: link_matrix.to_env(topo.wan_links)} if topo.wan_links else {}),
             **({"GEOMX_WAN_PROFILE": p.name} if p.name != "custom" else
                {"GEOMX_WAN_RATE": str(p.uplink_bps), "GEOMX_WAN_RTT": str(p.rtt_s),
                 "GEOMX_WAN_JITTER": str(p.jitter_s)})}))
@@ -225,7 +227,9 @@ class Launcher:
                 p = self.topo.profile
                 self.say(f"geomx: {len(specs)} processes up ({self.topo.topology}, {self.topo.mode}, "
                          f"{self.topo.dcs} DCs x {self.topo.workers_per_dc} workers, {self.topo.global_servers} "
-                         f"global server(s), WAN {p.name}: {p.description}); logs in {self.run_dir}")
+                         f"global server(s), WAN {p.name}: {p.description}"
+                         + (f"; own settings for {link_matrix.to_env(self.topo.wan_links)}" if self.topo.wan_links
+                            else "") + f"); logs in {self.run_dir}")
                 from geomx.cli.progress import Progress
                 self.progress = Progress(self.run_dir, self.out)
                 self.progress.start()

@@ -35,6 +35,9 @@ def _add_topology_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dga-delay", type=int, help="dga: steps between pushing a gradient and applying its average "
                                                   "(default 1)")
     p.add_argument("--esync-steps", type=int, help="esync: local steps of the slowest worker per round (default 1)")
+    p.add_argument("--wan-link", action="append", metavar="LINK=RATE/RTT",
+                   help="one link's own rate and RTT (repeatable): b=50mbit/250ms (both directions between DC b "
+                        "and the central party) or a->central=1gbit/20ms (one direction)")
     p.add_argument("--slowdown", action="append", metavar="DC[:RANK]=FACTOR",
                    help="make these workers compute FACTOR times slower (repeatable), e.g. b=3 or a:1=2")
 
@@ -49,7 +52,7 @@ def topology_from_args(args: argparse.Namespace):
                          sync_k1=args.hfa_k1, sync_k2=args.hfa_k2, sync_overlap=args.hfa_overlap,
                          sync_delay=args.dga_delay,
                          sync_steps=args.esync_steps,
-                         slowdown=args.slowdown)
+                         slowdown=args.slowdown, wan_links=args.wan_link)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

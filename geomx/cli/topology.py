@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from geomx.compat import check as check_combination
 from geomx.config import MIXEDSYNC, MODES, TOPOLOGIES
 from geomx.errors import ConfigError
+from geomx.netem.link_matrix import assignments, parse_link_overrides
 from geomx.profiles import WanProfile, custom_profile, get_profile, parse_duration, parse_rate
 from geomx.sync.settings import launch_env, settings_from_env
 from geomx.sync.slowdown import parse_factor
@@ -38,6 +39,13 @@ class Topology:
     host: str = "127.0.0.1"
     env: dict[str, str] = field(default_factory=dict)   # extra variables for every role
     slowdown: dict[tuple[str, int], float] = field(default_factory=dict)   # (dc, rank) -> factor
+    wan_links: dict = field(default_factory=dict)   # (src, dst) -> link_matrix.LinkSpec: per-link overrides
+
+    @property
+    def slowest_link_bps(self) -> float:
+        """The slowest emulated link's rate, overrides included (what WAN-sized parts are cut for)."""
+        p = self.profile
+        return min([p.uplink_bps, p.downlink_bps] + [s.rate_bps for s in self.wan_links.values()])
 
     @property
     def dc_names(self) -> list[str]:
@@ -97,7 +105,7 @@ def load_topology(path: str | None = None, **flags) -> Topology:
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"topology file {path} is not valid TOML: {exc}") from None
         known = {"dcs", "workers_per_dc", "global_servers", "mode", "mixedsync", "topology", "wan", "env", "host",
-                 "slowdown",
+                 "slowdown", "wan_links",
                  "sync"}
         unknown = set(data) - known
         if unknown:
@@ -126,6 +134,10 @@ def load_topology(path: str | None = None, **flags) -> Topology:
     topo.env = {str(k): str(v) for k, v in env.items()}
     topo.validate()
     topo.slowdown = parse_slowdown(data.get("slowdown"), topo.dc_names, topo.workers_per_dc, where)
+    if data.get("wan_links"):
+        if not topo.profile.emulated:
+            raise ConfigError(f"wan_links{where} need an emulated WAN (--wan {topo.profile.name} has none)")
+        topo.wan_links = parse_link_overrides(data["wan_links"], topo.dc_names, where)
     sync = data.get("sync")
     if sync is not None and not isinstance(sync, (str, dict)):
         raise ConfigError(f"sync{where} must be an algorithm name or a table, got {sync!r}")
@@ -142,12 +154,7 @@ def parse_slowdown(entries, dc_names: list[str], workers_per_dc: list[int],
                    where: str = "") -> dict[tuple[str, int], float]:
     """``["b=3", "a:1=2"]`` (or a table ``{b = 3, "a:1" = 2}``) -> {(dc, rank): factor} for every chosen worker;
     a DC without a rank slows all of its workers. A later entry for the same worker wins."""
-    if entries is None:
-        return {}
-    if isinstance(entries, dict):
-        entries = [f"{k}={v}" for k, v in entries.items()]
-    if isinstance(entries, str) or not isinstance(entries, list):
-        raise ConfigError(f"slowdown{where} must be a list of DC[:RANK]=FACTOR strings, got {entries!r}")
+    entries = assignments(entries, "slowdown", "DC[:RANK]=FACTOR", where)
     out: dict[tuple[str, int], float] = {}
     for entry in entries:
         text = str(entry)

@@ -29,7 +29,9 @@ import msgpack
 import zmq
 
 from geomx.errors import ConfigError
+from geomx.netem import link_matrix
 from geomx.netem.link import DeliveryScheduler, EmulatedLink
+from geomx.netem.link_matrix import LinkSpec
 from geomx.transport.security import Curve, Plain, Sealed, link_security
 from geomx.profiles import WanProfile, custom_profile, get_profile, parse_duration, parse_rate
 from geomx.transport.message import payload_nbytes
@@ -57,13 +59,15 @@ class WanEmulator:
     def __init__(self, *, profile: WanProfile, host: str = "127.0.0.1", port: int = 0, run_dir: str | None = None,
                  chunk_bytes: int = 65536, seed: int = 0, context: zmq.Context | None = None,
                  security: Sealed | Curve | Plain | None = None, dcs: Iterable[str] | None = None,
-                 hosts: Iterable[str] | None = None) -> None:
+                 hosts: Iterable[str] | None = None, links: dict[tuple[str, str], LinkSpec] | None = None) -> None:
         """``dcs``: the DCs of the deployment (the central party included); a route naming another is dropped.
         ``hosts``: the hosts messages may be relayed to (default: this host and the loopback); the emulator
-        never forwards anywhere else, so it cannot be used to reach a third party."""
+        never forwards anywhere else, so it cannot be used to reach a third party. ``links``: per-link rate
+        and RTT that replace the profile's on those links (geomx.netem.link_matrix)."""
         if not profile.emulated:
             raise ConfigError(f"WAN profile {profile.name!r} is not emulated: no emulator is needed")
         self.profile = profile
+        self.link_overrides = dict(links or {})
         self.dcs = frozenset(dcs) if dcs is not None else None
         self.hosts = frozenset(hosts) if hosts is not None else frozenset({host, "127.0.0.1", "localhost"})
         self.refusals = RefusalLog(log)
@@ -173,9 +177,12 @@ class WanEmulator:
                 if src_dc == dst_dc or len(self._links) >= MAX_LINKS:
                     raise ValueError(f"route {src_dc!r} -> {dst_dc!r} refused: a DC's own traffic or one link "
                                      f"more than the {MAX_LINKS} allowed")
+                spec = self.link_overrides.get((src_dc, dst_dc))
                 link = self._links[(src_dc, dst_dc)] = EmulatedLink(
-                    name=f"{src_dc}->{dst_dc}", rate_bps=self.profile.rate_for(src_dc, dst_dc),
-                    one_way_delay_s=self.profile.one_way_delay_s, jitter_s=self.profile.jitter_s,
+                    name=f"{src_dc}->{dst_dc}",
+                    rate_bps=spec.rate_bps if spec else self.profile.rate_for(src_dc, dst_dc),
+                    one_way_delay_s=spec.rtt_s / 2 if spec else self.profile.one_way_delay_s,
+                    jitter_s=self.profile.jitter_s,
                     chunk_bytes=self.chunk_bytes, seed=self.seed, scheduler=self._delivery, epoch=self._epoch)
             return link
 
@@ -307,7 +314,8 @@ def run_from_env(env: Mapping[str, str] | None = None) -> int:
     GEOMX_WAN_PROFILE or GEOMX_WAN_RATE + GEOMX_WAN_RTT [+ GEOMX_WAN_JITTER]; GEOMX_EMULATOR_HOST (default
     127.0.0.1), GEOMX_EMULATOR_PORT (required), GEOMX_RUN_DIR (optional: where wan_links.json goes),
     GEOMX_EMULATOR_DCS (optional: the DCs, comma-separated, central included; routes naming others are
-    dropped), GEOMX_EMULATOR_HOSTS (optional: the hosts it may relay to; default its own host and loopback).
+    dropped), GEOMX_EMULATOR_HOSTS (optional: the hosts it may relay to; default its own host and loopback),
+    GEOMX_WAN_LINKS (optional: per-link rate and RTT, geomx.netem.link_matrix).
     """
     env = os.environ if env is None else env
     profile = profile_from_env(env)
@@ -326,7 +334,8 @@ def run_from_env(env: Mapping[str, str] | None = None) -> int:
     dcs, hosts = (env.get(var, "").replace(",", " ").split() or None
                   for var in ("GEOMX_EMULATOR_DCS", "GEOMX_EMULATOR_HOSTS"))
     emulator = WanEmulator(profile=profile, host=host, port=port, run_dir=env.get("GEOMX_RUN_DIR") or None,
-                           security=link_security(env), dcs=dcs, hosts=hosts)
+                           security=link_security(env), dcs=dcs, hosts=hosts,
+                           links=link_matrix.from_env(env.get(link_matrix.ENV), dcs))
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
