@@ -76,7 +76,7 @@ def test_resume_is_checked_before_anything_starts_naming_what_is_wrong(tmp_path)
 
 # how each variant is deployed: FSA with the optimizer on the global server (flat), and DiLoCo over two DCs
 # (HiPS), whose workers carry the inner optimizer, the outer momentum and a round's base model
-DEPLOYMENTS = {"server": dict(dcs=1, workers_per_dc=2, topology="flat"),
+DEPLOYMENTS = {"server": dict(dcs=1, workers_per_dc=1, topology="flat"),
                "worker": dict(dcs=2, workers_per_dc=1, topology="hips", sync={"algorithm": "diloco", "k1": 2})}
 
 
@@ -102,7 +102,7 @@ def test_a_job_resumed_from_a_checkpoint_ends_on_the_uninterrupted_jobs_model_bi
     assert "resumed at step 3" in resumed_out
     checkpoints = {run: tmp_path / run / "checkpoints" for run in ("straight", "resumed")}
     assert sorted(steps_saved(checkpoints["resumed"])[0]) == [6]               # it trained steps 4-6 only
-    for worker in (0, 1):
+    for worker in range(2 if update_on == "worker" else 1):
         straight, resumed = (torch.load(checkpoints[run] / f"worker-{worker}-step-6.pt", weights_only=True)
                              for run in ("straight", "resumed"))
         for name, tensor in straight["parts"]["model"].items():

@@ -78,7 +78,7 @@ if not kv.is_master_worker:
 def test_a_deployment_survives_a_worker_frozen_for_a_second_by_launch_inject(tmp_path):
     """A freeze shorter than the heartbeat timeout (10 s): the other worker waits in its rounds, training goes
     on when the frozen one resumes, and the launcher reports what it injected."""
-    code, run_dir, output = launch(tmp_path, SHORT_TRAINING, dcs=1, workers_per_dc=2, timeout=90,
+    code, run_dir, output = launch(tmp_path, SHORT_TRAINING, dcs=1, workers_per_dc=2, topology="flat", timeout=90,
                                    inject=["stop:a-worker-1@3+1"])
     check_ok((code, run_dir, output))
     assert "geomx: injected stop of a-worker-1 at 3." in output and "undid the stop of a-worker-1" in output
