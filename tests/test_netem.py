@@ -487,6 +487,10 @@ def test_a_link_matrix_gives_named_links_their_own_rate_and_rtt_and_names_bad_en
     finally:
         for link in built.values():
             link.close()
+    # units as everywhere else (a bare RTT is milliseconds), and the emulator reads back every digit
+    odd = load_topology(dcs=2, wan="regional", wan_links=["b=1234567kbit/30"]).wan_links
+    assert odd[("b", "central")] == link_matrix.LinkSpec(1234567000.0, 0.03)
+    assert link_matrix.from_env(link_matrix.to_env(odd), ["central", "a", "b"]) == odd
     for entries, named in [(["c=1gbit/10ms"], "link c->central names a DC outside this deployment"),
                            (["a->a=1gbit/10ms"], "link a->a joins a DC to itself"),
                            (["a->central=fast/10ms"], "cannot read a rate from 'fast'"),

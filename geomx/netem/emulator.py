@@ -31,7 +31,6 @@ import zmq
 from geomx.errors import ConfigError
 from geomx.netem import link_matrix
 from geomx.netem.link import DeliveryScheduler, EmulatedLink
-from geomx.netem.link_matrix import LinkSpec
 from geomx.transport.security import Curve, Plain, Sealed, link_security
 from geomx.profiles import WanProfile, custom_profile, get_profile, parse_duration, parse_rate
 from geomx.transport.message import payload_nbytes
@@ -59,7 +58,8 @@ class WanEmulator:
     def __init__(self, *, profile: WanProfile, host: str = "127.0.0.1", port: int = 0, run_dir: str | None = None,
                  chunk_bytes: int = 65536, seed: int = 0, context: zmq.Context | None = None,
                  security: Sealed | Curve | Plain | None = None, dcs: Iterable[str] | None = None,
-                 hosts: Iterable[str] | None = None, links: dict[tuple[str, str], LinkSpec] | None = None) -> None:
+                 hosts: Iterable[str] | None = None,
+                 links: dict[tuple[str, str], link_matrix.LinkSpec] | None = None) -> None:
         """``dcs``: the DCs of the deployment (the central party included); a route naming another is dropped.
         ``hosts``: the hosts messages may be relayed to (default: this host and the loopback); the emulator
         never forwards anywhere else, so it cannot be used to reach a third party. ``links``: per-link rate

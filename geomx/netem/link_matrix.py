@@ -7,7 +7,8 @@ The profile gives every link the same rate and RTT (up and down may differ). Ove
 
 From flags (``geomx launch --wan-link b=50mbit/250ms``, repeatable), a topology file
 (``wan_links = {b = "50mbit/250ms", "a->central" = "1gbit/20ms"}``), or the emulator's environment
-(``GEOMX_WAN_LINKS``, written by the launcher in plain numbers: ``b->central=5e+07/0.25,...``). A later entry for
+(``GEOMX_WAN_LINKS``, written by the launcher with explicit units: ``b->central=50000000.0bit/0.25s,...``). Units
+are those of every other WAN setting: a bare rate is bit/s, a bare RTT milliseconds. A later entry for
 the same link wins. Jitter stays the profile's. Not modelled yet: loss and TCP's window per stream.
 """
 from __future__ import annotations
@@ -47,8 +48,10 @@ def parse_link_overrides(entries, dcs: list[str], where: str = "") -> dict[tuple
                                   f"({', '.join(known)})")
             if a == b:
                 raise ConfigError(f"WAN link {text!r}{where}: link {a}->{b} joins a DC to itself")
-        spec = LinkSpec(_number(rate_text, parse_rate, text, "rate", where),
-                        _number(rtt_text, parse_duration, text, "RTT", where))
+        try:        # the units of every other WAN setting: a bare rate is bit/s, a bare RTT milliseconds
+            spec = LinkSpec(parse_rate(rate_text), parse_duration(rtt_text))
+        except ConfigError as exc:
+            raise ConfigError(f"WAN link {text!r}{where}: {exc}") from None
         if spec.rate_bps <= 0 or spec.rtt_s < 0:
             raise ConfigError(f"WAN link {text!r}{where}: rate must be > 0 and RTT >= 0")
         out.update({pair: spec for pair in pairs})
@@ -66,19 +69,9 @@ def assignments(entries, what: str, form: str, where: str = "") -> list[str]:
     return [str(e) for e in entries]
 
 
-def _number(text: str, parse_with_unit, entry: str, what: str, where: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    try:
-        return parse_with_unit(text)
-    except ConfigError:
-        raise ConfigError(f"WAN link {entry!r}{where}: cannot read a {what} from {text!r}") from None
-
-
 def to_env(overrides: dict[tuple[str, str], LinkSpec]) -> str:
-    return ",".join(f"{a}->{b}={s.rate_bps:g}/{s.rtt_s:g}" for (a, b), s in sorted(overrides.items()))
+    """Units written out and every digit kept (repr), so that :func:`from_env` reads back the very numbers."""
+    return ",".join(f"{a}->{b}={s.rate_bps!r}bit/{s.rtt_s!r}s" for (a, b), s in sorted(overrides.items()))
 
 
 def from_env(text: str | None, dcs: list[str] | None) -> dict[tuple[str, str], LinkSpec]:
