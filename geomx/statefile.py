@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 import msgpack
 import numpy as np
@@ -81,11 +82,17 @@ def loads(data: bytes) -> Any:
 def save(path: str | os.PathLike, state: Any) -> None:
     """Write ``state`` to ``path`` atomically (temporary file + rename)."""
     data = dumps(state)
+    write_atomically(path, lambda f: f.write(data))
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> None:
+    """Call ``write(file)`` on a temporary file beside ``path``, fsync it, and rename it over ``path``: a reader
+    sees the old file or the whole new one, never part of one."""
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".state-", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -14,15 +14,15 @@ whose rounds all workers take together) workers are at most one checkpoint apart
 data position is restored by replaying the batch order without computing (``skip``), so the resumed run sees
 exactly the batches the uninterrupted one would have: with deterministic kernels the result is bit-identical.
 
-What is not here yet: the global servers' state (``--update-on server`` keeps the model and the optimizer on
-the servers, so resuming such a run is refused by name), and checkpoints on storage other than a directory
-every worker can read (one host, or a shared file system).
+With ``--update-on server`` the model and its optimizer live on the global servers, which checkpoint them at the
+same steps (geomx.cluster.server_checkpoint); the worker's file then keeps its step and data position. What is
+not here yet: checkpoints on storage other than a directory every worker can read (one host, or a shared file
+system).
 """
 from __future__ import annotations
 
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from geomx.errors import ConfigError
+from geomx.statefile import write_atomically
 
 _FILE = re.compile(r"worker-(\d+)-step-(\d+)\.pt$")
 FORMAT = "geomx-worker-checkpoint/1"
@@ -62,19 +63,10 @@ class Checkpointer:
         state = {"format": FORMAT, "worker": self.worker, "workers": self.workers, "step": step,
                  "local_steps": local_steps, "torch_rng": torch.get_rng_state(),
                  "parts": {name: _loadable(obj.state_dict()) for name, obj in self.stateful.items()}}
-        path = self.directory / f"worker-{self.worker}-step-{step}.pt"
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{path.name}.")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        path = self.directory / checkpoint_name(self.worker, step)
+        write_atomically(path, lambda f: torch.save(state, f))
         for old in sorted(steps_saved(self.directory).get(self.worker, []))[:-self.keep]:
-            (self.directory / f"worker-{self.worker}-step-{old}.pt").unlink(missing_ok=True)
+            (self.directory / checkpoint_name(self.worker, old)).unlink(missing_ok=True)
         return path
 
     # resuming -----------------------------------------------------------------------------------------------
@@ -84,7 +76,7 @@ class Checkpointer:
         if self.resume_from is None:
             return 0
         step = common_step(self.resume_from, self.workers, self.resume_step)
-        path = self.resume_from / f"worker-{self.worker}-step-{step}.pt"
+        path = self.resume_from / checkpoint_name(self.worker, step)
         state = torch.load(path, weights_only=True)
         if state.get("format") != FORMAT or state.get("workers") != self.workers:
             raise ConfigError(f"{path}: a checkpoint of {state.get('workers')} workers (format "
@@ -96,6 +88,10 @@ class Checkpointer:
             obj.load_state_dict(state["parts"][name])
         torch.set_rng_state(state["torch_rng"])
         return int(state["local_steps"])
+
+
+def checkpoint_name(worker: int, step: int) -> str:
+    return f"worker-{worker}-step-{step}.pt"      # what _FILE matches
 
 
 def _loadable(obj: Any) -> Any:
