@@ -152,15 +152,15 @@ def test_a_global_server_resumes_only_from_its_own_checkpoint_of_that_round_and_
         ServerCheckpoints(rank=1, every=2, directory=None, resume_from=tmp_path, resume_round=4).resumed_state("w")
 
 
-def test_a_server_optimizer_job_asks_for_the_interval_on_every_role_not_only_the_script(monkeypatch):
+def test_a_server_optimizer_job_asks_for_the_interval_on_every_role_not_only_the_script():
     """With --update-on server the global servers checkpoint the model: an interval only the script knows would
     leave them without one, and the job could not be resumed. Refused at start, with the fix."""
     import argparse
+    from types import SimpleNamespace
 
     from geomx.torch import loop
 
-    monkeypatch.delenv("GEOMX_CHECKPOINT_EVERY", raising=False)
-    monkeypatch.delenv("GEOMX_RESUME_FROM", raising=False)
+    kv = SimpleNamespace(cfg=SimpleNamespace(checkpoint_every=0, resume_from=None, resume_step=None, run_dir=None))
     args = argparse.Namespace(checkpoint_every=3, update_on="server", data_slice_idx=None)
     with pytest.raises(SystemExit, match="geomx launch --checkpoint-every 3"):
-        loop.checkpointer(args, None, None, None)
+        loop.checkpointer(args, kv, None, None)

@@ -78,19 +78,18 @@ def checkpointer(args: argparse.Namespace, kv, opt, model: torch.nn.Module, **st
     """The worker's :class:`Checkpointer` when ``--checkpoint-every`` is set or the run resumes
     (``GEOMX_RESUME_FROM``, set by ``geomx launch --resume``): the model, ``opt`` and ``stateful`` (a schedule).
     With ``--update-on server`` the global servers checkpoint and resume the weights and the optimizer
-    (geomx.cluster.server_checkpoint); the worker's file keeps its step and data position."""
-    resume_from = os.environ.get("GEOMX_RESUME_FROM") or None
-    if not args.checkpoint_every and not resume_from:
+    (geomx.cluster.server_checkpoint); the worker's file keeps its step and data position. The run directory and
+    what to resume are the deployment's configuration (``kv.cfg``, read from the environment once)."""
+    cfg = kv.cfg
+    if not args.checkpoint_every and not cfg.resume_from:
         return None
-    if args.update_on == "server" and args.checkpoint_every != int(os.environ.get("GEOMX_CHECKPOINT_EVERY") or 0):
+    if args.update_on == "server" and args.checkpoint_every != cfg.checkpoint_every:
         raise SystemExit(f"--checkpoint-every {args.checkpoint_every} with --update-on server: the model lives on the "
                          f"global servers, which checkpoint it too; give the interval to every role with geomx "
                          f"launch --checkpoint-every {args.checkpoint_every} (GEOMX_CHECKPOINT_EVERY)")
-    directory = Path(os.environ.get("GEOMX_RUN_DIR") or ".") / "checkpoints"
-    resume_step = os.environ.get("GEOMX_RESUME_STEP")
-    return Checkpointer(directory, worker=worker_index(args), workers=kv.num_all_workers, every=args.checkpoint_every,
-                        resume_from=resume_from, resume_step=int(resume_step) if resume_step else None,
-                        model=model, optimizer=opt, **stateful)
+    return Checkpointer(Path(cfg.run_dir or ".") / "checkpoints", worker=worker_index(args),
+                        workers=kv.num_all_workers, every=args.checkpoint_every, resume_from=cfg.resume_from,
+                        resume_step=cfg.resume_step, model=model, optimizer=opt, **stateful)
 
 
 def run_steps(opt, batches: Iterable[Batch], *, total_steps: int, eval_every: int,
