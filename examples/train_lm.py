@@ -310,7 +310,7 @@ def main(argv=None) -> int:
         print(f"master worker: corpus {len(corpus.tokens):,} bytes in {len(corpus.names)} files, sha256 "
               f"{corpus.digest[:16]}; initialized {sum(q.numel() for q in model.parameters()):,} parameters "
               f"({args.model_size}); training runs on {kv.num_all_workers} workers", flush=True)
-        kv.close()
+        loop.leave(kv)
         return 0
     if len(data) < context + 1:
         raise SystemExit(f"train_lm: worker {index} got {len(data)} training bytes, fewer than one window; use "
@@ -341,7 +341,7 @@ def main(argv=None) -> int:
     print(f"final validation loss {final['val_loss']:.4f} ({final['val_bpb']:.3f} bits per byte) after {step} steps "
           f"in {time.perf_counter() - started:.1f} s (communication wait {opt.comm_wait_s:.1f} s)", flush=True)
     loop.write_result(kv, opt, step, history, final_val_loss=final["val_loss"], final_val_bpb=final["val_bpb"])
-    kv.close()
+    loop.leave(kv)
     return 0
 
 

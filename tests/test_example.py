@@ -177,6 +177,29 @@ def test_example_reads_mnist_idx_files_plain_or_gzipped(tmp_path):
     assert mod.CNN(28)(torch.from_numpy(x_test)).shape == (5, 10)
 
 
+def test_the_cached_digits_split_is_scikit_learns_split_and_a_damaged_cache_is_rewritten(tmp_path, monkeypatch):
+    """Workers read the split from a cache (importing scikit-learn costs each one ~2 s of CPU): it must be the
+    very arrays scikit-learn's split returns, or every accuracy bar above would rest on other data."""
+    import importlib.util
+
+    import numpy as np
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    spec = importlib.util.spec_from_file_location("train_cnn", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    fresh = mod._split_digits()
+    for attempt in ("absent", "cached", "damaged"):
+        if attempt == "damaged":
+            (cache,) = (tmp_path / "geomx").glob("digits-split-sklearn-*.npz")
+            cache.write_bytes(b"not a zip file")
+        got = mod.load_digits()
+        assert [a.shape for a in got] == [(1437, 1, 8, 8), (360, 1, 8, 8), (1437,), (360,)], attempt
+        for a, b in zip(got, fresh, strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b), attempt
+    assert len(list((tmp_path / "geomx").iterdir())) == 1          # no partial file left behind
+
+
 def test_hfa_reaches_the_accuracy_of_fsa_within_three_points(default_run, tmp_path):
     """Same example, same defaults (2 DCs x 2 workers, regional WAN, Adam): K1 = 5 local steps per DC average,
     K2 = 2 DC averages per global one; 220 steps end on a global average, so every worker holds the same model.

@@ -169,3 +169,55 @@ def test_the_launcher_authenticates_by_default_and_insecure_says_so(tmp_path):
         config_from_env(env)
     assert config_from_env({**env, "GEOMX_INSECURE": "1"}).host == "10.0.0.5"
     assert config_from_env({**env, "GEOMX_SECRET": SECRET}).security is not None
+
+
+# -- a stopped node leaves nothing running --------------------------------------------------------------------
+
+def _terminates(ctx: zmq.Context, within_s: float = 10.0) -> bool:
+    import threading
+
+    done = threading.Event()
+    threading.Thread(target=lambda: (ctx.term(), done.set()), daemon=True).start()
+    return done.wait(within_s)
+
+
+@pytest.mark.parametrize("kind", ["plain", "curve", "aes-gcm"])
+def test_stopped_authenticated_nodes_leave_their_zmq_context_free_to_terminate(kind):
+    """A server socket's connection checker (ZAP) runs sockets of its own in the node's context; left running
+    after the node stopped, the context never terminated and every process lingered at exit (the WAN emulator
+    until the launcher killed it, 5 s after each run). Two nodes share one context here: the checker stops with
+    the last of them, not the first."""
+    from geomx.transport.security import Plain, Sealed
+
+    security = {"plain": Plain("per-run token of the launcher 0123"), "curve": Curve(SECRET),
+                "aes-gcm": Sealed(SECRET)}[kind]
+    ctx = zmq.Context()
+    inbox = Inbox()
+    first = ZmqVan(node_id="first", dc="a", on_message=lambda m: None, context=ctx, security=security)
+    second = ZmqVan(node_id="second", dc="a", on_message=inbox, context=ctx, security=security)
+    friend = ZmqVan(node_id="friend", dc="a", on_message=lambda m: None, security=security)
+    for van in (first, second, friend):
+        van.start()
+    try:
+        first.stop()
+        friend.send(second.address, Message("hello"))       # a new connection, checked after first stopped
+        assert inbox.wait_for(1), "the node still running no longer admits holders of the secret"
+    finally:
+        for van in (second, friend):
+            van.stop()
+    assert _terminates(ctx), "a stopped node's context still has open sockets"
+
+
+def test_the_wan_emulator_with_authenticated_links_stops_cleanly():
+    import threading
+
+    from geomx.netem.emulator import WanEmulator
+    from geomx.profiles import get_profile
+    from geomx.transport.security import Plain
+
+    emulator = WanEmulator(profile=get_profile("regional"), security=Plain("per-run token of the launcher 0123"))
+    emulator.start()
+    stopper = threading.Thread(target=emulator.stop, daemon=True)   # stop() terminates the emulator's context
+    stopper.start()
+    stopper.join(10)
+    assert not stopper.is_alive(), "the emulator's context kept open sockets after it stopped"

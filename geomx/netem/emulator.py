@@ -116,6 +116,8 @@ class WanEmulator:
                 self._port = router.bind_to_random_port(f"tcp://{self.host}")
         except zmq.ZMQError as exc:
             router.close()
+            if self._security is not None:
+                self._security.release(self._ctx)
             if self._own_context:
                 self._ctx.term()
             raise ConfigError(f"WAN emulator cannot listen on {self.address}: {exc.strerror}"
@@ -189,13 +191,17 @@ class WanEmulator:
     # -- threads -----------------------------------------------------------------------------------------
 
     def _receive_loop(self) -> None:
-        for frames in receive_multipart(self._router, lambda: self._running):
-            try:
-                self._route(frames)
-            except Exception as exc:    # malformed input is dropped, never fatal
-                self.dropped_messages += 1
-                peer = bytes(frames[0].bytes[:32])
-                self.refusals.note(peer, "WAN emulator dropped a message from %r: %s", peer, exc)
+        try:
+            for frames in receive_multipart(self._router, lambda: self._running):
+                try:
+                    self._route(frames)
+                except Exception as exc:    # malformed input is dropped, never fatal
+                    self.dropped_messages += 1
+                    peer = bytes(frames[0].bytes[:32])
+                    self.refusals.note(peer, "WAN emulator dropped a message from %r: %s", peer, exc)
+        finally:
+            if self._security is not None:
+                self._security.release(self._ctx)   # the router is closed: its connection checker can stop
 
     def _route(self, frames: list) -> None:
         if len(frames) < 3:

@@ -36,7 +36,7 @@ log = logging.getLogger("geomx.security")
 
 _MIN_SECRET_CHARS = 16
 _auth_lock = threading.Lock()
-_authenticators: dict[int, object] = {}
+_authenticators: dict[int, list] = {}   # id(context) -> [its ZAP handler, server sockets still using it]
 
 
 def read_secret(env) -> str | None:
@@ -85,6 +85,10 @@ class Curve:
         sock.curve_publickey = self.server_public
         sock.curve_server = True
 
+    def release(self, ctx: zmq.Context) -> None:
+        """The socket given to :meth:`server` has closed."""
+        _release_authenticator(ctx)
+
     def sealing(self, node_id: str) -> None:
         """Curve encrypts inside libzmq: messages need no sealing of their own."""
         return None
@@ -110,6 +114,10 @@ class Plain:
                                                                              passwords={self.USER: self.token}))
         sock.plain_server = True
 
+    def release(self, ctx: zmq.Context) -> None:
+        """The socket given to :meth:`server` has closed."""
+        _release_authenticator(ctx)
+
     def sealing(self, node_id: str) -> None:
         return None
 
@@ -131,6 +139,9 @@ class Sealed:
 
     def server(self, sock: zmq.Socket) -> None:
         self._plain.server(sock)
+
+    def release(self, ctx: zmq.Context) -> None:
+        self._plain.release(ctx)
 
     def client(self, sock: zmq.Socket) -> None:
         self._plain.client(sock)
@@ -169,11 +180,28 @@ def _ensure_authenticator(ctx: zmq.Context, configure) -> None:
     """One ZAP handler per context (ZeroMQ asks it about every new connection to a server socket), told what
     this socket admits (PLAIN passwords and CURVE keys are kept apart, so one handler serves both)."""
     with _auth_lock:
-        auth = _authenticators.get(id(ctx))
-        if auth is None:
-            auth = _authenticators[id(ctx)] = _LoggingAuthenticator(ctx, log=logging.getLogger("geomx.security.zap"))
+        entry = _authenticators.get(id(ctx))
+        if entry is None:
+            auth = _LoggingAuthenticator(ctx, log=logging.getLogger("geomx.security.zap"))
             auth.start()
-        configure(auth)
+            entry = _authenticators[id(ctx)] = [auth, 0]
+        entry[1] += 1
+        configure(entry[0])
+
+
+def _release_authenticator(ctx: zmq.Context) -> None:
+    """A server socket of ``ctx`` has closed; stop the ZAP handler once none is left. The handler holds sockets of
+    its own, and a context with open sockets never terminates: left running, it kept every process alive for
+    seconds after its work was done (and the WAN emulator until the launcher killed it)."""
+    with _auth_lock:
+        entry = _authenticators.get(id(ctx))
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del _authenticators[id(ctx)]
+    entry[0].stop()
 
 
 def _refusal_log():

@@ -179,6 +179,8 @@ class ZmqVan(Van):
                 self._port = router.bind_to_random_port(f"tcp://{self._bind_host}")
         except zmq.ZMQError as exc:
             router.close()
+            if self._security is not None:
+                self._security.release(self._ctx)
             raise ConfigError(f"cannot listen on {tcp_address(self._bind_host, self._port)}: {exc.strerror}"
                               + (" (port already in use)" if exc.errno == zmq.EADDRINUSE else "")) from None
         self._router = router
@@ -242,6 +244,8 @@ class ZmqVan(Van):
                     self._receive_one(sock, peer)
         finally:
             sock.close(linger=0)
+            if self._security is not None:
+                self._security.release(self._ctx)
 
     def _receive_one(self, sock: zmq.Socket, peer: zmq.Frame) -> None:
         """Read the rest of one message (always all its frames, so the next message starts clean), open it when
