@@ -44,12 +44,18 @@ def test_faults_are_applied_at_their_times_and_a_stop_is_undone_after_its_durati
 def test_bad_fault_specs_and_unknown_roles_are_refused_naming_them_and_random_is_seeded():
     with pytest.raises(ConfigError, match="write ACTION:ROLE@SECONDS"):
         parse_faults(["kill a-worker-1"])
-    with pytest.raises(ConfigError, match="unknown action 'crash'; actions are kill, stop"):
+    with pytest.raises(ConfigError, match="unknown action 'crash'; actions are kill, stop, partition"):
         parse_faults(["crash:a-worker-1@3"])
     with pytest.raises(ConfigError, match="a kill cannot be undone"):
         parse_faults(["kill:a-worker-1@3+1"])
     with pytest.raises(ConfigError, match="no role 'c-worker-0' in this deployment"):
         Injector(parse_faults(["kill:c-worker-0@1"])).bind(["a-worker-0"], ["a-worker-0"])
+    with pytest.raises(ConfigError, match="say how long the partition lasts, e.g. partition:b@3\\+2"):
+        parse_faults(["partition:b@3"])
+    with pytest.raises(ConfigError, match="no DC 'c' in this deployment; DCs: a, b, central"):
+        Injector(parse_faults(["partition:c@3+1"])).bind(["a-worker-0"], ["a-worker-0"], dcs=["a", "b", "central"])
+    with pytest.raises(ConfigError, match="no DC 'b' in this deployment \\(its WAN is not emulated\\)"):
+        Injector(parse_faults(["partition:b@3+1"])).bind(["a-worker-0"], ["a-worker-0"], dcs=[])
     picks = set()
     for seed in (0, 1, 2, 3):
         injector = Injector(parse_faults(["kill:random@1"]), seed=seed)
@@ -82,3 +88,23 @@ def test_a_deployment_survives_a_worker_frozen_for_a_second_by_launch_inject(tmp
                                    inject=["stop:a-worker-1@3+1"])
     check_ok((code, run_dir, output))
     assert "geomx: injected stop of a-worker-1 at 3." in output and "undid the stop of a-worker-1" in output
+
+
+def test_a_deployment_survives_a_wan_partition_of_one_dc_and_its_links_carry_nothing_while_it_lasts(tmp_path):
+    """partition:b@4+1.5: the WAN emulator cuts both links of DC b from 4 s to 5.5 s. Its rounds wait (the cut is
+    shorter than every deadline), then go on; the links' per-second series shows nothing delivered in second 4
+    (4.0-5.0 s) on b's links while a's carry on, and the launcher says when the partition began and healed."""
+    import json
+
+    code, run_dir, output = launch(tmp_path, SHORT_TRAINING, dcs=2, workers_per_dc=1, wan="regional", timeout=90,
+                                   inject=["partition:b@4+1.5"])
+    check_ok((code, run_dir, output))
+    assert "geomx: the WAN emulator cuts every link of DC b (partition) at 4 s for 1.5 s" in output, output
+    assert "geomx: the partition of DC b healed at 5.5 s" in output, output
+    links = json.loads((run_dir / "wan_links.json").read_text())["links"]
+    assert links["b->central"]["outages_s"] == links["central->b"]["outages_s"] == [[4.0, 5.5]]
+    assert links["a->central"]["outages_s"] == []
+    for name in ("b->central", "central->b"):
+        series = links[name]["series"]
+        assert len(series) > 6 and series[4] == 0, (name, series)
+        assert sum(series[5:]) > 0, (name, series)          # and the rounds went on after it healed

@@ -499,3 +499,52 @@ def test_a_link_matrix_gives_named_links_their_own_rate_and_rtt_and_names_bad_en
             load_topology(dcs=2, wan="regional", wan_links=entries)
     with pytest.raises(ConfigError, match="wan_links need an emulated WAN"):
         load_topology(dcs=2, wan="lan", wan_links=["b=50mbit/250ms"])
+
+
+# -- partitions that heal (geomx launch --inject partition:DC@T+D) ---------------------------------------
+
+def test_an_outage_holds_the_line_and_what_was_on_the_wire_until_it_ends():
+    """Outage 0.3-0.6 s, one-way delay 50 ms: a message sent before it arrives on time; one on the wire when it
+    starts arrives when it ends (retransmitted once the path is back); one sent during it leaves when it ends and
+    arrives one delay later. The model's times are checked, free of the machine's noise."""
+    sched = RecordingScheduler()
+    epoch = time.monotonic()
+    link = EmulatedLink(name="x", rate_bps=1e9, one_way_delay_s=0.05, scheduler=sched, epoch=epoch,
+                        outages=[(0.3, 0.6)])
+    sent = {}
+    got = []
+    try:
+        for name, at in [("before", 0.0), ("on the wire", 0.27), ("during", 0.4)]:
+            time.sleep(max(0.0, epoch + at - time.monotonic()))
+            sent[name] = time.monotonic() - epoch
+            link.enqueue(100, 0, lambda n=name: got.append(n))
+        deadline = time.monotonic() + 3.0
+        while len(got) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert link.snapshot()["outages_s"] == [[pytest.approx(0.3), pytest.approx(0.6)]]
+    finally:
+        link.close()
+    assert got == ["before", "on the wire", "during"]
+    arrived = dict(zip(got, (t - epoch for t in sched.times), strict=True))
+    assert arrived["before"] == pytest.approx(sent["before"] + 0.05, abs=0.002)
+    if sent["on the wire"] + 0.05 > 0.3:       # (on a machine slow enough to send it after 0.3 s: as "during")
+        assert 0.6 - 1e-6 <= arrived["on the wire"] <= 0.65 + 1e-6
+    assert arrived["during"] == pytest.approx(0.65, abs=1e-6)
+
+
+@pytest.mark.parametrize("text, named", [
+    ("a:3-5", "is not JSON"),
+    ("[[3, 5]]", "must be a JSON object"),
+    ('{"c": [[3, 5]]}', "names DC 'c', which is not in this deployment"),
+    ('{"a": [3, 5]}', "needs a list of \\[start_s, end_s\\] pairs"),
+    ('{"a": [[5, 3]]}', "must start at >= 0 s and end after it starts"),
+])
+def test_the_emulators_outage_variable_is_checked_naming_it(text, named):
+    from geomx.netem import outages
+
+    with pytest.raises(ConfigError, match=f"GEOMX_WAN_OUTAGES.*{named}|{named}") as exc:
+        outages.from_env(text, ["central", "a", "b"])
+    assert "GEOMX_WAN_OUTAGES" in str(exc.value)
+    parsed = outages.from_env(outages.to_env({"b": [(4.0, 5.5)]}), ["central", "a", "b"])
+    assert parsed == {"b": [(4.0, 5.5)]}
+    assert outages.for_link(parsed, "central", "b") == [(4.0, 5.5)] and outages.for_link(parsed, "a", "central") == []

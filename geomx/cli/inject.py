@@ -4,6 +4,8 @@ given times, to named roles or to a training worker drawn with a seed.
     --inject kill:a-worker-1@10          SIGKILL a-worker-1's process group 10 s after every role started
     --inject stop:b-server@5+3           SIGSTOP b-server at 5 s (a frozen host), SIGCONT at 8 s
     --inject stop:random@4 --inject-seed 7   a training worker chosen by the seed
+    --inject partition:b@6+2             cut every WAN link to and from DC b from 6 s to 8 s (a partition that
+                                         heals; the WAN emulator applies it, geomx.netem.outages)
 
 Each action is a registered :class:`FaultAction`; the launcher calls :meth:`Injector.tick` from its monitor loop
 and names every injected fault in its output, so a failure report can be read against it.
@@ -25,14 +27,17 @@ _SPEC = re.compile(r"^(?P<action>[a-z]+):(?P<role>[A-Za-z0-9_.-]+)@(?P<at>\d+(?:
 
 @dataclass(frozen=True)
 class FaultAction:
-    """What a fault does to a role's process group, and what undoes it after ``+D`` (None: nothing can)."""
+    """What a fault does: a signal to a role's process group and the one that undoes it after ``+D`` (None:
+    nothing can), or (``on_wan``) a cut of a DC's WAN links, which the emulator applies for ``+D`` seconds."""
     name: str
-    signal: int
+    signal: int | None
     undo: int | None
+    on_wan: bool = False           # the target is a DC, the fault the WAN emulator's (a duration is required)
 
 
 ACTIONS = {a.name: a for a in (FaultAction("kill", signal.SIGKILL, None),
-                                 FaultAction("stop", signal.SIGSTOP, signal.SIGCONT))}
+                                 FaultAction("stop", signal.SIGSTOP, signal.SIGCONT),
+                                 FaultAction("partition", None, None, on_wan=True))}
 
 
 @dataclass
@@ -56,8 +61,11 @@ def parse_faults(specs: list[str]) -> list[Fault]:
         if action is None:
             raise ConfigError(f"--inject {spec!r}: unknown action {m['action']!r}; actions are {', '.join(ACTIONS)}")
         duration = float(m["for"]) if m["for"] else None
-        if duration is not None and action.undo is None:
+        if duration is not None and action.undo is None and not action.on_wan:
             raise ConfigError(f"--inject {spec!r}: a {action.name} cannot be undone after +{m['for']} s")
+        if duration is None and action.on_wan:
+            raise ConfigError(f"--inject {spec!r}: say how long the {action.name} lasts, e.g. "
+                              f"{action.name}:{m['role']}@{m['at']}+2")
         faults.append(Fault(action, m["role"], float(m["at"]), duration))
     return faults
 
@@ -69,16 +77,32 @@ class Injector:
         self.faults = faults
         self._rng = random.Random(seed)
 
-    def bind(self, roles: list[str], workers: list[str]) -> None:
-        """Resolve ``random`` to a training worker and check every named role exists (before anything runs)."""
+    def bind(self, roles: list[str], workers: list[str], dcs: list[str] = ()) -> None:
+        """Resolve ``random`` to a training worker and check every named role (or, for a fault of the WAN, DC)
+        exists (before anything runs)."""
         for fault in self.faults:
-            if fault.role == "random":
+            if fault.action.on_wan:
+                if fault.role not in dcs:
+                    raise ConfigError(f"--inject {fault.action.name}: no DC {fault.role!r} in this deployment"
+                                      + (f"; DCs: {', '.join(dcs)}" if dcs else " (its WAN is not emulated)"))
+            elif fault.role == "random":
                 fault.role = self._rng.choice(workers)
             elif fault.role not in roles:
                 raise ConfigError(f"--inject: no role {fault.role!r} in this deployment; roles: {', '.join(roles)}")
 
+    def wan_outages(self) -> dict[str, list[tuple[float, float]]]:
+        """The faults the WAN emulator applies, by DC (geomx.netem.outages)."""
+        out: dict[str, list[tuple[float, float]]] = {}
+        for fault in self.faults:
+            if fault.action.on_wan:
+                out.setdefault(fault.role, []).append((fault.at_s, fault.at_s + fault.for_s))
+        return out
+
     def tick(self, elapsed_s: float, pids: dict[str, int], say: Callable[[str], None]) -> None:
         for fault in self.faults:
+            if fault.action.on_wan:        # applied by the emulator on its own clock: only said here
+                self._announce_wan(fault, elapsed_s, say)
+                continue
             if not fault.done and elapsed_s >= fault.at_s:
                 fault.done = True
                 self._signal(pids.get(fault.role), fault.action.signal)
@@ -89,10 +113,20 @@ class Injector:
                 self._signal(pids.get(fault.role), fault.action.undo)
                 say(f"geomx: undid the {fault.action.name} of {fault.role} at {elapsed_s:.1f} s")
 
+    @staticmethod
+    def _announce_wan(fault: Fault, elapsed_s: float, say: Callable[[str], None]) -> None:
+        if not fault.done and elapsed_s >= fault.at_s:
+            fault.done = True
+            say(f"geomx: the WAN emulator cuts every link of DC {fault.role} ({fault.action.name}) at "
+                f"{fault.at_s:g} s for {fault.for_s:g} s")
+        if fault.done and not fault.undone and elapsed_s >= fault.at_s + fault.for_s:
+            fault.undone = True
+            say(f"geomx: the {fault.action.name} of DC {fault.role} healed at {fault.at_s + fault.for_s:g} s")
+
     def release(self, pids: dict[str, int]) -> None:
         """Undo what is still in effect (a stopped role must run again to be stopped by SIGTERM)."""
         for fault in self.faults:
-            if fault.done and not fault.undone and fault.action.undo is not None:
+            if fault.done and not fault.undone and fault.action.undo is not None and not fault.action.on_wan:
                 fault.undone = True
                 self._signal(pids.get(fault.role), fault.action.undo)
 

@@ -26,6 +26,7 @@ from geomx.lifeline import ENV as LAUNCHER_PID_ENV
 from geomx.errors import ConfigError
 from geomx.metrics import METRICS_DIR
 from geomx.netem import link_matrix
+from geomx.netem import outages as outage_plan
 from geomx.netem.emulator import STATS_FILE
 from geomx.profiles import CENTRAL_DC
 from geomx.sync.slowdown import ENV as SLOWDOWN_ENV
@@ -211,7 +212,11 @@ class Launcher:
             for spec in specs:
                 spec.env["GEOMX_INSECURE"] = "1"
         if self.injector is not None:
-            self.injector.bind([s.name for s in specs], [s.name for s in specs if s.kind == "worker"])
+            emulators = [s for s in specs if s.kind == "emulator"]
+            self.injector.bind([s.name for s in specs], [s.name for s in specs if s.kind == "worker"],
+                               dcs=[*self.topo.dc_names, CENTRAL_DC] if emulators else [])
+            for spec in emulators:
+                spec.env[outage_plan.ENV] = outage_plan.to_env(self.injector.wan_outages())
         self._write_manifest(specs)
         interrupted = {"sig": None}
 

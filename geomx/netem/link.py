@@ -17,6 +17,10 @@ The model of a link is one serial line of ``rate_bps`` followed by a propagation
 * Deliveries are made by a :class:`DeliveryScheduler`: one time-ordered heap and one thread that may be
   shared by every link of an emulator; it calls each message's ``deliver()`` at its time.
 
+* Outages (``outages``: (start, end) pairs in seconds since ``epoch``) model a partition that heals: the line
+  carries nothing while one lasts, and a delivery that would fall inside one is made when it ends (what was on
+  the wire is retransmitted once the path is back, as TCP does for a partition shorter than its timeouts).
+
 Not modelled: loss, congestion control (slow start), per-packet header overhead.
 """
 from __future__ import annotations
@@ -28,7 +32,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from geomx.errors import ConfigError, GeomxError
 
@@ -109,7 +113,7 @@ class EmulatedLink:
 
     def __init__(self, *, name: str, rate_bps: float, one_way_delay_s: float, jitter_s: float = 0.0,
                  chunk_bytes: int = 65536, seed: int = 0, scheduler: DeliveryScheduler | None = None,
-                 epoch: float | None = None) -> None:
+                 epoch: float | None = None, outages: Iterable[tuple[float, float]] = ()) -> None:
         if not rate_bps or rate_bps <= 0:
             raise ConfigError(f"link {name}: rate must be > 0 bit/s, got {rate_bps}")
         if one_way_delay_s < 0 or jitter_s < 0:
@@ -125,6 +129,11 @@ class EmulatedLink:
         self._own_scheduler = scheduler is None
         self._scheduler = scheduler or DeliveryScheduler(name=f"wan-delivery-{name}")
         self._epoch = time.monotonic() if epoch is None else epoch
+        for start, end in outages:
+            if not 0 <= start < end:
+                raise ConfigError(f"link {name}: an outage must start at >= 0 s and end after it starts, "
+                                  f"got {start:g}-{end:g} s")
+        self._outages = sorted((self._epoch + start, self._epoch + end) for start, end in outages)
         self._queue: list = []              # heap of [-priority, seq, remaining bytes, nbytes, deliver, arrival]
         self._seq = itertools.count()
         self._cv = threading.Condition()
@@ -157,7 +166,8 @@ class EmulatedLink:
             return {"name": self.name, "rate_bps": self.rate_bps, "one_way_delay_s": self.one_way_delay_s,
                     "jitter_s": self.jitter_s, "bytes": self._bytes, "messages": self._messages,
                     "queued_bytes": self._queued_bytes, "queued_messages": self._queued_messages,
-                    "series": list(self._series)}
+                    "series": list(self._series),
+                    "outages_s": [[start - self._epoch, end - self._epoch] for start, end in self._outages]}
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop the scheduler thread (and the delivery thread if the link owns it); queued messages are dropped."""
@@ -180,6 +190,13 @@ class EmulatedLink:
         j = self._rng.gauss(0.0, self.jitter_s)
         return max(-2 * self.jitter_s, min(2 * self.jitter_s, j))
 
+    def _after_outages(self, t: float) -> float:
+        """``t``, or the end of the outage it falls in."""
+        for start, end in self._outages:
+            if start <= t < end:
+                t = end
+        return t
+
     def _run(self) -> None:
         while True:
             with self._cv:
@@ -196,12 +213,14 @@ class EmulatedLink:
                     continue
                 head = self._queue[0]   # highest priority, oldest first: chosen anew at every chunk boundary
                 chunk = min(self.chunk_bytes, head[2])
-                self._busy_until = max(self._busy_until, head[5]) + chunk * 8.0 / self.rate_bps
+                start = self._after_outages(max(self._busy_until, head[5]))
+                self._busy_until = start + chunk * 8.0 / self.rate_bps
                 head[2] -= chunk
                 if head[2] > 0:
                     continue
                 heapq.heappop(self._queue)
-                at = max(self._busy_until + self.one_way_delay_s + self._jitter(), self._last_delivery)
+                at = self._after_outages(max(self._busy_until + self.one_way_delay_s + self._jitter(),
+                                             self._last_delivery))
                 self._last_delivery = at
                 nbytes, deliver = head[3], head[4]
             # only this thread schedules for this link, so equal times keep FIFO order in the scheduler
