@@ -44,7 +44,7 @@ def test_faults_are_applied_at_their_times_and_a_stop_is_undone_after_its_durati
 def test_bad_fault_specs_and_unknown_roles_are_refused_naming_them_and_random_is_seeded():
     with pytest.raises(ConfigError, match="write ACTION:ROLE@SECONDS"):
         parse_faults(["kill a-worker-1"])
-    with pytest.raises(ConfigError, match="unknown action 'crash'; actions are kill, stop, partition"):
+    with pytest.raises(ConfigError, match="unknown action 'crash'; actions are kill, stop, partition, slow"):
         parse_faults(["crash:a-worker-1@3"])
     with pytest.raises(ConfigError, match="a kill cannot be undone"):
         parse_faults(["kill:a-worker-1@3+1"])
@@ -52,6 +52,14 @@ def test_bad_fault_specs_and_unknown_roles_are_refused_naming_them_and_random_is
         Injector(parse_faults(["kill:c-worker-0@1"])).bind(["a-worker-0"], ["a-worker-0"])
     with pytest.raises(ConfigError, match="say how long the partition lasts, e.g. partition:b@3\\+2"):
         parse_faults(["partition:b@3"])
+    with pytest.raises(ConfigError, match="say the rate the links keep, e.g. slow:b@3\\+2=10mbit"):
+        parse_faults(["slow:b@3+2"])
+    with pytest.raises(ConfigError, match="a partition takes no rate"):
+        parse_faults(["partition:b@3+2=10mbit"])
+    with pytest.raises(ConfigError, match="fast"):
+        parse_faults(["slow:b@3+2=fast"])
+    assert Injector(parse_faults(["partition:b@3+2", "slow:a@1+2=8kbit"])).wan_outages() == {
+        "b": [(3.0, 5.0)], "a": [(1.0, 3.0, 8000.0)]}
     with pytest.raises(ConfigError, match="no DC 'c' in this deployment; DCs: a, b, central"):
         Injector(parse_faults(["partition:c@3+1"])).bind(["a-worker-0"], ["a-worker-0"], dcs=["a", "b", "central"])
     with pytest.raises(ConfigError, match="no DC 'b' in this deployment \\(its WAN is not emulated\\)"):
@@ -90,21 +98,28 @@ def test_a_deployment_survives_a_worker_frozen_for_a_second_by_launch_inject(tmp
     assert "geomx: injected stop of a-worker-1 at 3." in output and "undid the stop of a-worker-1" in output
 
 
-def test_a_deployment_survives_a_wan_partition_of_one_dc_and_its_links_carry_nothing_while_it_lasts(tmp_path):
-    """partition:b@4+1.5: the WAN emulator cuts both links of DC b from 4 s to 5.5 s. Its rounds wait (the cut is
-    shorter than every deadline), then go on; the links' per-second series shows nothing delivered in second 4
-    (4.0-5.0 s) on b's links while a's carry on, and the launcher says when the partition began and healed."""
+def test_a_deployment_survives_a_wan_partition_and_a_slowed_dc_and_its_links_show_both(tmp_path):
+    """partition:b@4+1.5: the WAN emulator cuts both links of DC b from 4 s to 5.5 s; slow:a@7+2=4kbit: DC a's
+    links carry 4 kbit/s (500 bytes/s) from 7 s to 9 s. Rounds wait through both (shorter than every deadline),
+    then go on; the links' per-second series show nothing delivered on b's links in second 4 (4.0-5.0 s) and at
+    most 500 bytes (plus the message that was being sent) on a's in second 7, where they carry ~1,700 normally;
+    the launcher says when each began and ended."""
     import json
 
     code, run_dir, output = launch(tmp_path, SHORT_TRAINING, dcs=2, workers_per_dc=1, wan="regional", timeout=90,
-                                   inject=["partition:b@4+1.5"])
+                                   inject=["partition:b@4+1.5", "slow:a@7+2=4kbit"])
     check_ok((code, run_dir, output))
     assert "geomx: the WAN emulator cuts every link of DC b (partition) at 4 s for 1.5 s" in output, output
-    assert "geomx: the partition of DC b healed at 5.5 s" in output, output
+    assert "geomx: the partition of DC b ended at 5.5 s" in output, output
+    assert "geomx: the WAN emulator slows to 4000 bit/s every link of DC a (slow) at 7 s for 2 s" in output, output
     links = json.loads((run_dir / "wan_links.json").read_text())["links"]
     assert links["b->central"]["outages_s"] == links["central->b"]["outages_s"] == [[4.0, 5.5]]
-    assert links["a->central"]["outages_s"] == []
+    assert links["a->central"]["outages_s"] == links["central->a"]["outages_s"] == [[7.0, 9.0, 4000.0]]
     for name in ("b->central", "central->b"):
         series = links[name]["series"]
-        assert len(series) > 6 and series[4] == 0, (name, series)
+        assert len(series) > 10 and series[4] == 0, (name, series)
         assert sum(series[5:]) > 0, (name, series)          # and the rounds went on after it healed
+    for name in ("a->central", "central->a"):
+        series = links[name]["series"]
+        assert series[7] <= 500 + 300, (name, series)
+        assert sum(series[9:]) > 0, (name, series)

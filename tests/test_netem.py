@@ -536,8 +536,10 @@ def test_an_outage_holds_the_line_and_what_was_on_the_wire_until_it_ends():
     ("a:3-5", "is not JSON"),
     ("[[3, 5]]", "must be a JSON object"),
     ('{"c": [[3, 5]]}', "names DC 'c', which is not in this deployment"),
-    ('{"a": [3, 5]}', "needs a list of \\[start_s, end_s\\] pairs"),
+    ('{"a": [3, 5]}', "needs a list of \\[start_s, end_s\\]"),
     ('{"a": [[5, 3]]}', "must start at >= 0 s and end after it starts"),
+    ('{"a": [[3, 5, 0]]}', "a rate kept must be > 0"),
+    ('{"a": [[3, 5, 1, 2]]}', "needs a list of \\[start_s, end_s\\] or \\[start_s, end_s, rate_bps\\]"),
 ])
 def test_the_emulators_outage_variable_is_checked_naming_it(text, named):
     from geomx.netem import outages
@@ -545,6 +547,31 @@ def test_the_emulators_outage_variable_is_checked_naming_it(text, named):
     with pytest.raises(ConfigError, match=f"GEOMX_WAN_OUTAGES.*{named}|{named}") as exc:
         outages.from_env(text, ["central", "a", "b"])
     assert "GEOMX_WAN_OUTAGES" in str(exc.value)
-    parsed = outages.from_env(outages.to_env({"b": [(4.0, 5.5)]}), ["central", "a", "b"])
-    assert parsed == {"b": [(4.0, 5.5)]}
-    assert outages.for_link(parsed, "central", "b") == [(4.0, 5.5)] and outages.for_link(parsed, "a", "central") == []
+    parsed = outages.from_env(outages.to_env({"b": [(4.0, 5.5)], "a": [(1.0, 2.0, 8e3)]}), ["central", "a", "b"])
+    assert parsed == {"b": [(4.0, 5.5)], "a": [(1.0, 2.0, 8e3)]}
+    assert outages.for_link(parsed, "central", "b") == [(4.0, 5.5)]
+    assert outages.for_link(parsed, "a", "central") == [(1.0, 2.0, 8e3)]
+
+
+def test_a_slowing_outage_serializes_at_the_rate_it_keeps_and_only_while_it_lasts():
+    """100 Mbit/s slowed to 1 Mbit/s from 0.2 s to 0.5 s: 12,500 bytes take 100 ms inside the window, 1 ms
+    outside it."""
+    sched = RecordingScheduler()
+    epoch = time.monotonic()
+    link = EmulatedLink(name="x", rate_bps=1e8, one_way_delay_s=0.01, chunk_bytes=100_000, scheduler=sched,
+                        epoch=epoch, outages=[(0.2, 0.5, 1e6)])
+    sent, got = [], []
+    try:
+        for at in (0.0, 0.25, 0.6):
+            time.sleep(max(0.0, epoch + at - time.monotonic()))
+            sent.append(time.monotonic() - epoch)
+            link.enqueue(12_500, 0, lambda: got.append(1))
+        deadline = time.monotonic() + 3.0
+        while len(got) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert link.snapshot()["outages_s"] == [[pytest.approx(0.2), pytest.approx(0.5), 1e6]]
+    finally:
+        link.close()
+    took = [t - epoch - s - 0.01 for t, s in zip(sched.times, sent, strict=True)]
+    expected = [0.1 if 0.2 <= s < 0.5 else 0.001 for s in sent]    # (where a slow machine sent it)
+    assert took == pytest.approx(expected, abs=0.005), (sent, took)     # (+ the enqueue call itself)

@@ -6,6 +6,7 @@ given times, to named roles or to a training worker drawn with a seed.
     --inject stop:random@4 --inject-seed 7   a training worker chosen by the seed
     --inject partition:b@6+2             cut every WAN link to and from DC b from 6 s to 8 s (a partition that
                                          heals; the WAN emulator applies it, geomx.netem.outages)
+    --inject slow:b@6+10=10mbit          every WAN link of DC b carries 10 Mbit/s from 6 s to 16 s
 
 Each action is a registered :class:`FaultAction`; the launcher calls :meth:`Injector.tick` from its monitor loop
 and names every injected fault in its output, so a failure report can be read against it.
@@ -21,8 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from geomx.errors import ConfigError
+from geomx.profiles import parse_rate
 
-_SPEC = re.compile(r"^(?P<action>[a-z]+):(?P<role>[A-Za-z0-9_.-]+)@(?P<at>\d+(?:\.\d+)?)(?:\+(?P<for>\d+(?:\.\d+)?))?$")
+_SPEC = re.compile(r"^(?P<action>[a-z]+):(?P<role>[A-Za-z0-9_.-]+)@(?P<at>\d+(?:\.\d+)?)(?:\+(?P<for>\d+(?:\.\d+)?))?"
+                   r"(?:=(?P<rate>\S+))?$")
 
 
 @dataclass(frozen=True)
@@ -33,11 +36,13 @@ class FaultAction:
     signal: int | None
     undo: int | None
     on_wan: bool = False           # the target is a DC, the fault the WAN emulator's (a duration is required)
+    takes_rate: bool = False       # =RATE: what the DC's links keep carrying (without one: nothing)
 
 
 ACTIONS = {a.name: a for a in (FaultAction("kill", signal.SIGKILL, None),
                                  FaultAction("stop", signal.SIGSTOP, signal.SIGCONT),
-                                 FaultAction("partition", None, None, on_wan=True))}
+                                 FaultAction("partition", None, None, on_wan=True),
+                                 FaultAction("slow", None, None, on_wan=True, takes_rate=True))}
 
 
 @dataclass
@@ -46,6 +51,7 @@ class Fault:
     role: str                      # a role of the plan, or "random": a training worker chosen by the seed
     at_s: float                    # seconds after every role started
     for_s: float | None = None     # then undone (stop: SIGCONT)
+    rate_bps: float | None = None  # slow: the rate the DC's links keep
     done: bool = False
     undone: bool = False
 
@@ -56,7 +62,7 @@ def parse_faults(specs: list[str]) -> list[Fault]:
         m = _SPEC.match(spec.strip())
         if m is None:
             raise ConfigError(f"--inject {spec!r}: write ACTION:ROLE@SECONDS[+SECONDS], e.g. kill:a-worker-1@10 or "
-                              f"stop:b-server@5+3")
+                              f"stop:b-server@5+3 (or ACTION:DC@SECONDS+SECONDS[=RATE], e.g. slow:b@5+10=10mbit)")
         action = ACTIONS.get(m["action"])
         if action is None:
             raise ConfigError(f"--inject {spec!r}: unknown action {m['action']!r}; actions are {', '.join(ACTIONS)}")
@@ -66,7 +72,11 @@ def parse_faults(specs: list[str]) -> list[Fault]:
         if duration is None and action.on_wan:
             raise ConfigError(f"--inject {spec!r}: say how long the {action.name} lasts, e.g. "
                               f"{action.name}:{m['role']}@{m['at']}+2")
-        faults.append(Fault(action, m["role"], float(m["at"]), duration))
+        if action.takes_rate != bool(m["rate"]):
+            raise ConfigError(f"--inject {spec!r}: " + (f"say the rate the links keep, e.g. {spec}=10mbit"
+                                                         if action.takes_rate else f"a {action.name} takes no rate"))
+        rate = parse_rate(m["rate"]) if m["rate"] else None
+        faults.append(Fault(action, m["role"], float(m["at"]), duration, rate))
     return faults
 
 
@@ -90,12 +100,13 @@ class Injector:
             elif fault.role not in roles:
                 raise ConfigError(f"--inject: no role {fault.role!r} in this deployment; roles: {', '.join(roles)}")
 
-    def wan_outages(self) -> dict[str, list[tuple[float, float]]]:
-        """The faults the WAN emulator applies, by DC (geomx.netem.outages)."""
-        out: dict[str, list[tuple[float, float]]] = {}
+    def wan_outages(self) -> dict[str, list[tuple]]:
+        """The faults the WAN emulator applies, by DC (geomx.netem.outages): (start, end[, rate kept])."""
+        out: dict[str, list[tuple]] = {}
         for fault in self.faults:
             if fault.action.on_wan:
-                out.setdefault(fault.role, []).append((fault.at_s, fault.at_s + fault.for_s))
+                kept = () if fault.rate_bps is None else (fault.rate_bps,)
+                out.setdefault(fault.role, []).append((fault.at_s, fault.at_s + fault.for_s, *kept))
         return out
 
     def tick(self, elapsed_s: float, pids: dict[str, int], say: Callable[[str], None]) -> None:
@@ -117,11 +128,12 @@ class Injector:
     def _announce_wan(fault: Fault, elapsed_s: float, say: Callable[[str], None]) -> None:
         if not fault.done and elapsed_s >= fault.at_s:
             fault.done = True
-            say(f"geomx: the WAN emulator cuts every link of DC {fault.role} ({fault.action.name}) at "
+            what = "cuts" if fault.rate_bps is None else f"slows to {fault.rate_bps:.6g} bit/s"
+            say(f"geomx: the WAN emulator {what} every link of DC {fault.role} ({fault.action.name}) at "
                 f"{fault.at_s:g} s for {fault.for_s:g} s")
         if fault.done and not fault.undone and elapsed_s >= fault.at_s + fault.for_s:
             fault.undone = True
-            say(f"geomx: the {fault.action.name} of DC {fault.role} healed at {fault.at_s + fault.for_s:g} s")
+            say(f"geomx: the {fault.action.name} of DC {fault.role} ended at {fault.at_s + fault.for_s:g} s")
 
     def release(self, pids: dict[str, int]) -> None:
         """Undo what is still in effect (a stopped role must run again to be stopped by SIGTERM)."""

@@ -97,10 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="resume the job whose run directory this was, from the latest step every worker "
                         "checkpointed (run it with its own --run-dir)")
-    p.add_argument("--inject", action="append", metavar="ACTION:TARGET@T[+D]",
+    p.add_argument("--inject", action="append", metavar="ACTION:TARGET@T[+D][=RATE]",
                    help="inject a fault T seconds after every role started: kill or stop (SIGSTOP, undone after D "
                         "seconds) a role, e.g. kill:a-worker-1@10, stop:b-server@5+3, kill:random@10; or cut every "
-                        "emulated WAN link of a DC for D seconds, e.g. partition:b@6+2; repeatable")
+                        "emulated WAN link of a DC for D seconds, e.g. partition:b@6+2, or slow them, e.g. "
+                        "slow:b@6+10=10mbit; repeatable")
     p.add_argument("--inject-seed", type=int, default=0, help="the seed that picks --inject's random role")
     p.add_argument("--resume-step", type=int, metavar="N",
                    help="with --resume: go back to step N (every worker must have kept its checkpoint)")

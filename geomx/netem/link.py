@@ -17,9 +17,10 @@ The model of a link is one serial line of ``rate_bps`` followed by a propagation
 * Deliveries are made by a :class:`DeliveryScheduler`: one time-ordered heap and one thread that may be
   shared by every link of an emulator; it calls each message's ``deliver()`` at its time.
 
-* Outages (``outages``: (start, end) pairs in seconds since ``epoch``) model a partition that heals: the line
+* Outages (``outages``: (start, end) in seconds since ``epoch``) model a partition that heals: the line
   carries nothing while one lasts, and a delivery that would fall inside one is made when it ends (what was on
   the wire is retransmitted once the path is back, as TCP does for a partition shorter than its timeouts).
+  (start, end, rate) slows the line instead: a chunk that starts in that window is serialized at that rate.
 
 Not modelled: loss, congestion control (slow start), per-packet header overhead.
 """
@@ -113,7 +114,7 @@ class EmulatedLink:
 
     def __init__(self, *, name: str, rate_bps: float, one_way_delay_s: float, jitter_s: float = 0.0,
                  chunk_bytes: int = 65536, seed: int = 0, scheduler: DeliveryScheduler | None = None,
-                 epoch: float | None = None, outages: Iterable[tuple[float, float]] = ()) -> None:
+                 epoch: float | None = None, outages: Iterable[tuple] = ()) -> None:
         if not rate_bps or rate_bps <= 0:
             raise ConfigError(f"link {name}: rate must be > 0 bit/s, got {rate_bps}")
         if one_way_delay_s < 0 or jitter_s < 0:
@@ -129,11 +130,13 @@ class EmulatedLink:
         self._own_scheduler = scheduler is None
         self._scheduler = scheduler or DeliveryScheduler(name=f"wan-delivery-{name}")
         self._epoch = time.monotonic() if epoch is None else epoch
-        for start, end in outages:
-            if not 0 <= start < end:
-                raise ConfigError(f"link {name}: an outage must start at >= 0 s and end after it starts, "
-                                  f"got {start:g}-{end:g} s")
-        self._outages = sorted((self._epoch + start, self._epoch + end) for start, end in outages)
+        windows = []
+        for start, end, *kept in outages:
+            if not 0 <= start < end or (kept and kept[0] <= 0):
+                raise ConfigError(f"link {name}: an outage must start at >= 0 s, end after it starts and keep a "
+                                  f"rate > 0 if any, got {start:g}-{end:g} s {kept}")
+            windows.append((self._epoch + start, self._epoch + end, kept[0] if kept else 0.0))
+        self._outages = sorted(windows)          # (start, end, rate kept: 0 cuts the line), monotonic times
         self._queue: list = []              # heap of [-priority, seq, remaining bytes, nbytes, deliver, arrival]
         self._seq = itertools.count()
         self._cv = threading.Condition()
@@ -167,7 +170,8 @@ class EmulatedLink:
                     "jitter_s": self.jitter_s, "bytes": self._bytes, "messages": self._messages,
                     "queued_bytes": self._queued_bytes, "queued_messages": self._queued_messages,
                     "series": list(self._series),
-                    "outages_s": [[start - self._epoch, end - self._epoch] for start, end in self._outages]}
+                    "outages_s": [[start - self._epoch, end - self._epoch, *([rate] if rate else [])]
+                                  for start, end, rate in self._outages]}
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop the scheduler thread (and the delivery thread if the link owns it); queued messages are dropped."""
@@ -191,11 +195,15 @@ class EmulatedLink:
         return max(-2 * self.jitter_s, min(2 * self.jitter_s, j))
 
     def _after_outages(self, t: float) -> float:
-        """``t``, or the end of the outage it falls in."""
-        for start, end in self._outages:
-            if start <= t < end:
+        """``t``, or the end of the cut it falls in."""
+        for start, end, rate in self._outages:
+            if not rate and start <= t < end:
                 t = end
         return t
+
+    def _rate_at(self, t: float) -> float:
+        """The line's rate at ``t``: the lowest a slowing window then leaves it, else its own."""
+        return min([self.rate_bps, *(rate for start, end, rate in self._outages if rate and start <= t < end)])
 
     def _run(self) -> None:
         while True:
@@ -214,7 +222,7 @@ class EmulatedLink:
                 head = self._queue[0]   # highest priority, oldest first: chosen anew at every chunk boundary
                 chunk = min(self.chunk_bytes, head[2])
                 start = self._after_outages(max(self._busy_until, head[5]))
-                self._busy_until = start + chunk * 8.0 / self.rate_bps
+                self._busy_until = start + chunk * 8.0 / self._rate_at(start)
                 head[2] -= chunk
                 if head[2] > 0:
                     continue

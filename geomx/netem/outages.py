@@ -1,7 +1,8 @@
-"""Partitions of the emulated WAN that heal: ``geomx launch --inject partition:DC@T+D`` cuts every link to and from
-DC for D seconds, T seconds after the deployment started (geomx.cli.inject). The launcher hands them to the
-emulator in ``GEOMX_WAN_OUTAGES``, a JSON object {DC: [[start_s, end_s], ...]} on the emulator's clock (it starts
-first, with the launcher); each link applies the outages of its two ends (geomx.netem.link).
+"""Outages of the emulated WAN that end: ``geomx launch --inject partition:DC@T+D`` cuts every link to and from
+DC for D seconds, T seconds after the deployment started, and ``slow:DC@T+D=RATE`` leaves those links RATE
+(geomx.cli.inject). The launcher hands them to the emulator in ``GEOMX_WAN_OUTAGES``, a JSON object
+{DC: [[start_s, end_s], [start_s, end_s, rate_bps], ...]} on the emulator's clock (it starts first, with the
+launcher); each link applies the outages of its two ends (geomx.netem.link).
 """
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from geomx.errors import ConfigError
 
 ENV = "GEOMX_WAN_OUTAGES"
 
-Outages = dict[str, list[tuple[float, float]]]
+Outages = dict[str, list[tuple]]     # DC -> [(start_s, end_s) cut, or (start_s, end_s, rate_bps) slowed]
 
 
 def to_env(outages: Outages) -> str:
-    return json.dumps({dc: [[start, end] for start, end in spans] for dc, spans in outages.items()})
+    return json.dumps({dc: [list(span) for span in spans] for dc, spans in outages.items()})
 
 
 def from_env(text: str | None, dcs) -> Outages:
@@ -35,17 +36,23 @@ def from_env(text: str | None, dcs) -> Outages:
         if known is not None and dc not in known:
             raise ConfigError(f"{ENV} names DC {dc!r}, which is not in this deployment ({', '.join(sorted(known))})")
         try:
-            pairs = [(float(start), float(end)) for start, end in spans]
+            entries = [tuple(float(x) for x in span) for span in spans]
         except (TypeError, ValueError):
-            raise ConfigError(f"{ENV}: DC {dc!r} needs a list of [start_s, end_s] pairs, got {spans!r}") from None
-        for start, end in pairs:
+            entries = None
+        if entries is None or any(len(e) not in (2, 3) for e in entries):
+            raise ConfigError(f"{ENV}: DC {dc!r} needs a list of [start_s, end_s] or [start_s, end_s, rate_bps], "
+                              f"got {spans!r}")
+        for start, end, *rate in entries:
             if not (math.isfinite(start) and math.isfinite(end) and 0 <= start < end):
                 raise ConfigError(f"{ENV}: DC {dc!r} has an outage {start:g}-{end:g} s; it must start at >= 0 s "
                                   f"and end after it starts")
-        out[dc] = pairs
+            if rate and not (math.isfinite(rate[0]) and rate[0] > 0):
+                raise ConfigError(f"{ENV}: DC {dc!r} keeps {rate[0]:g} bit/s in {start:g}-{end:g} s; a rate "
+                                  f"kept must be > 0 (leave it out to cut the links)")
+        out[dc] = entries
     return out
 
 
-def for_link(outages: Outages, src_dc: str, dst_dc: str) -> list[tuple[float, float]]:
+def for_link(outages: Outages, src_dc: str, dst_dc: str) -> list[tuple]:
     """The outages of a link: those of either of its ends."""
     return [*outages.get(src_dc, []), *outages.get(dst_dc, [])]
