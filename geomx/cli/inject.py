@@ -124,6 +124,12 @@ class Injector:
                 self._signal(pids.get(fault.role), fault.action.undo)
                 say(f"geomx: undid the {fault.action.name} of {fault.role} at {elapsed_s:.1f} s")
 
+    def wan_faults_in_effect(self, elapsed_s: float) -> list[str]:
+        """The WAN faults under way at ``elapsed_s`` (a second of slack: the emulator's clock starts a little
+        after the launcher's), e.g. ``["partition of DC b (4-24 s)"]``."""
+        return [f"{f.action.name} of DC {f.role} ({f.at_s:g}-{f.at_s + f.for_s:g} s)" for f in self.faults
+                if f.action.on_wan and f.at_s <= elapsed_s <= f.at_s + f.for_s + 1.0]
+
     @staticmethod
     def _announce_wan(fault: Fault, elapsed_s: float, say: Callable[[str], None]) -> None:
         if not fault.done and elapsed_s >= fault.at_s:

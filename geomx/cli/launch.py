@@ -298,7 +298,7 @@ class Launcher:
                     if r.returncode not in (None, 0) and not (r.spec.kind == "emulator" and trainers_done_at):
                         failed.append(r)
             if failed:
-                self._report_failure(min(failed, key=_blame_order))
+                self._report_failure(min(failed, key=_blame_order), time.monotonic() - start)
                 return 1
             if trainers_done_at is None and all(r.returncode == 0 for r in trainers):
                 trainers_done_at = time.monotonic()
@@ -320,9 +320,13 @@ class Launcher:
                 self.injector.tick(time.monotonic() - start, self._pids(), self.say)
             time.sleep(0.1)
 
-    def _report_failure(self, r: Running) -> None:
+    def _report_failure(self, r: Running, elapsed_s: float) -> None:
         code = r.returncode
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        # a role that gave up on a peer across an injected WAN fault: the fault is the cause to read first
+        wan_faults = self.injector.wan_faults_in_effect(elapsed_s) if self.injector is not None else []
+        if wan_faults:
+            how += f" during the injected {', '.join(wan_faults)}"
         if r.pump is not None:
             r.pump.join(timeout=2)
         tail = _tail(r.log_path, 30)
