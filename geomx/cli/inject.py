@@ -31,7 +31,8 @@ _SPEC = re.compile(r"^(?P<action>[a-z]+):(?P<role>[A-Za-z0-9_.-]+)@(?P<at>\d+(?:
 @dataclass(frozen=True)
 class FaultAction:
     """What a fault does: a signal to a role's process group and the one that undoes it after ``+D`` (None:
-    nothing can), or (``on_wan``) a cut of a DC's WAN links, which the emulator applies for ``+D`` seconds."""
+    nothing can), or (``on_wan``) a cut or a slowing of a DC's WAN links, which the emulator applies for ``+D``
+    seconds."""
     name: str
     signal: int | None
     undo: int | None
@@ -144,7 +145,7 @@ class Injector:
     def release(self, pids: dict[str, int]) -> None:
         """Undo what is still in effect (a stopped role must run again to be stopped by SIGTERM)."""
         for fault in self.faults:
-            if fault.done and not fault.undone and fault.action.undo is not None and not fault.action.on_wan:
+            if fault.done and not fault.undone and fault.action.undo is not None:
                 fault.undone = True
                 self._signal(pids.get(fault.role), fault.action.undo)
 
