@@ -20,6 +20,11 @@ from geomx.metrics import METRICS_DIR, read_records
 from geomx.profiles import CENTRAL_DC
 
 
+# a target is reached within this relative tolerance: above the float noise between two summation orders of the same
+# training (3.6e-6 measured), below what a loss curve still falling moves in a few steps (far below one image in 360)
+REACH_RTOL = 1e-5
+
+
 @dataclass(frozen=True)
 class EvalMetric:
     """What a run's evaluations measure, and which way is better."""
@@ -28,7 +33,11 @@ class EvalMetric:
     higher_is_better: bool
 
     def reached(self, value: float, target: float) -> bool:
-        return value >= target if self.higher_is_better else value <= target
+        """At or beyond ``target``, within a relative REACH_RTOL: flat PS and HiPS FSA run the same algorithm but
+        sum the workers' gradients in a different order, so their losses at a step differ in the fifth digit
+        (measured: 3.1093297 against 3.1093185), and "not reached" must not turn on that."""
+        slack = REACH_RTOL * abs(target)
+        return value >= target - slack if self.higher_is_better else value <= target + slack
 
     def best(self, values):
         return max(values) if self.higher_is_better else min(values)
