@@ -126,10 +126,12 @@ def test_a_deployment_survives_a_wan_partition_and_a_slowed_dc_and_its_links_sho
 
 
 def test_a_partition_longer_than_the_heartbeat_deadline_stops_the_run_naming_the_lost_dc_and_the_partition(tmp_path):
-    """A cut that outlasts the heartbeat deadline (4 s here) is reported, not waited out: the run stops, the peers
-    name DC b's local server as lost, and the launcher's headline says the partition was under way."""
+    """A cut that outlasts the heartbeat deadline (4 s here) is reported, not waited out: the run stops, naming DC
+    b's local server (which side gives up first is a race: the schedulers lose its heartbeats, or it loses the
+    global scheduler's answers), and the launcher's headline says the partition was under way."""
     code, run_dir, output = launch(tmp_path, SHORT_TRAINING, dcs=2, workers_per_dc=1, wan="regional", timeout=90,
                                    env={"GEOMX_HEARTBEAT_TIMEOUT": "4"}, inject=["partition:b@2+60"])
     assert code == 1, output
     assert "during the injected partition of DC b (2-62 s)" in output, output
-    assert "local server of DC b" in output and "stopped sending heartbeats" in output, output
+    assert ("local server of DC b" in output and "stopped sending heartbeats" in output) or \
+        ("stopped answering heartbeats" in output and "server of DC b gives up" in output), output

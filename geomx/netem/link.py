@@ -232,14 +232,16 @@ class EmulatedLink:
                 self._last_delivery = at
                 nbytes, deliver = head[3], head[4]
             # only this thread schedules for this link, so equal times keep FIFO order in the scheduler
-            self._scheduler.schedule(at, functools.partial(self._delivered, nbytes, deliver))
+            self._scheduler.schedule(at, functools.partial(self._delivered, nbytes, deliver, at))
 
-    def _delivered(self, nbytes: int, deliver: Callable[[], None]) -> None:
+    def _delivered(self, nbytes: int, deliver: Callable[[], None], at: float) -> None:
         with self._stats_lock:
             self._queued_bytes -= nbytes
             self._queued_messages -= 1
         deliver()   # raises if forwarding failed: then the message is not counted as delivered
-        second = max(0, int(time.monotonic() - self._epoch))
+        # counted in the second the model delivers it, not when a busy host got round to it: the series is the
+        # link's, and a delivery made 20 ms late must not land in the second of an outage that began meanwhile
+        second = max(0, int(at - self._epoch))
         with self._stats_lock:
             self._bytes += nbytes
             self._messages += 1
