@@ -102,7 +102,8 @@ def test_a_deployment_survives_a_wan_partition_and_a_slowed_dc_and_its_links_sho
     """partition:b@4+1.5: the WAN emulator cuts both links of DC b from 4 s to 5.5 s; slow:a@7+2=4kbit: DC a's
     links carry 4 kbit/s (500 bytes/s) from 7 s to 9 s. Rounds wait through both (shorter than every deadline),
     then go on; the links' per-second series show nothing delivered on b's links in second 4 (4.0-5.0 s) and at
-    most 500 bytes (plus the message that was being sent) on a's in second 7, where they carry ~1,700 normally;
+    most 500 bytes (plus what was on the wire when it began: a message or two) on a's in second 7, where they carry
+    ~1,700 normally (192-374 measured);
     the launcher says when each began and ended."""
     import json
 
@@ -121,7 +122,7 @@ def test_a_deployment_survives_a_wan_partition_and_a_slowed_dc_and_its_links_sho
         assert sum(series[5:]) > 0, (name, series)          # and the rounds went on after it healed
     for name in ("a->central", "central->a"):
         series = links[name]["series"]
-        assert series[7] <= 500 + 300, (name, series)
+        assert series[7] <= 500 + 500, (name, series)      # 500 B in the second, plus what was on the wire
         assert sum(series[9:]) > 0, (name, series)
 
 
