@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import geomx.optim
+from geomx.statefile import write_atomically
 from geomx.torch import DistributedOptimizer, loop
 
 
@@ -75,9 +76,8 @@ def load_digits() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     split = _split_digits()
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        partial = cache.with_name(f"{cache.stem}.{os.getpid()}.partial.npz")
-        np.savez(partial, **dict(zip(names, split, strict=True)))
-        os.replace(partial, cache)                  # atomic: workers starting together never read half a file
+        # atomic: workers starting together never read half a file
+        write_atomically(cache, lambda f: np.savez(f, **dict(zip(names, split, strict=True))))
     except OSError:
         pass                                        # a read-only home only costs the next run the import
     return split

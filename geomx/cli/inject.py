@@ -56,6 +56,11 @@ class Fault:
     done: bool = False
     undone: bool = False
 
+    @property
+    def end_s(self) -> float | None:
+        """When it is undone (or, for a WAN fault, ends); None: never."""
+        return None if self.for_s is None else self.at_s + self.for_s
+
 
 def parse_faults(specs: list[str]) -> list[Fault]:
     faults = []
@@ -107,7 +112,7 @@ class Injector:
         for fault in self.faults:
             if fault.action.on_wan:
                 kept = () if fault.rate_bps is None else (fault.rate_bps,)
-                out.setdefault(fault.role, []).append((fault.at_s, fault.at_s + fault.for_s, *kept))
+                out.setdefault(fault.role, []).append((fault.at_s, fault.end_s, *kept))
         return out
 
     def tick(self, elapsed_s: float, pids: dict[str, int], say: Callable[[str], None]) -> None:
@@ -120,7 +125,7 @@ class Injector:
                 self._signal(pids.get(fault.role), fault.action.signal)
                 say(f"geomx: injected {fault.action.name} of {fault.role} at {elapsed_s:.1f} s"
                     + (f" for {fault.for_s:g} s" if fault.for_s is not None else ""))
-            if fault.done and not fault.undone and fault.for_s is not None and elapsed_s >= fault.at_s + fault.for_s:
+            if fault.done and not fault.undone and fault.end_s is not None and elapsed_s >= fault.end_s:
                 fault.undone = True
                 self._signal(pids.get(fault.role), fault.action.undo)
                 say(f"geomx: undid the {fault.action.name} of {fault.role} at {elapsed_s:.1f} s")
@@ -128,8 +133,8 @@ class Injector:
     def wan_faults_in_effect(self, elapsed_s: float) -> list[str]:
         """The WAN faults under way at ``elapsed_s`` (a second of slack: the emulator's clock starts a little
         after the launcher's), e.g. ``["partition of DC b (4-24 s)"]``."""
-        return [f"{f.action.name} of DC {f.role} ({f.at_s:g}-{f.at_s + f.for_s:g} s)" for f in self.faults
-                if f.action.on_wan and f.at_s <= elapsed_s <= f.at_s + f.for_s + 1.0]
+        return [f"{f.action.name} of DC {f.role} ({f.at_s:g}-{f.end_s:g} s)" for f in self.faults
+                if f.action.on_wan and f.at_s <= elapsed_s <= f.end_s + 1.0]
 
     @staticmethod
     def _announce_wan(fault: Fault, elapsed_s: float, say: Callable[[str], None]) -> None:
@@ -138,9 +143,9 @@ class Injector:
             what = "cuts" if fault.rate_bps is None else f"slows to {fault.rate_bps:.6g} bit/s"
             say(f"geomx: the WAN emulator {what} every link of DC {fault.role} ({fault.action.name}) at "
                 f"{fault.at_s:g} s for {fault.for_s:g} s")
-        if fault.done and not fault.undone and elapsed_s >= fault.at_s + fault.for_s:
+        if fault.done and not fault.undone and elapsed_s >= fault.end_s:
             fault.undone = True
-            say(f"geomx: the {fault.action.name} of DC {fault.role} ended at {fault.at_s + fault.for_s:g} s")
+            say(f"geomx: the {fault.action.name} of DC {fault.role} ended at {fault.end_s:g} s")
 
     def release(self, pids: dict[str, int]) -> None:
         """Undo what is still in effect (a stopped role must run again to be stopped by SIGTERM)."""

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from geomx.errors import ConfigError, GeomxError
+from geomx.netem.outages import problem as outage_problem
 
 log = logging.getLogger("geomx.netem")
 
@@ -132,9 +133,9 @@ class EmulatedLink:
         self._epoch = time.monotonic() if epoch is None else epoch
         windows = []
         for start, end, *kept in outages:
-            if not 0 <= start < end or (kept and kept[0] <= 0):
-                raise ConfigError(f"link {name}: an outage must start at >= 0 s, end after it starts and keep a "
-                                  f"rate > 0 if any, got {start:g}-{end:g} s {kept}")
+            wrong = outage_problem((start, end, *kept))
+            if wrong:
+                raise ConfigError(f"link {name}: outage {[start, end, *kept]}: {wrong}")
             windows.append((self._epoch + start, self._epoch + end, kept[0] if kept else 0.0))
         self._outages = sorted(windows)          # (start, end, rate kept: 0 cuts the line), monotonic times
         self._queue: list = []              # heap of [-priority, seq, remaining bytes, nbytes, deliver, arrival]

@@ -42,15 +42,23 @@ def from_env(text: str | None, dcs) -> Outages:
         if entries is None or any(len(e) not in (2, 3) for e in entries):
             raise ConfigError(f"{ENV}: DC {dc!r} needs a list of [start_s, end_s] or [start_s, end_s, rate_bps], "
                               f"got {spans!r}")
-        for start, end, *rate in entries:
-            if not (math.isfinite(start) and math.isfinite(end) and 0 <= start < end):
-                raise ConfigError(f"{ENV}: DC {dc!r} has an outage {start:g}-{end:g} s; it must start at >= 0 s "
-                                  f"and end after it starts")
-            if rate and not (math.isfinite(rate[0]) and rate[0] > 0):
-                raise ConfigError(f"{ENV}: DC {dc!r} keeps {rate[0]:g} bit/s in {start:g}-{end:g} s; a rate "
-                                  f"kept must be > 0 (leave it out to cut the links)")
+        for entry in entries:
+            wrong = problem(entry)
+            if wrong:
+                raise ConfigError(f"{ENV}: DC {dc!r} has an outage {list(entry)}: {wrong}")
         out[dc] = entries
     return out
+
+
+def problem(entry: tuple) -> str | None:
+    """What is wrong with one outage (start_s, end_s[, rate_bps]), or None: the rule both the variable's parser and
+    a link built by hand (geomx.netem.link) apply."""
+    start, end, *kept = entry
+    if not (math.isfinite(start) and math.isfinite(end) and 0 <= start < end):
+        return "it must start at >= 0 s and end after it starts"
+    if kept and not (math.isfinite(kept[0]) and kept[0] > 0):
+        return "a rate kept must be > 0 (leave it out to cut the links)"
+    return None
 
 
 def for_link(outages: Outages, src_dc: str, dst_dc: str) -> list[tuple]:
