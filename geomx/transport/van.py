@@ -8,11 +8,13 @@ peer's ROUTER. Two threads, each owning its sockets (ZeroMQ sockets are not thre
   malformed input is logged and dropped, never fatal. It reads the header frame first, so that
   ``receive_into`` (when set) can name arrays the tensor frames are received straight into: a pulled value
   lands in the caller's output without an extra allocation or copy;
-* the send thread drains a queue ordered by (priority desc, arrival asc): FIFO among equal priorities,
-  unlike ps-lite's heap, which reverses equal-priority backlogs. When nothing is queued and no send is in
-  progress, ``send`` hands the message to ZeroMQ on the caller's thread instead (a zero-copy send returns
-  at once): one thread wake-up less per message, which is most of a small message's latency on a busy
-  host. The sockets are shared under one lock, which also keeps the order.
+* the send thread drains one outbox per peer (:mod:`geomx.transport.outbox`), each ordered by (priority desc,
+  arrival asc): FIFO among equal priorities, unlike ps-lite's heap, which reverses equal-priority backlogs.
+  It never blocks on one peer: ZeroMQ's pipe to a peer holds at most ``SEND_PIPE_MESSAGES``, a full one is
+  tried again a little later while other peers are served. When nothing waits for that peer, ``send``
+  hands the message to ZeroMQ on the caller's thread instead (a zero-copy send returns at once): one thread
+  wake-up less per message, which is most of a small message's latency on a busy host. The sockets are
+  shared under one lock, which also keeps the order.
 
 When a WAN emulator is configured, a message to a node of another DC goes to the emulator instead, behind a
 small route frame (see :mod:`geomx.netem.emulator`); the receiver cannot tell the difference.
@@ -20,12 +22,12 @@ small route frame (see :mod:`geomx.netem.emulator`); the receiver cannot tell th
 from __future__ import annotations
 
 import ctypes
-import heapq
 import itertools
 import logging
 import os
 import secrets
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 
@@ -33,9 +35,10 @@ import msgpack
 import numpy as np
 import zmq
 
-from geomx.errors import ConfigError, ProtocolError
+from geomx.errors import ConfigError, PeerLostError, ProtocolError
 from geomx.transport.base import STALL_S, Van, register_van
 from geomx.transport.message import Message, build_message, decode_header, encode, payload_nbytes
+from geomx.transport.outbox import SEND_PIPE_MESSAGES, STUCK_S, Outbox, Queued, send_queue_bytes
 from geomx.transport.refusals import RefusalLog
 from geomx.transport.security import Curve, Plain, Sealed
 
@@ -127,7 +130,8 @@ class ZmqVan(Van):
 
     def __init__(self, *, node_id: str, dc: str, on_message: Callable[[Message], None], host: str = "127.0.0.1",
                  port: int = 0, bind_host: str | None = None, emulator: str | None = None,
-                 context: zmq.Context | None = None, security: Sealed | Curve | Plain | None = None) -> None:
+                 context: zmq.Context | None = None, security: Sealed | Curve | Plain | None = None,
+                 send_queue_mb: float | None = None, stuck_s: float = STUCK_S) -> None:
         super().__init__(node_id=node_id, dc=dc, on_message=on_message)
         self.host = host
         self._bind_host = bind_host or host
@@ -136,14 +140,19 @@ class ZmqVan(Van):
         self._ctx = context or zmq.Context.instance()
         self._security = security
         self._seal = security.sealing(node_id) if security is not None else None   # Sealed: AES-GCM per message
-        self._queue: list = []
+        self._outboxes: dict[str, Outbox] = {}     # socket address -> messages waiting for it
+        self._send_queue_bytes = (send_queue_bytes() if send_queue_mb is None
+                                  else send_queue_bytes({"GEOMX_SEND_QUEUE_MB": str(send_queue_mb)}))
+        self._stuck_s = stuck_s
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._send_lock = threading.Lock()      # held while a thread uses the DEALER sockets
         self._sockets: dict[str, zmq.Socket] = {}
         self._running = False
+        self._stopped = False
         self._router: zmq.Socket | None = None
         self._threads: list[threading.Thread] = []
+        self._receive_thread: threading.Thread | None = None
         self.sent_bytes: dict[str, int] = defaultdict(int)      # by destination DC, as handed to ZeroMQ
         self.sent_messages: dict[str, int] = defaultdict(int)
         self.received_bytes = 0
@@ -187,40 +196,71 @@ class ZmqVan(Van):
         self._running = True
         for target, name in ((self._receive_loop, "recv"), (self._send_loop, "send")):
             t = threading.Thread(target=target, name=f"van-{name}-{public_name(self.node_id)}", daemon=True)
-            t.start()
             self._threads.append(t)
+        self._receive_thread = self._threads[0]
+        for t in self._threads:
+            t.start()
 
     def send(self, addr: str, msg: Message, *, dst_dc: str | None = None) -> None:
-        """Queue ``msg`` for ``addr`` (a tcp:// address); ``dst_dc`` routes it through the WAN emulator."""
+        """Queue ``msg`` for ``addr`` (a tcp:// address); ``dst_dc`` routes it through the WAN emulator.
+        Waits while the outbox of that peer is full (see :mod:`geomx.transport.outbox`)."""
         if not msg.src:
             msg.src = self.node_id
         frames = encode(msg)
+        item = Queued(-msg.priority, next(self._seq), addr, dst_dc, frames, payload_nbytes(frames))
+        sock_addr = self._socket_address(addr, dst_dc)
         if self._send_lock.acquire(blocking=False):
             try:
                 with self._cv:
-                    direct = self._running and not self._queue
-                if direct:
-                    self._send_now(msg.priority, addr, dst_dc, frames)
+                    box = self._outboxes.get(sock_addr)
+                    direct = self._running and (box is None or box.idle())
+                if direct and self._try_send(item):
                     return
             finally:
                 self._send_lock.release()
         with self._cv:
-            heapq.heappush(self._queue, (-msg.priority, next(self._seq), addr, dst_dc, frames))
-            self._cv.notify()
+            box = self._outboxes.get(sock_addr)
+            if box is None:
+                box = self._outboxes[sock_addr] = Outbox()
+            # the receive thread never waits: two nodes whose handlers send to each other would each wait for
+            # the other to read. Its sends go past the cap; they answer requests, which a peer that stopped
+            # reading stops making (and the stuck deadline below still drops them)
+            may_wait = threading.current_thread() is not self._receive_thread
+            while self._running and box.full_for(item.nbytes, self._send_queue_bytes):
+                if time.monotonic() - box.last_progress > self._stuck_s:
+                    self.dropped_messages += 1
+                    raise PeerLostError(
+                        f"{public_name(self.node_id)}: {sock_addr} (DC {dst_dc or self.dc}) has read nothing for "
+                        f"{self._stuck_s:.0f} s while {box.nbytes / _MIB:.1f} MiB waited for it (send queue cap "
+                        f"{self._send_queue_bytes / _MIB:.0f} MiB, GEOMX_SEND_QUEUE_MB); {msg.op!r} dropped")
+                if not may_wait:
+                    break
+                self._cv.wait(timeout=_POLL_MS / 1000)
+            if self._stopped:
+                self.dropped_messages += 1
+                log.debug("%s is stopped: %r to %s dropped", public_name(self.node_id), msg.op, addr)
+                return
+            box.put(item)
+            self._cv.notify_all()
+
+    def _socket_address(self, addr: str, dst_dc: str | None) -> str:
+        """The socket a message to ``addr`` leaves on: the emulator's for another DC when one is configured."""
+        return self._emulator if self._emulator is not None and dst_dc is not None and dst_dc != self.dc else addr
 
     def counters(self) -> dict:
         """Cumulative traffic (see geomx.metrics, kind ``traffic``)."""
         return {"node": public_name(self.node_id), "sent": dict(self.sent_bytes),
                 "sent_messages": dict(self.sent_messages), "received": self.received_bytes,
-                "send_queue": len(self._queue)}
+                "send_queue": sum(len(box) for box in self._outboxes.values())}
 
     def stop(self, flush_timeout: float = 2.0) -> None:
         """Send what is queued (up to ``flush_timeout``), then close the sockets."""
         with self._cv:
             if not self._running:
                 return
-            self._cv.wait_for(lambda: not self._queue, timeout=flush_timeout)
+            self._cv.wait_for(lambda: all(box.idle() for box in self._outboxes.values()), timeout=flush_timeout)
             self._running = False
+            self._stopped = True
             self._cv.notify_all()
         for t in self._threads:
             if t is not threading.current_thread():
@@ -311,50 +351,76 @@ class ZmqVan(Van):
         try:
             while True:
                 with self._cv:
-                    self._cv.wait_for(lambda: self._queue or not self._running)
-                    if not self._queue:
+                    box = self._next_outbox()
+                    if box is None:
                         return
+                    item = box.take()
                 with self._send_lock:
-                    with self._cv:    # only this thread pops, and direct sends need an empty queue
-                        neg_prio, _, addr, dst_dc, frames = heapq.heappop(self._queue)
-                    self._send_now(-neg_prio, addr, dst_dc, frames)
-                    with self._cv:
-                        if not self._queue:
-                            self._cv.notify_all()
+                    sent = self._try_send(item)
+                with self._cv:
+                    box.sent(item) if sent else box.refused(item)
+                    self._cv.notify_all()
         finally:
+            with self._cv:
+                left = sum(box.drop_all() for box in self._outboxes.values())
+            if left:
+                self.dropped_messages += left
+                log.warning("%s stopped with %d message(s) unsent: their peers were not reading",
+                            public_name(self.node_id), left)
             with self._send_lock:
                 for sock in self._sockets.values():
                     sock.close(linger=200)
                 self._sockets.clear()
 
-    def _send_now(self, priority: int, addr: str, dst_dc: str | None, frames: list) -> None:
-        """Hand one message to ZeroMQ (the caller holds the send lock)."""
-        if self._seal is not None:      # here, not in send(): counters go out in order on each connection
-            frames = self._seal.seal(frames, addr)
-        via_emulator = self._emulator is not None and dst_dc is not None and dst_dc != self.dc
-        if via_emulator:
-            route = msgpack.packb({"dst": addr, "src_dc": self.dc, "dst_dc": dst_dc, "prio": priority},
-                                  use_bin_type=True)
-            frames = [route] + frames
-            addr = self._emulator
+    def _next_outbox(self) -> Outbox | None:
+        """Wait (holding the condition) for an outbox whose head may be tried now, the one with the most urgent
+        head among them; None once the van stopped."""
+        while self._running:
+            now = time.monotonic()
+            ready = [box for box in self._outboxes.values() if box.ready(now)]
+            if ready:
+                return min(ready, key=Outbox.head)
+            waiting = [box.retry_at for box in self._outboxes.values() if len(box) and not box.busy]
+            self._cv.wait(timeout=max(0.0, min(waiting) - now) if waiting else None)
+        return None
+
+    def _try_send(self, item: Queued) -> bool:
+        """Hand one message to ZeroMQ without blocking (the caller holds the send lock). False: the peer's pipe
+        is full, and ``item.wire`` keeps the frames as sealed for the next try. A message that cannot be sent at
+        all (a malformed address) is dropped and counts as sent."""
+        if item.wire is None:
+            frames = item.frames
+            if self._seal is not None:      # here, not in send(): counters go out in order on each connection
+                frames = self._seal.seal(frames, item.addr)
+            sock_addr = self._socket_address(item.addr, item.dst_dc)
+            if sock_addr != item.addr:
+                route = msgpack.packb({"dst": item.addr, "src_dc": self.dc, "dst_dc": item.dst_dc,
+                                       "prio": -item.neg_priority}, use_bin_type=True)
+                frames = [route] + frames
+            item.wire = frames
+        sock_addr = self._socket_address(item.addr, item.dst_dc)
         try:
-            sock = self._sockets.get(addr)
+            sock = self._sockets.get(sock_addr)
             if sock is None:
-                sock = self._sockets[addr] = self._connect(addr)
-            sock.send_multipart(frames, copy=False)
+                sock = self._sockets[sock_addr] = self._connect(sock_addr)
+            sock.send_multipart(item.wire, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
         except zmq.ZMQError as exc:   # e.g. a peer announced a malformed address: drop, keep sending
             self.dropped_messages += 1
-            log.warning("%s cannot send to %r: %s; message dropped", self.node_id, addr, exc)
-            return
-        self.sent_bytes[dst_dc or self.dc] += payload_nbytes(frames[1:] if via_emulator else frames)
-        self.sent_messages[dst_dc or self.dc] += 1
+            log.warning("%s cannot send to %r: %s; message dropped", self.node_id, sock_addr, exc)
+            return True
+        dst = item.dst_dc or self.dc
+        self.sent_bytes[dst] += payload_nbytes(item.wire[1:] if sock_addr != item.addr else item.wire)
+        self.sent_messages[dst] += 1
+        return True
 
     def _connect(self, addr: str) -> zmq.Socket:
         if not is_tcp_address(addr):
             raise zmq.ZMQError(zmq.EINVAL, f"{addr!r} is not a tcp://host:port address")
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.node_id.encode())
-        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.SNDHWM, SEND_PIPE_MESSAGES)
         sock.setsockopt(zmq.LINGER, 0)
         if self._security is not None:
             self._security.client(sock)
