@@ -23,6 +23,9 @@ MODES = ("dist_sync", "dist_async")
 # dist_async (MixedSync): does a local server wait for the WAN round before answering its DC ("wait", GeoMX)
 # or answer at once and let the exchange with the global servers run behind ("overlap")
 MIXEDSYNC = ("wait", "overlap")
+# what a synchronous round returns without a server optimizer (and what one steps on): MXNet's and GeoMX's
+# servers sum the pushes; DistributedOptimizer asks for the mean over all training workers
+REDUCTIONS = ("sum", "mean")
 TOPOLOGIES = ("hips", "flat")
 
 

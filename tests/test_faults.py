@@ -32,7 +32,7 @@ import geomx
 import kvhelp as h
 from geomx.errors import KVError
 
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 if kv.is_master_worker:
     kv.init("w", np.zeros(4, np.float32))
     kv.init("m", np.zeros((2, 2), np.float32))
@@ -146,7 +146,7 @@ def test_closing_does_not_raise_again_an_error_a_wait_already_raised(refusals):
 INCONSISTENT_SCRIPT = """
 import numpy as np
 import geomx
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 kv.init(0, np.zeros(4, np.float32))
 if not kv.is_master_worker:
     for _ in range(3):
@@ -213,7 +213,7 @@ import numpy as np
 import geomx
 import kvhelp as h
 
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 kv.init(0, np.zeros(1000, np.float32))
 if kv.is_master_worker:
     raise SystemExit(0)
@@ -304,7 +304,7 @@ import geomx
 import kvhelp as h
 import attacker
 
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 kv.init("w", np.zeros(16, np.float32))
 if kv.is_master_worker:
     raise SystemExit(0)
@@ -408,7 +408,7 @@ import zmq
 import geomx
 import kvhelp as h
 
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 kv.init("w", np.zeros(4, np.float32))
 if kv.is_master_worker:
     raise SystemExit(0)
@@ -442,7 +442,7 @@ def test_registration_with_a_malformed_address_does_not_break_the_scheduler(tmp_
 ORDER_SCRIPT = """
 import numpy as np
 import geomx
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 kv.init(1, np.ones(3, np.float32))
 if not kv.is_master_worker:
     assert kv.pushpull(1, np.full(3, 4.0, np.float32)).wait().tolist() == [4.0] * 3

@@ -13,7 +13,7 @@ PY = sys.executable
 PUSHPULL_SCRIPT = """
 import numpy as np
 import geomx
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 kv.init(1, np.ones(3, np.float32))
 if not kv.is_master_worker:
     assert kv.pushpull(1, np.full(3, 4.0, np.float32)).wait().tolist() == [4.0] * 3
@@ -74,7 +74,7 @@ import time
 import numpy as np
 import geomx
 import kvhelp as h
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 kv.init(1, np.ones(3, np.float32))
 if not kv.is_master_worker:
     (h.run_dir() / f"up-{h.worker_index()}").write_text("")

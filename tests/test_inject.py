@@ -80,7 +80,7 @@ import time
 import numpy as np
 import geomx
 
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 kv.init("w", np.zeros(10, np.float32))
 if not kv.is_master_worker:
     for _ in range(120):              # about 6 s of rounds; both workers take the same number

@@ -286,3 +286,156 @@ def test_a_users_own_optimizer_class_runs_on_the_global_server_only_where_its_mo
         np.testing.assert_array_equal(got, np.full(3, 8.0, np.float32))       # 10 - 1.0 * 4 / 2
     finally:
         cluster.close()
+
+
+def _kvs(cluster: HipsCluster) -> list:
+    return [kv for kvs in cluster.workers.values() for kv in kvs]
+
+
+def _init_everywhere(cluster: HipsCluster, key, value: np.ndarray) -> list:
+    cluster.master.init(key, value)
+    kvs = _kvs(cluster)
+    for kv in kvs:
+        kv.init(key, np.zeros_like(value))
+    return kvs
+
+
+def test_a_raw_kvstore_returns_the_sum_of_the_round_as_mxnet_does_and_several_pushes_leave_the_last_round():
+    """MXNet's and GeoMX's servers give back the sum of a round's pushes (a ported script divides by it): 2 DCs
+    x 2 workers pushing rank + 1 read 1 + 2 + 3 + 4 = 10; three rounds pushed before one pull leave the last
+    round's sum, not an accumulation; dist_async without an optimizer relays every DC's sum undivided."""
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=2, reduction=None)
+    try:
+        kvs = _init_everywhere(cluster, "g", np.zeros((2, 3), np.float32))
+        assert [kv.reduction for kv in kvs] == ["sum"] * 4 and cluster.global_server.reduction == "sum"
+        results = [h.wait(DEADLINE_S) for h in [kv.pushpull("g", np.full((2, 3), i + 1.0, np.float32))
+                                                for i, kv in enumerate(kvs)]]
+        for got in results:
+            np.testing.assert_array_equal(got, np.full((2, 3), 10.0, np.float32))
+        for round_ in range(3):
+            for i, kv in enumerate(kvs):
+                kv.push("g", np.full((2, 3), (round_ + 1) * (i + 1.0), np.float32))
+        for kv in kvs:
+            np.testing.assert_array_equal(kv.pull("g").wait(DEADLINE_S), np.full((2, 3), 30.0, np.float32))
+    finally:
+        cluster.close()
+
+
+def test_a_server_optimizer_steps_on_the_sum_by_default_and_on_the_mean_when_asked():
+    """GeoMX hands its server optimizer the sum of the round (its DCASGD example's learning rate is set for
+    it); a kvstore created with reduction='mean' hands it the mean over all training workers."""
+    for reduction, gradient in ((None, 6.0), ("mean", 3.0)):
+        cluster = HipsCluster(dcs=("a", "b"), per_dc=1, reduction=reduction)
+        try:
+            cluster.master.set_optimizer("SGD", lr=0.5)
+            kvs = _init_everywhere(cluster, "w", np.full(3, 10.0, np.float32))
+            for h in [kv.push("w", np.full(3, g, np.float32)) for kv, g in zip(kvs, (2.0, 4.0), strict=True)]:
+                h.wait(DEADLINE_S)
+            np.testing.assert_array_equal(kvs[0].pull("w").wait(DEADLINE_S),
+                                          np.full(3, 10.0 - 0.5 * gradient, np.float32))
+        finally:
+            cluster.close()
+
+
+def test_a_worker_asking_for_the_mean_where_the_master_sums_is_refused_at_init_naming_both():
+    """DistributedOptimizer on the workers but a raw KVStore on the master: the workers would read sums as means
+    (a learning rate four times too large); the first init names the mismatch and the fix."""
+    cluster = HipsCluster(dcs=("a",), per_dc=1, reduction=None)
+    try:
+        cluster.master.init("w", np.zeros(3, np.float32))
+        (kv,) = cluster.workers["a"]
+        kv.set_reduction("mean")
+        with pytest.raises(ConfigError, match="asks for the mean of each round but the master worker's gives "
+                                              "the sum .*DistributedOptimizer"):
+            kv.init("w", np.zeros(3, np.float32))
+    finally:
+        cluster.close()
+
+
+def test_the_reduction_is_named_before_the_first_init_and_only_sum_or_mean():
+    cluster = HipsCluster(dcs=("a",), per_dc=1, reduction=None)
+    try:
+        with pytest.raises(ConfigError, match="reduction='max' is not one of sum, mean"):
+            cluster.master.set_reduction("max")
+        cluster.master.set_reduction("mean")
+        (kv,) = _init_everywhere(cluster, "w", np.zeros(3, np.float32))
+        assert kv.reduction == "mean" and cluster.global_server.reduction == "mean"
+        with pytest.raises(ConfigError, match=r"set_reduction\('sum'\) must come before the first kv.init"):
+            cluster.master.set_reduction("sum")
+    finally:
+        cluster.close()
+
+
+def test_distributed_optimizer_refuses_a_kvstore_created_to_sum():
+    torch = pytest.importorskip("torch")
+    from geomx.torch import DistributedOptimizer
+
+    cluster = HipsCluster(dcs=("a",), per_dc=1, reduction="sum")
+    try:
+        model = torch.nn.Linear(2, 1)
+        with pytest.raises(ConfigError, match="averages the workers' gradients, but this kvstore was created with "
+                                              "reduction='sum'"):
+            DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, kvstore=cluster.master)
+    finally:
+        cluster.close()
+
+
+def test_geomx_hfa_through_the_raw_kvstore_averages_in_the_dc_then_across_dcs_every_k2_rounds(monkeypatch):
+    """GeoMX's HFA scripts (MXNET_KVSTORE_USE_HFA=1) push w / n_local and pull: with K2 = 2 the first round
+    gives each DC its own average model, the second the average over the DCs (milestone + the mean of the DCs'
+    changes), and the third is a DC average again, starting from it."""
+    monkeypatch.setenv("MXNET_KVSTORE_USE_HFA", "1")
+    monkeypatch.setenv("MXNET_KVSTORE_HFA_K2", "2")
+    w0 = np.full(4, 8.0, np.float32)
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=2, reduction=None)
+    try:
+        kvs = _init_everywhere(cluster, "w", w0)
+        assert cluster.global_server.hfa_k2 == 2
+
+        def round_(models):
+            handles = [kv.pushpull("w", m / np.float32(2)) for kv, m in zip(kvs, models, strict=True)]
+            return [h.wait(DEADLINE_S) for h in handles]
+
+        first = [np.full(4, v, np.float32) for v in (10.0, 12.0, 20.0, 24.0)]     # DC a: 11, DC b: 22
+        got = round_(first)
+        for value, expected in zip(got, (11.0, 11.0, 22.0, 22.0), strict=True):
+            np.testing.assert_array_equal(value, np.full(4, expected, np.float32))
+        second = [np.full(4, v, np.float32) for v in (12.0, 14.0, 30.0, 34.0)]    # DC a: 13, DC b: 32
+        got = round_(second)
+        # milestone 8 + ((13 - 8) + (32 - 8)) / 2 = 22.5, everywhere
+        for value in got:
+            np.testing.assert_array_equal(value, np.full(4, 22.5, np.float32))
+        third = [np.full(4, v, np.float32) for v in (23.0, 25.0, 21.0, 21.0)]
+        got = round_(third)
+        for value, expected in zip(got, (24.0, 24.0, 21.0, 21.0), strict=True):
+            np.testing.assert_array_equal(value, np.full(4, expected, np.float32))
+        states = [cluster.local[dc].keys["w"].hfa.state_dict() for dc in ("a", "b")]
+        assert [s["rounds"] for s in states] == [3, 3]
+        for s in states:
+            np.testing.assert_array_equal(s["milestone"], np.full(4, 22.5, np.float32))
+    finally:
+        cluster.close()
+
+
+def test_geomx_hfa_server_logic_takes_no_server_optimizer_and_a_kvstore_asking_for_the_mean_is_not_geomx_hfa(
+        monkeypatch):
+    """GeoMX's HFA sums the DCs' shares of the model change with no optimizer on the global servers: installing
+    one is refused by name; a master whose kvstore asks for the mean is not running a GeoMX HFA script, so the
+    servers do not run HFA's logic and a raw push is refused rather than silently run as FSA."""
+    monkeypatch.setenv("MXNET_KVSTORE_USE_HFA", "1")
+    from geomx.errors import KVError
+
+    cluster = HipsCluster(dcs=("a",), per_dc=1, reduction=None)
+    try:
+        with pytest.raises(KVError, match="sync 'hfa' .* conflicts with a server optimizer"):
+            cluster.master.set_optimizer("SGD", lr=0.1)
+    finally:
+        cluster.close()
+    cluster = HipsCluster(dcs=("a",), per_dc=1, reduction="mean")
+    try:
+        (kv,) = _init_everywhere(cluster, "w", np.zeros(3, np.float32))
+        assert cluster.global_server.hfa_k2 is None
+        with pytest.raises(ConfigError, match="MXNET_KVSTORE_USE_HFA='1' asks for hfa.*DistributedOptimizer"):
+            kv.push("w", np.ones(3, np.float32))
+    finally:
+        cluster.close()

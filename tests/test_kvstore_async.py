@@ -41,7 +41,7 @@ def gradient(me, dc, step):
 """
 
 SERVER_OPTIMIZER_SCRIPT = COMMON + """
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 assert kv.type == "dist_async"
 if kv.is_master_worker:
     kv.set_optimizer("SGD", lr=0.1)
@@ -61,7 +61,7 @@ h.wait_for_file(h.run_dir() / "final-read.json")     # keep the deployment up un
 """
 
 RELAY_SCRIPT = COMMON + """
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 kv.init("w", np.zeros(SHAPE, np.float32))
 if kv.is_master_worker:
     raise SystemExit(0)
@@ -209,7 +209,7 @@ import geomx
 import kvhelp as h
 import numpy as np
 
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 if kv.is_master_worker:
     try:
         kv.set_optimizer("SGD", lr=0.1)

@@ -36,7 +36,7 @@ server_opt = os.environ.get("TEST_SERVER_OPT") == "1"
 drain = os.environ.get("TEST_DRAIN") == "1"
 pause = 0.02 if drain else 0.0
 
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 me = h.worker_index()
 kv.set_gradient_compression(spec)                  # every worker calls it, GeoMX style; the master's counts
 if server_opt:
@@ -182,7 +182,7 @@ import numpy as np
 import geomx
 import kvhelp as h
 
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 if {policy}:
     kv.set_gradient_compression({{"type": "fp16"}})
 kv.init("g", np.zeros(8, np.{dtype}))
@@ -212,7 +212,7 @@ import numpy as np
 import geomx
 import kvhelp as h
 
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 kv.set_gradient_compression({{"type": "fp16"}})
 kv.init("w", np.zeros((40, 64), np.float32))          # 10 KiB in 1 KiB parts
 if kv.is_master_worker:
@@ -241,7 +241,7 @@ import numpy as np
 import geomx
 import kvhelp as h
 
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 kv.set_gradient_compression({"type": "fp16"} if kv.is_master_worker or h.worker_index() != 3 else
                             {"type": "bsc", "threshold": 0.01})
 kv.init("g", np.zeros(8, np.float32))

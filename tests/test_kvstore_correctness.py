@@ -29,7 +29,7 @@ SEED, STEPS = {SEED}, {STEPS}
 KEYS = {KEYS!r}
 INT_KEY, INT_SHAPE = {INT_KEY!r}, {INT_SHAPE!r}
 
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 me = h.worker_index()
 name = "master" if kv.is_master_worker else f"w{{me}}"
 h.dump(f"props-{{name}}", {{"rank": kv.rank, "num_workers": kv.num_workers, "num_all_workers": kv.num_all_workers,

@@ -26,7 +26,7 @@ import kvhelp as h
 
 SEED, STEPS, KEYS = {SEED}, {STEPS}, {KEYS!r}
 how = os.environ["TEST_OPTIMIZER"]
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 if kv.is_master_worker:
     if how == "class":
         import torch

@@ -23,7 +23,7 @@ from geomx.sync import DGA
 from geomx.torch import DistributedOptimizer
 
 torch.set_num_threads(1)
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 me = h.worker_index()
 master = kv.is_master_worker
 out, facts = {}, {}

@@ -124,7 +124,7 @@ def test_report_into_a_pipe_closed_early_exits_quietly(tmp_path):
 RUN_TWICE_SCRIPT = """
 import geomx
 import numpy as np
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 kv.init("w", np.zeros(4, np.float32))
 if kv.is_master_worker:
     raise SystemExit(0)

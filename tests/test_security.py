@@ -76,7 +76,7 @@ def test_secret_can_come_from_a_file(tmp_path):
 
 SCRIPT = """
 import json, os, numpy as np, geomx.kvstore
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 kv.init("w", np.zeros(3, np.float32))
 if not kv.is_master_worker:
     value = kv.pushpull("w", np.full(3, float(os.environ["GEOMX_WORKER_INDEX"]), np.float32)).wait()

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import geomx
 
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 N = {KEY_MIB} * {MIB} // 4
 kv.init("big", np.zeros(N, np.float32))
 if not kv.is_master_worker:

@@ -50,7 +50,7 @@ def _rounds(cluster: FlatCluster, steps: range, synchronous: bool) -> list[np.nd
 
 def _configure(cluster: FlatCluster, mode: str, optimizer, compression) -> None:
     master = cluster.master.kv
-    for h in master.command("set_mode", mode=mode, mixedsync="wait"):
+    for h in master.command("set_mode", mode=mode, mixedsync="wait", reduction="mean"):
         h.wait(WAIT_S)
     if optimizer is not None:
         for h in master.command("set_optimizer", optimizer=optimizer[0], kwargs=optimizer[1]):

@@ -27,7 +27,7 @@ import geomx, kvhelp as h
 from averaging import train
 
 torch.set_num_threads(1)
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 me = h.worker_index()
 samples = json.loads(os.environ["TEST_SAMPLES"])[me] if me >= 0 else None
 models, info = train(kv, me, int(os.environ["TEST_STEPS"]), samples=samples, compute_s=0.02)
@@ -282,7 +282,7 @@ import numpy as np
 import geomx, kvhelp as h
 
 SEED, ORDER = {SEED}, {ORDER!r}
-kv = geomx.kvstore.create("dist_async")
+kv = geomx.kvstore.create("dist_async", reduction="mean")
 if kv.is_master_worker:
     kv.set_optimizer("DCASGD", lr=0.1, lamda=2.0)
 kv.init("w", h.value(0, "w", (10,)))
@@ -334,7 +334,7 @@ from geomx.torch import DistributedOptimizer
 
 torch.set_num_threads(1)
 SEED, KEYS, LR, ROUNDS = {SEED}, {KEYS!r}, {LR}, 6
-kv = geomx.kvstore.create()
+kv = geomx.kvstore.create(reduction="mean")
 me = h.worker_index()
 params = {{k: torch.nn.Parameter(torch.from_numpy(h.value(0 if me < 0 else me + 1, k, s))) for k, s in KEYS.items()}}
 opt = DistributedOptimizer(torch.optim.SGD(params.values(), lr=LR), list(params.items()), kvstore=kv)

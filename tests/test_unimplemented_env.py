@@ -6,7 +6,7 @@ from pathlib import Path
 
 from harness import check_ok, launch, load_json
 
-RAW_HFA_SCRIPT = """
+RAW_DGA_SCRIPT = """
 import numpy as np
 import geomx, kvhelp as h
 
@@ -22,11 +22,12 @@ if not kv.is_master_worker:
 
 
 def test_a_geomx_script_hears_about_every_variable_geomx_would_otherwise_ignore(tmp_path):
-    """One real deployment (1 DC, 1 worker) run as a GeoMX script would be: HFA's variables and DGT's."""
-    run_dir = check_ok(launch(tmp_path, RAW_HFA_SCRIPT, dcs=1, workers_per_dc=1,
-                              env={"MXNET_KVSTORE_USE_HFA": "1", "MXNET_KVSTORE_HFA_K1": "4", "ENABLE_DGT": "2"}))
+    """One real deployment (1 DC, 1 worker) run as a GeoMX script would be, with DGT's variable, and an algorithm
+    that runs only inside DistributedOptimizer: a raw push under it is refused, not silently run as FSA."""
+    run_dir = check_ok(launch(tmp_path, RAW_DGA_SCRIPT, dcs=1, workers_per_dc=1,
+                              env={"GEOMX_SYNC": "dga", "ENABLE_DGT": "2"}))
     refusal = load_json(run_dir, "refusal")
-    assert refusal is not None and "MXNET_KVSTORE_USE_HFA='1'" in refusal and "DistributedOptimizer" in refusal
+    assert refusal is not None and "GEOMX_SYNC='dga'" in refusal and "DistributedOptimizer" in refusal
     # every process saw ENABLE_DGT and said so once: schedulers, servers, the worker and the master worker
     said = "ENABLE_DGT=2 is a GeoMX variable geomx does not implement"
     counts = {p.name: p.read_text(errors="replace").count(said) for p in run_dir.glob("*.log")}

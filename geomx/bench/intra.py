@@ -64,7 +64,7 @@ def kv_worker_main(argv: list[str]) -> int:
     import geomx.kvstore
 
     torch.set_num_threads(1)
-    kv = geomx.kvstore.create()
+    kv = geomx.kvstore.create(reduction="mean")
     n = _elements(args.mb)
     kv.init(KEY, torch.zeros(n))
     if kv.is_master_worker:

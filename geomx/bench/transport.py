@@ -68,7 +68,7 @@ def kv_worker_main(argv: list[str]) -> int:
     import geomx.kvstore
 
     torch.set_num_threads(1)
-    kv = geomx.kvstore.create()
+    kv = geomx.kvstore.create(reduction="mean")
     values = [torch.rand(_elements(m), dtype=torch.float32) for m in sizes]
     keys = [_key(m) for m in sizes]
     kv.init(keys, values)

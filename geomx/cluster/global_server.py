@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from geomx.cluster.global_update import (GradientRelay, MeanGradient, ServerOptimizer, UpdatePolicy,
+from geomx.cluster.global_update import (GradientRelay, RoundGradient, ServerOptimizer, UpdatePolicy,
                                          resolve_optimizer)
 from geomx.cluster.compressed import ServerWire
 from geomx.cluster.kvserver import KeyState, KVServer, Refused, accumulator_dtype, init_layout
@@ -20,7 +20,7 @@ from geomx.cluster.server_checkpoint import ServerCheckpoints
 from geomx.cluster.protocol import Command, Field, Op
 from geomx.compat import conflict
 from geomx.compression import CompressionPolicy
-from geomx.config import MIXEDSYNC, MODES, NodeConfig
+from geomx.config import MIXEDSYNC, MODES, REDUCTIONS, NodeConfig
 from geomx.errors import ConfigError
 from geomx.profiles import CENTRAL_DC
 from geomx.transport.message import Message
@@ -36,6 +36,8 @@ class GlobalServer(KVServer):
         self.global_tier: Tier | None = None
         self.mode: str = "dist_sync"
         self.mixedsync: str = "wait"               # dist_async: do local servers wait for the WAN (config.MIXEDSYNC)
+        self.reduction: str = "sum"                # a round's sum or mean (config.REDUCTIONS)
+        self.hfa_k2: int | None = None             # GeoMX's HFA server logic at the local servers (hfa_rounds.py)
         self.optimizer: tuple | None = None      # (class, kwargs)
         self.optimizer_name: str | None = None     # as the master worker named it
         self.compression: CompressionPolicy | None = None
@@ -67,10 +69,20 @@ class GlobalServer(KVServer):
             mixedsync = args.get("mixedsync", "wait")
             if mixedsync not in MIXEDSYNC:
                 raise Refused(f"unknown MixedSync variant {mixedsync!r}; variants are {', '.join(MIXEDSYNC)}")
-            problem = conflict(mode=args["mode"], mixedsync=mixedsync, server_optimizer=self.optimizer is not None)
+            reduction = args.get("reduction", "sum")
+            if reduction not in REDUCTIONS:
+                raise Refused(f"unknown reduction {reduction!r}; reductions are {', '.join(REDUCTIONS)}")
+            hfa_k2 = args.get("hfa_k2")
+            if hfa_k2 is not None and (not isinstance(hfa_k2, int) or isinstance(hfa_k2, bool) or hfa_k2 < 1):
+                raise Refused(f"HFA's K2 must be a whole number >= 1, got {hfa_k2!r}")
+            if hfa_k2 is not None and reduction != "sum":
+                raise Refused("GeoMX's HFA server logic sums the DCs' shares of the model change: it needs the sum "
+                              "reduction, not the mean")
+            problem = conflict(mode=args["mode"], mixedsync=mixedsync, server_optimizer=self.optimizer is not None,
+                               sync="hfa" if hfa_k2 else None)
             if problem:
                 raise Refused(problem)
-            self.mode, self.mixedsync = args["mode"], mixedsync
+            self.mode, self.mixedsync, self.reduction, self.hfa_k2 = args["mode"], mixedsync, reduction, hfa_k2
         elif name == Command.SET_OPTIMIZER:
             self._set_optimizer(args)
         elif name == Command.SET_COMPRESSION:
@@ -88,7 +100,8 @@ class GlobalServer(KVServer):
         self.reply(msg)
 
     def _set_optimizer(self, args: dict) -> None:
-        problem = conflict(mode=self.mode, mixedsync=self.mixedsync, server_optimizer=True)
+        problem = conflict(mode=self.mode, mixedsync=self.mixedsync, server_optimizer=True,
+                           sync="hfa" if self.hfa_k2 else None)
         if problem:
             raise Refused(problem)
         kwargs = dict(args.get("kwargs") or {})
@@ -112,18 +125,20 @@ class GlobalServer(KVServer):
 
     def _choose_policy(self) -> UpdatePolicy:
         sync = self.mode == "dist_sync"
+        divisor = self.num_all_workers if self.reduction == "mean" else 1
         if self.optimizer is not None:
-            return ServerOptimizer(self.num_all_workers, *self.optimizer, synchronous=sync)
+            return ServerOptimizer(divisor, *self.optimizer, synchronous=sync)
         if sync:
-            return MeanGradient(self.num_all_workers)
+            return RoundGradient(divisor)
         # overlap: a local server hands its DC's own gradients to its workers itself, so reads carry the others'
-        return GradientRelay(self.num_all_workers, [w.id for w in self.global_tier.workers()],
+        return GradientRelay(divisor, [w.id for w in self.global_tier.workers()],
                              echo_own=self.mixedsync != "overlap")
 
     def _configure(self) -> None:
         """At the first key: the configuration is final; choose the update policy and the wire."""
         self.policy = self._choose_policy()
-        self.info = {"mode": self.mode, "mixedsync": self.mixedsync,
+        self.info = {"mode": self.mode, "mixedsync": self.mixedsync, "reduction": self.reduction,
+                     "hfa_k2": self.hfa_k2,
                      "server_optimizer": self.optimizer is not None,
                      "num_all_workers": self.num_all_workers,
                      "compression": self.compression.to_wire() if self.compression else None}
@@ -141,6 +156,7 @@ class GlobalServer(KVServer):
     # saved state ----------------------------------------------------------------------------------------------
     def config_state(self) -> dict:
         return {"num_all_workers": self.num_all_workers, "mode": self.mode, "mixedsync": self.mixedsync,
+                "reduction": self.reduction, "hfa_k2": self.hfa_k2,
                 "optimizer": None if self.optimizer is None else [self.optimizer_name, self.optimizer[1]],
                 "compression": self.compression.to_wire() if self.compression is not None else None,
                 "configured": self.policy is not None, "directory": dict(self.directory)}
@@ -150,6 +166,8 @@ class GlobalServer(KVServer):
             raise ConfigError(f"the saved global server served {config['num_all_workers']} workers, this one "
                               f"{self.num_all_workers}")
         self.mode, self.mixedsync = config["mode"], config["mixedsync"]
+        self.reduction = config.get("reduction", "mean")     # saved before reductions existed: the mean
+        self.hfa_k2 = config.get("hfa_k2")
         if config["optimizer"] is not None:
             name, kwargs = config["optimizer"]
             try:

@@ -5,17 +5,19 @@ Chosen once per server from the kvstore mode and whether the master worker insta
 ============  =====================  ==================================================================
 mode          server optimizer       value a client reads after pushing
 ============  =====================  ==================================================================
-dist_sync     yes                    weights after one optimizer step on the mean gradient of the round
-dist_sync     no                     the mean gradient of the round over all workers of all DCs
+dist_sync     yes                    weights after one optimizer step on the round's reduced gradient
+dist_sync     no                     the round's reduced gradient over all workers of all DCs
 dist_async    yes                    weights right after this DC's gradient was applied (MixedSync)
-dist_async    no                     every gradient applied since this client's last read, / all workers
+dist_async    no                     every gradient applied since this client's last read, reduced
                                      (MixedSync overlap: every *other* DC's, its own it had at once)
 ============  =====================  ==================================================================
 
-"Mean" always divides by the number of training workers world-wide, so a round of FSA equals one step of
-single-process training on the union of all workers' batches (GeoMX passes the raw sum to the optimizer).
-In dist_async each DC's push is applied alone, scaled by the same divisor, so one push from every DC moves
-the model as far as one synchronous round.
+"Reduced" is the master worker's reduction (config.REDUCTIONS): the **sum** of the pushes, as MXNet's and
+GeoMX's servers give it (a ported script's learning rate is calibrated to it: ``trainer.step(num_all_workers *
+batch_size)``), or the **mean** over the training workers world-wide, which DistributedOptimizer asks for: a
+round of FSA then equals one step of single-process training on the union of all workers' batches. The
+policies divide by ``divisor`` (1 for the sum). In dist_async each DC's push is applied alone, scaled by the
+same divisor, so one push from every DC moves the model as far as one synchronous round.
 """
 from __future__ import annotations
 
@@ -34,8 +36,8 @@ class UpdatePolicy:
     created by :meth:`init_key` once the key has its value."""
     synchronous = True
 
-    def __init__(self, num_all_workers: int) -> None:
-        self.divisor = float(num_all_workers)
+    def __init__(self, divisor: int) -> None:
+        self.divisor = float(divisor)       # the training workers world-wide for the mean, 1 for the sum
 
     def init_key(self, st: KeyState) -> None:
         """Set ``st.update`` (the key's memory) when the policy needs one."""
@@ -47,9 +49,10 @@ class UpdatePolicy:
         return st.value
 
 
-class MeanGradient(UpdatePolicy):
+class RoundGradient(UpdatePolicy):
+    """The round's gradient, reduced, is the value clients read."""
     def apply(self, server, st, total, contributors):
-        if self.divisor == 1.0:     # a single worker: its gradient is the mean
+        if self.divisor == 1.0:     # the sum (or a single worker's mean): the round's total as it is
             mean = total
         elif total.flags.writeable:   # the round's own sum: divide in place, no extra pass
             mean = np.divide(total, self.divisor, out=total)
@@ -77,8 +80,8 @@ class GradientRelay(UpdatePolicy):
     gave them to its workers."""
     synchronous = False
 
-    def __init__(self, num_all_workers: int, clients: list[str], *, echo_own: bool = True) -> None:
-        super().__init__(num_all_workers)
+    def __init__(self, divisor: int, clients: list[str], *, echo_own: bool = True) -> None:
+        super().__init__(divisor)
         self.clients, self.echo_own = clients, echo_own
 
     def init_key(self, st):
@@ -152,10 +155,11 @@ class OptimizerState:
 
 
 class ServerOptimizer(UpdatePolicy):
-    """A torch.optim optimizer per key, stepping on the mean gradient (sync) or each DC's share (async)."""
+    """A torch.optim optimizer per key, stepping on the round's reduced gradient (sync) or each DC's share
+    (async)."""
 
-    def __init__(self, num_all_workers: int, optimizer_class, kwargs: dict, synchronous: bool) -> None:
-        super().__init__(num_all_workers)
+    def __init__(self, divisor: int, optimizer_class, kwargs: dict, synchronous: bool) -> None:
+        super().__init__(divisor)
         self.optimizer_class, self.kwargs, self.synchronous = optimizer_class, kwargs, synchronous
 
     def init_key(self, st):

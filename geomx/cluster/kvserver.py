@@ -89,7 +89,8 @@ class KeyState:
       optimizer's parameter and optimizer);
     * ``wire``: gradient compression (compressed.ServerWire: reply streams, codec memory, residuals);
     * ``upstream``: a local server's WAN rounds (local_server.UpstreamRounds: results applied in order);
-    * ``overlap``: MixedSync overlap at a local server (wan_overlap.OverlapState).
+    * ``overlap``: MixedSync overlap at a local server (wan_overlap.OverlapState);
+    * ``hfa``: GeoMX's HFA server logic at a local server (hfa_rounds.HfaKeyState).
 
     Held requests (``waiting``, ``held_inits``) belong to connections, not to the state: they are not saved.
     """
@@ -107,6 +108,7 @@ class KeyState:
     wire: Any = None                                     # compressed.WireKeyState (its state_dict takes the value)
     upstream: OwnedState | None = None
     overlap: OwnedState | None = None
+    hfa: OwnedState | None = None
 
     def describe(self) -> str:
         return f"shape {tuple(self.shape)} {self.dtype.name}"
@@ -120,7 +122,8 @@ class KeyState:
                 "update": self.update.state_dict() if self.update is not None else None,
                 "wire": self.wire.state_dict(self.value) if self.wire is not None else None,
                 "upstream": self.upstream.state_dict() if self.upstream is not None else None,
-                "overlap": self.overlap.state_dict() if self.overlap is not None else None}
+                "overlap": self.overlap.state_dict() if self.overlap is not None else None,
+                "hfa": self.hfa.state_dict() if self.hfa is not None else None}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> KeyState:

@@ -17,6 +17,7 @@ import numpy as np
 from geomx.cluster import dc_rounds
 from geomx.cluster.client import Handle, KVClient, check_key
 from geomx.cluster.compressed import ServerWire
+from geomx.cluster.hfa_rounds import HfaKeyState, HfaServerRounds
 from geomx.cluster.kvserver import KeyState, KVServer, Refused, Round, init_layout
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
 from geomx.cluster.protocol import Command, Field, Op
@@ -53,6 +54,7 @@ class LocalServer(KVServer):
         self.upstream: KVClient | None = None
         self.dc_rounds = dc_rounds.DCRounds(self)
         self.wan_overlap = WanOverlap(self)
+        self.hfa_rounds = HfaServerRounds(self)
 
     def attach_global(self, tier: Tier) -> None:
         self.global_tier = tier
@@ -121,6 +123,9 @@ class LocalServer(KVServer):
         if self.info.get("mixedsync") == "overlap":
             self.wan_overlap.on_round(st, rnd)
             return
+        if self.info.get("hfa_k2"):
+            self.hfa_rounds.on_round(st, number, rnd)
+            return
         # the fp32 sum: the client sends it in the key's dtype (a 16-bit key's sum as the mean, see dense_push)
         h = self.upstream.pushpull(st.key, rnd.total, priority=rnd.priority, count=len(rnd.contributors))
         contributors = rnd.contributors     # not the round: its sum is freed once sent, not at the reply
@@ -156,6 +161,9 @@ class LocalServer(KVServer):
         if saved["overlap"] is not None:
             st.overlap = OverlapState()
             st.overlap.load_state_dict(saved["overlap"])
+        if saved.get("hfa") is not None:
+            st.hfa = HfaKeyState()
+            st.hfa.load_state_dict(saved["hfa"])
 
     def handle_other(self, msg: Message, client: NodeInfo) -> None:
         if msg.op != Op.DC_PUSHPULL:

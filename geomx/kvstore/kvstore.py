@@ -29,12 +29,12 @@ from geomx.cluster.postoffice import Postoffice, Tier
 from geomx.cluster.protocol import Command, Op
 from geomx.compat import check as check_combination
 from geomx.compression import parse_policy
-from geomx.config import MODES, NodeConfig, config_from_env
+from geomx.config import MODES, REDUCTIONS, NodeConfig, config_from_env
 from geomx.errors import ConfigError, GeomxError, KVError
 from geomx.kvstore.partition import check_user_key, part_views, plan_parts
 from geomx.lifeline import watch_launcher
 from geomx.profiles import CENTRAL_DC
-from geomx.sync.settings import sync_requested
+from geomx.sync.settings import settings_from_env, sync_requested
 
 log = logging.getLogger("geomx.kvstore")
 
@@ -48,9 +48,14 @@ def joins_mode(role: str, created: str, deployment_mode: str) -> bool:
                                           and deployment_mode == "dist_async")
 
 
-def create(name: str | None = None, *, env: dict | None = None) -> KVStore:
+def create(name: str | None = None, *, env: dict | None = None, reduction: str | None = None) -> KVStore:
     """Join the deployment described by the environment (set by ``geomx launch`` or by hand, see
-    docs/environment.md) as a worker or as the master worker."""
+    docs/environment.md) as a worker or as the master worker.
+
+    ``reduction``: what a synchronous round gives back without a server optimizer, and what a server optimizer
+    steps on: ``"sum"`` of the round's pushes (MXNet's and GeoMX's servers; the default) or their ``"mean"`` over
+    all training workers (what ``DistributedOptimizer`` asks for). The master worker's choice holds for everyone;
+    a worker that names one is checked against it at its first init."""
     cfg = config_from_env(env)
     if name is None:
         name = cfg.mode or "dist_sync"
@@ -63,16 +68,29 @@ def create(name: str | None = None, *, env: dict | None = None) -> KVStore:
     if cfg.role not in ("worker", "master"):
         raise ConfigError(f"geomx.kvstore.create() runs on workers and the master worker, not on role "
                           f"{cfg.role!r}")
+    check_reduction(reduction)
     watch_launcher(env)
-    return KVStore(cfg, name, env=env)
+    return KVStore(cfg, name, env=env, reduction=reduction)
+
+
+def check_reduction(reduction: str | None) -> None:
+    if reduction is not None and reduction not in REDUCTIONS:
+        raise ConfigError(f"reduction={reduction!r} is not one of {', '.join(REDUCTIONS)}")
 
 
 class KVStore:
-    def __init__(self, cfg: NodeConfig, mode: str, *, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, cfg: NodeConfig, mode: str, *, env: Mapping[str, str] | None = None,
+                 reduction: str | None = None) -> None:
         self.cfg, self.type = cfg, mode
+        self._reduction = reduction     # as this process asked (None: the master worker's, "sum" by default)
         # a synchronization algorithm the environment asks for runs in DistributedOptimizer, which claims it
         # (claim_sync); a push without that claim is refused rather than silently running FSA
         self._unclaimed_sync = sync_requested(env)
+        # GeoMX's HFA scripts push models through the raw kvstore (MXNET_KVSTORE_USE_HFA=1): the master worker
+        # asks the servers for GeoMX's HFA server logic (geomx.cluster.hfa_rounds) unless DistributedOptimizer
+        # claims the algorithm first
+        settings = settings_from_env(env)
+        self._server_hfa_k2 = settings.k2 if settings.algorithm == "hfa" else None
         self.po = Postoffice(cfg)
         self._client: KVClient | None = None
         self.po.on_data = self._on_data
@@ -102,8 +120,17 @@ class KVStore:
                                     "num_all_workers": cfg.num_all_workers})
         self._client = KVClient(self.po, serving, master=self.is_master_worker)
         if self.is_master_worker:
-            for h in self._client.command(Command.SET_MODE, mode=self.type, mixedsync=cfg.mixedsync):
-                h.wait()
+            self._send_mode()
+
+    def _send_mode(self) -> None:
+        # GeoMX's HFA sums the DCs' shares: a kvstore that asked for the mean is not a GeoMX HFA script
+        asks_server_hfa = self._unclaimed_sync is not None and (self._reduction or "sum") == "sum"
+        hfa_k2 = self._server_hfa_k2 if asks_server_hfa else None
+        if hfa_k2 is not None:
+            check_combination(mode=self.type, topology=self.cfg.topology, sync="hfa", k2=hfa_k2)
+        for h in self._client.command(Command.SET_MODE, mode=self.type, mixedsync=self.cfg.mixedsync,
+                                      reduction=self._reduction or "sum", hfa_k2=hfa_k2):
+            h.wait()
 
     def _on_data(self, msg) -> None:
         if msg.op == Op.REPLY and self._client is not None:
@@ -134,6 +161,16 @@ class KVStore:
         return self.cfg.dc
 
     @property
+    def reduction(self) -> str:
+        """"sum" or "mean" (see :func:`create`): the servers' once a key is initialized, else as asked here."""
+        return self._client.info.get("reduction") or self._reduction or "sum"
+
+    @property
+    def asked_reduction(self) -> str | None:
+        """The reduction this process asked for (create(reduction=) / set_reduction), None if it did not."""
+        return self._reduction
+
+    @property
     def server_updates(self) -> bool:
         """True when the global servers run the optimizer (pull returns weights, not gradients). Known after
         the first init."""
@@ -147,8 +184,13 @@ class KVStore:
 
     def claim_sync(self, policy) -> None:
         """Called by ``DistributedOptimizer``: ``policy`` (geomx.sync) runs the synchronization algorithm the
-        environment asks for, so pushes through this kvstore are that algorithm's."""
+        environment asks for, so pushes through this kvstore are that algorithm's. Call it before the first
+        kv.init: the master worker's call takes back the request for GeoMX's HFA server logic."""
+        if self._unclaimed_sync is None:
+            return
         self._unclaimed_sync = None
+        if self.is_master_worker and self._server_hfa_k2 is not None:
+            self._send_mode()
 
     # configuration (master worker) ----------------------------------------------------------------------------
     def set_optimizer(self, optimizer: Any, **kwargs) -> None:
@@ -186,6 +228,20 @@ class KVStore:
         for h in self._client.command(Command.SET_OPTIMIZER, optimizer=name, kwargs=kwargs):
             h.wait()
         self._client.info["server_optimizer"] = True
+
+    def set_reduction(self, reduction: str) -> None:
+        """Choose ``"sum"`` or ``"mean"`` (see :func:`create`) before the first kv.init. The master worker's call
+        configures the global servers; another worker's is checked against the master's at init."""
+        check_reduction(reduction)
+        if self._initialized_keys and reduction == self.reduction:
+            self._reduction = reduction     # a second DistributedOptimizer on this kvstore: nothing changes
+            return
+        if self._initialized_keys:
+            raise ConfigError(f"set_reduction({reduction!r}) must come before the first kv.init (this kvstore "
+                              f"already {'sums' if self.reduction == 'sum' else 'averages'})")
+        self._reduction = reduction
+        if self.is_master_worker:
+            self._send_mode()
 
     def set_gradient_compression(self, compression: dict | str | None) -> None:
         """Compress gradients on the wire (docs/compression.md). GeoMX's forms: ``{"type": "bsc", "threshold":
@@ -297,7 +353,7 @@ class KVStore:
     def _request(self, op: str, key, value, out, priority: int) -> Handle:
         """One push, pull or pushpull of a user key: of the whole tensor, or of each of its parts."""
         check_key(key)
-        if self._unclaimed_sync is not None and op != "pull":
+        if self._unclaimed_sync is not None and op != "pull" and not self._client.info.get("hfa_k2"):
             raise ConfigError(self._unclaimed_sync)
         src = _as_numpy_view(_device_sum(key, value)) if value is not None else None
         out, more_outs = (out[0], list(out[1:])) if isinstance(out, list | tuple) and out else (out, [])
@@ -352,6 +408,15 @@ class KVStore:
                                                                                         self._compression):
             raise ConfigError(f"this worker set gradient compression {self._compression} but the master worker set "
                               f"{info['compression']}")
+        if self._reduction is not None and info.get("reduction", self._reduction) != self._reduction:
+            raise ConfigError(f"this worker's kvstore asks for the {self._reduction} of each round but the master "
+                              f"worker's gives the {info['reduction']} (kv.set_reduction / create(reduction=); "
+                              f"DistributedOptimizer asks for the mean: wrap the optimizer on the master worker "
+                              f"too)")
+        if info.get("hfa_k2") and self._unclaimed_sync is None and self._server_hfa_k2 is not None:
+            raise ConfigError("the global servers run GeoMX's HFA server logic (the master worker's script pushes "
+                              "through the raw kvstore under MXNET_KVSTORE_USE_HFA) but this worker runs HFA in "
+                              "DistributedOptimizer: use DistributedOptimizer on the master worker too, or on none")
         n = info.get("num_all_workers")
         if n is not None and n != self.cfg.num_all_workers:
             raise ConfigError(f"this worker counts DMLC_NUM_ALL_WORKER={self.cfg.num_all_workers} but the global "

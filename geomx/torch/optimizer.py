@@ -77,7 +77,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.sync = sync
         if kvstore is None:
             import geomx.kvstore
-            kvstore = geomx.kvstore.create()
+            kvstore = geomx.kvstore.create(reduction="mean")
+            kvstore.claim_sync(sync)
+        elif kvstore.asked_reduction == "sum":
+            raise ConfigError("DistributedOptimizer averages the workers' gradients, but this kvstore was created "
+                              "with reduction='sum': create it without a reduction (or with 'mean')")
+        else:
+            kvstore.claim_sync(sync)        # before set_reduction: the master worker's mode goes out once
+            # FSA's step, the server optimizer and the algorithms' model averages read a round as the mean
+            kvstore.set_reduction("mean")
         self.kv = kvstore
         self.backward_passes_per_step = backward_passes_per_step
         self.slowdown = Slowdown.from_env()
@@ -91,7 +99,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.server_updates = kvstore.server_updates
         if update_on_server and not self.server_updates and kvstore.is_master_worker:
             raise ConfigError("update_on_server=True but the global servers run no optimizer")
-        kvstore.claim_sync(self.sync)
         self.sync.setup(kvstore, self.params, num_samples=num_samples)
         metrics.ready()
         self.slowdown.compute_starts()
