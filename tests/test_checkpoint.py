@@ -4,6 +4,7 @@ import io
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -164,3 +165,28 @@ def test_a_server_optimizer_job_asks_for_the_interval_on_every_role_not_only_the
     args = argparse.Namespace(checkpoint_every=3, update_on="server", data_slice_idx=None)
     with pytest.raises(SystemExit, match="geomx launch --checkpoint-every 3"):
         loop.checkpointer(args, kv, None, None)
+
+
+class _Residuals:
+    """A part whose state holds numpy arrays, as a worker's compression streams do."""
+
+    def __init__(self, arrays: dict) -> None:
+        self.arrays = arrays
+
+    def state_dict(self) -> dict:
+        return {"push": [["w", [3], "<f4", {"residuals": [self.arrays["r"]], "indices": self.arrays["i"]}]]}
+
+    def load_state_dict(self, state: dict) -> None:
+        (_, _, _, saved), = state["push"]
+        self.arrays = {"r": saved["residuals"][0], "i": saved["indices"]}
+
+
+def test_numpy_arrays_in_a_checkpoint_come_back_as_arrays_of_their_dtype_under_weights_only_loading(tmp_path):
+    saved = _Residuals({"r": np.array([0.25, -1.5, 3.0], np.float32), "i": np.array([2, 0], np.int64)})
+    Checkpointer(tmp_path, worker=0, workers=1, every=1, wire=saved).save(1, local_steps=1)
+    loaded = _Residuals({})
+    loader = Checkpointer(tmp_path / "new", worker=0, workers=1, every=1, resume_from=tmp_path, wire=loaded)
+    assert loader.restore() == 1
+    for name, array in saved.arrays.items():
+        assert isinstance(loaded.arrays[name], np.ndarray) and loaded.arrays[name].dtype == array.dtype
+        np.testing.assert_array_equal(loaded.arrays[name], array)

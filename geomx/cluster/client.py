@@ -23,7 +23,7 @@ from geomx.cluster.compressed import CODEC_FIELD, ClientWire, dense_push
 from geomx.cluster.protocol import Field, Op
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
 from geomx.compression import CompressionPolicy
-from geomx.errors import DeadlineError, GeomxError, KVError, PeerLostError
+from geomx.errors import ConfigError, DeadlineError, GeomxError, KVError, PeerLostError
 from geomx.transport.message import Message
 
 log = logging.getLogger("geomx.client")
@@ -157,6 +157,38 @@ class KVClient:
         self.wire: ClientWire | None = None      # gradient compression, from the servers' info
         po.add_abort_listener(self._fail_all)
         po.van.receive_into = self.receive_into
+
+    # saved state --------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Where each key lives, its layout, the pushes sent per key (a pull waits for the server to have that
+        many), the servers' info, and the compression streams (codec memory, residuals). Call it while no
+        request is in flight."""
+        return {"owner": [[k, r] for k, r in self._owner.items()], "pushes": [[k, n] for k, n in self._pushes.items()],
+                "layout": [[k, list(shape), dtype.str] for k, (shape, dtype) in self._layout.items()],
+                "info": dict(self.info), "wire": self.wire_state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` into a fresh client of the same tier, whose servers hold the saved run's
+        state (a restored server)."""
+        self._owner = {k: int(r) for k, r in state["owner"]}
+        self._pushes = {k: int(n) for k, n in state["pushes"]}
+        self._layout = {k: (tuple(shape), np.dtype(dtype)) for k, shape, dtype in state["layout"]}
+        self.info = dict(state["info"])
+        self._configure_compression()
+        self.load_wire_state_dict(state["wire"])
+
+    def wire_state_dict(self) -> dict | None:
+        """The compression streams alone (what a worker's checkpoint keeps: a resumed job talks to new
+        servers, so the other counters start afresh)."""
+        return self.wire.state_dict() if self.wire is not None else None
+
+    def load_wire_state_dict(self, state: dict | None) -> None:
+        if state is None:
+            return
+        if self.wire is None:
+            raise ConfigError(f"{self.po.cfg.label}: saved compression streams, but this deployment compresses "
+                              f"nothing")
+        self.wire.load_state_dict(state)
 
     # requests ---------------------------------------------------------------------------------------------
     def init(self, key, value: np.ndarray, priority: int = 0) -> Handle:

@@ -187,6 +187,7 @@ class ClientWire(_Side):
         super().__init__(policy, tier, salt)
         self.weights = weights
         self._push: dict[Hashable, Stream] = {}
+        self._shapes: dict[Hashable, tuple[tuple, np.dtype]] = {}     # of each pushed key (to rebuild its codec)
         self._replica: dict[Hashable, np.ndarray] = {}
 
     def encode_push(self, key, value: np.ndarray, dtype: np.dtype, count: int = 1) -> tuple[list, dict]:
@@ -197,7 +198,25 @@ class ClientWire(_Side):
         stream = self._push.get(key)
         if stream is None:
             stream = self._push[key] = Stream(codec, _seed(key, self.salt))
+            self._shapes[key] = (tuple(value.shape), np.dtype(dtype))
         return stream.encode(value, count)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The push streams (codec memory, error-feedback residuals) and the weight replicas, per key."""
+        return {"push": [[key, list(self._shapes[key][0]), self._shapes[key][1].str, stream.state_dict()]
+                         for key, stream in self._push.items()],
+                "replica": [[key, value] for key, value in self._replica.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._push, self._replica = {}, {}
+        for key, shape, dtype, saved in state["push"]:
+            codec = self.codec(key, tuple(shape), np.dtype(dtype))
+            if codec is None:
+                raise ValueError(f"saved push stream of key {key!r}, which travels uncompressed here")
+            stream = self._push[key] = Stream(codec, _seed(key, self.salt))
+            stream.load_state_dict(saved)
+            self._shapes[key] = (tuple(shape), np.dtype(dtype))
+        self._replica = {key: np.array(value) for key, value in state["replica"]}
 
     def note_dense(self, key, value: np.ndarray) -> None:
         """A dense value from the server (init): the replica that weight changes apply to."""

@@ -19,7 +19,7 @@ from geomx import statefile
 from geomx.cluster.compressed import ServerWire, WireError, scale_dense
 from geomx.cluster.postoffice import NodeInfo, Postoffice
 from geomx.cluster.protocol import Field, Op
-from geomx.errors import ConfigError
+from geomx.errors import ConfigError, GeomxError
 from geomx.transport.message import WIRE_DTYPES, Message
 
 log = logging.getLogger("geomx.kvserver")
@@ -209,7 +209,10 @@ class KVServer:
         rnd.add(src, value, priority, reusable=reusable)
         if len(rnd.contributors) == self.expected_contributors(st):
             del st.rounds[number]
-            self.on_round(st, number, rnd)
+            try:
+                self.on_round(st, number, rnd)
+            except GeomxError as exc:   # the round cannot go on: its waiting clients hear why now, not at a deadline
+                self.fail_waiting(st, f"round {number} of key {st.key!r} failed at {self.po.cfg.label}: {exc}")
 
     def read_value(self, st: KeyState, src: str) -> np.ndarray:
         return st.value

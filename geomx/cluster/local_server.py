@@ -147,11 +147,14 @@ class LocalServer(KVServer):
 
     # saved state ----------------------------------------------------------------------------------------------
     def config_state(self) -> dict:
-        return {"dc_rounds": self.dc_rounds.state_dict()}
+        return {"dc_rounds": self.dc_rounds.state_dict(),
+                "upstream": self.upstream.state_dict() if self.upstream is not None else None}
 
     def load_config_state(self, config: dict) -> None:
         self._configure_compression()
         self.dc_rounds.load_state_dict(config["dc_rounds"])
+        if config.get("upstream") is not None:      # which global server owns each key, pushes sent, streams
+            self.upstream.load_state_dict(config["upstream"])
 
     def load_owned_state(self, st, saved):
         super().load_owned_state(st, saved)

@@ -259,6 +259,16 @@ class KVStore:
         for h in self._client.command(Command.SET_COMPRESSION, policy=policy.to_wire()):
             h.wait()
 
+    # saved state ----------------------------------------------------------------------------------------------
+    def wire_state_dict(self) -> dict | None:
+        """This worker's compression streams (codec memory, error-feedback residuals), None without
+        compression; DistributedOptimizer.state_dict carries it."""
+        return self._client.wire_state_dict()
+
+    def load_wire_state_dict(self, state: dict | None) -> None:
+        """Restore :meth:`wire_state_dict` after the keys are initialized."""
+        self._client.load_wire_state_dict(state)
+
     # key-value operations -----------------------------------------------------------------------------------
     def init(self, key, value) -> None:
         """Initialize one key (or a list of keys with a list of values). Blocks until the key exists

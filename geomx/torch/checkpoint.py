@@ -85,7 +85,7 @@ class Checkpointer:
         if missing:
             raise ConfigError(f"{path} has no state for {sorted(missing)}")
         for name, obj in self.stateful.items():
-            obj.load_state_dict(state["parts"][name])
+            obj.load_state_dict(_restored(state["parts"][name]))
         torch.set_rng_state(state["torch_rng"])
         return int(state["local_steps"])
 
@@ -94,15 +94,32 @@ def checkpoint_name(worker: int, step: int) -> str:
     return f"worker-{worker}-step-{step}.pt"      # what _FILE matches
 
 
+_NDARRAY = "__ndarray__"
+
+
 def _loadable(obj: Any) -> Any:
-    """``obj`` with numpy scalars as Python numbers (HFA's weights are numpy floats): ``torch.load`` with
-    ``weights_only=True``, which never runs code from the file, refuses numpy objects."""
+    """``obj`` with numpy scalars as Python numbers (HFA's weights are numpy floats) and numpy arrays as
+    tensors marked for :func:`_restored` (compression residuals): ``torch.load`` with ``weights_only=True``,
+    which never runs code from the file, refuses numpy objects."""
     if isinstance(obj, np.generic):
         return obj.item()
+    if isinstance(obj, np.ndarray):
+        return {_NDARRAY: torch.from_numpy(np.array(obj))}       # a copy: the saved state must not change
     if isinstance(obj, dict):
         return {k: _loadable(v) for k, v in obj.items()}
     if type(obj) in (list, tuple):          # not a named tuple: its constructor takes fields, not an iterable
         return type(obj)(_loadable(v) for v in obj)
+    return obj
+
+
+def _restored(obj: Any) -> Any:
+    """The inverse of :func:`_loadable` for arrays (the numbers stay numbers)."""
+    if isinstance(obj, dict):
+        if len(obj) == 1 and _NDARRAY in obj:
+            return obj[_NDARRAY].numpy()
+        return {k: _restored(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_restored(v) for v in obj)
     return obj
 
 

@@ -28,7 +28,8 @@ optimizer's own objects, so an LR scheduler on it (``torch.optim.lr_scheduler.St
 wrapped optimizer's learning rate (with ``update_on_server`` the servers' optimizer keeps its own
 hyper-parameters); ``zero_grad(set_to_none=)`` and step hooks work; ``state_dict()`` is the wrapped optimizer's
 plus a ``"geomx"`` entry with the synchronization policy's state (HFA/DiLoCo base model and outer momentum, DGA's
-gradient history, ESync's round) and the step count, and ``load_state_dict`` restores both.
+gradient history, ESync's round), the step count and this worker's compression streams (codec memory,
+error-feedback residuals), and ``load_state_dict`` restores them.
 
 Tuning: gradients are pushed with priority ``-index`` (first layers first), so the tensors the next forward
 pass needs first travel first on a congested link. ``backward_passes_per_step`` k > 1 sums k backward passes
@@ -154,11 +155,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.slowdown.compute_starts()
 
     def state_dict(self) -> dict:
-        """The wrapped optimizer's state_dict, plus ``"geomx"``: the synchronization policy's state and the step
-        count. Call it after step() (not between backward() and step())."""
+        """The wrapped optimizer's state_dict, plus ``"geomx"``: the synchronization policy's state, the step
+        count and this worker's compression streams (codec memory, error-feedback residuals). Call it after
+        step() (not between backward() and step())."""
         state = self.optimizer.state_dict()
         sync_state = self.sync.state_dict() if callable(getattr(self.sync, "state_dict", None)) else None
-        state[STATE_KEY] = {"steps_taken": self.steps_taken, "sync": sync_state}
+        state[STATE_KEY] = {"steps_taken": self.steps_taken, "sync": sync_state, "wire": self.kv.wire_state_dict()}
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -169,6 +171,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if ours is None:
             return
         self.steps_taken = ours["steps_taken"]
+        self.kv.load_wire_state_dict(ours.get("wire"))
         if ours["sync"] is not None:
             if not callable(getattr(self.sync, "load_state_dict", None)):
                 raise ConfigError(f"the saved state has synchronization state, but {self.sync!r} cannot load it")
