@@ -439,3 +439,17 @@ def test_geomx_hfa_server_logic_takes_no_server_optimizer_and_a_kvstore_asking_f
             kv.push("w", np.ones(3, np.float32))
     finally:
         cluster.close()
+
+
+@pytest.mark.parametrize("reduction", [None, "mean"])
+def test_mixedsync_overlap_answers_a_dc_with_its_own_round_reduced_as_the_deployment_asks(reduction):
+    """MixedSync overlap answers a DC at once with its own round, as the global server would have relayed it:
+    the sum of the DC's pushes (the raw kvstore's default) or that sum / all workers (reduction='mean')."""
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=1, mode="dist_async", mixedsync="overlap", reduction=reduction)
+    try:
+        kvs = _init_everywhere(cluster, "g", np.zeros(3, np.float32))
+        assert cluster.local["a"].info["round_policy"] == "overlap"
+        got = kvs[0].pushpull("g", np.full(3, 6.0, np.float32)).wait(DEADLINE_S)
+        np.testing.assert_array_equal(got, np.full(3, 6.0 if reduction is None else 3.0, np.float32))
+    finally:
+        cluster.close()

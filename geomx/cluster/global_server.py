@@ -16,6 +16,7 @@ from geomx.cluster.global_update import (GradientRelay, RoundGradient, ServerOpt
 from geomx.cluster.compressed import ServerWire
 from geomx.cluster.kvserver import KeyState, KVServer, Refused, accumulator_dtype, init_layout
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
+from geomx.cluster.round_policies import round_policy_name
 from geomx.cluster.server_checkpoint import ServerCheckpoints
 from geomx.cluster.protocol import Command, Field, Op
 from geomx.compat import conflict
@@ -139,6 +140,7 @@ class GlobalServer(KVServer):
         self.policy = self._choose_policy()
         self.info = {"mode": self.mode, "mixedsync": self.mixedsync, "reduction": self.reduction,
                      "hfa_k2": self.hfa_k2,
+                     "round_policy": round_policy_name(mixedsync=self.mixedsync, hfa_k2=self.hfa_k2),
                      "server_optimizer": self.optimizer is not None,
                      "num_all_workers": self.num_all_workers,
                      "compression": self.compression.to_wire() if self.compression else None}

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from geomx.cluster.kvserver import KeyState, Round
+from geomx.cluster.round_policies import register_round_policy
 from geomx.errors import PeerLostError
 from geomx.sync.settings import settings_from_env
 
@@ -47,6 +48,7 @@ class HfaKeyState:
                      for n, d in state["done"].items()}
 
 
+@register_round_policy("hfa")
 class HfaServerRounds:
     """The local server's HFA round policy (see the module docstring). K2: GeoMX reads
     ``MXNET_KVSTORE_HFA_K2`` on the local servers, so this process's own variable counts where it asks for HFA;

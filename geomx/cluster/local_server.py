@@ -3,8 +3,10 @@
 Per round of a key: when every worker of the DC has pushed, the DC sum crosses the WAN in one fused
 push-and-pull to the key's global server (one WAN round trip, where GeoMX spends two: push, ack, pull,
 reply); the reply becomes the DC's value and answers the workers' pulls. Rounds may overlap (workers can
-push round n+1 before round n returns); results are applied in round order. MixedSync ``overlap`` answers
-the workers without waiting for the WAN (wan_overlap.py).
+push round n+1 before round n returns); results are applied in round order. That is the ``wait`` round
+policy (:class:`WaitForWan`); the others, MixedSync ``overlap`` (wan_overlap.py), which answers the workers
+without waiting for the WAN, and GeoMX's HFA server logic (hfa_rounds.py), are registered the same way
+(round_policies.py), and the global servers name the one a deployment runs.
 """
 from __future__ import annotations
 
@@ -17,14 +19,15 @@ import numpy as np
 from geomx.cluster import dc_rounds
 from geomx.cluster.client import Handle, KVClient, check_key
 from geomx.cluster.compressed import ServerWire
-from geomx.cluster.hfa_rounds import HfaKeyState, HfaServerRounds
+from geomx.cluster.hfa_rounds import HfaKeyState
+from geomx.cluster.round_policies import ROUND_POLICIES, register_round_policy
 from geomx.cluster.kvserver import KeyState, KVServer, Refused, Round, init_layout
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
 from geomx.cluster.protocol import Command, Field, Op
-from geomx.cluster.wan_overlap import OverlapState, WanOverlap
+from geomx.cluster.wan_overlap import OverlapState
 from geomx.compression import CompressionPolicy
 from geomx.config import NodeConfig
-from geomx.errors import KVError, PeerLostError
+from geomx.errors import GeomxError, KVError, PeerLostError
 from geomx.profiles import CENTRAL_DC
 from geomx.transport.message import Message
 
@@ -52,13 +55,18 @@ class LocalServer(KVServer):
         self.dc_tier: Tier | None = None
         self.global_tier: Tier | None = None
         self.upstream: KVClient | None = None
+        self._saved_upstream: dict | None = None    # the upstream client's saved state, until it exists
         self.dc_rounds = dc_rounds.DCRounds(self)
-        self.wan_overlap = WanOverlap(self)
-        self.hfa_rounds = HfaServerRounds(self)
+        # one instance of each registered round policy (round_policies.py); the global servers name the one
+        # this deployment runs
+        self.round_policies = {name: cls(self) for name, cls in ROUND_POLICIES.items()}
 
     def attach_global(self, tier: Tier) -> None:
         self.global_tier = tier
         self.upstream = KVClient(self.po, tier)
+        if self._saved_upstream is not None:        # state loaded before this server joined the global tier
+            self.upstream.load_state_dict(self._saved_upstream)
+            self._saved_upstream = None
 
     def attach_dc(self, tier: Tier) -> None:
         self.dc_tier = tier
@@ -120,41 +128,26 @@ class LocalServer(KVServer):
                                    per_client=False, salt=self.po.cfg.label)
 
     def on_round(self, st: KeyState, number: int, rnd: Round) -> None:
-        if self.info.get("mixedsync") == "overlap":
-            self.wan_overlap.on_round(st, rnd)
-            return
-        if self.info.get("hfa_k2"):
-            self.hfa_rounds.on_round(st, number, rnd)
-            return
-        # the fp32 sum: the client sends it in the key's dtype (a 16-bit key's sum as the mean, see dense_push)
-        h = self.upstream.pushpull(st.key, rnd.total, priority=rnd.priority, count=len(rnd.contributors))
-        contributors = rnd.contributors     # not the round: its sum is freed once sent, not at the reply
-        h.add_done_callback(lambda h: self._round_done(st, number, contributors, h))
-
-    def _round_done(self, st: KeyState, number: int, contributors: list[str], h: Handle) -> None:
-        if h.error is not None:
-            self.fail_waiting(st, f"the global round {number} of key {st.key!r} failed: {h.error}",
-                              lost=isinstance(h.error, PeerLostError))
-            return
-        rounds = st.upstream
-        if rounds is None:
-            rounds = st.upstream = UpstreamRounds()
-        rounds.done[number] = (h.result, contributors)
-        while rounds.applied_rounds + 1 in rounds.done:
-            rounds.applied_rounds += 1
-            value, who = rounds.done.pop(rounds.applied_rounds)
-            self.set_value(st, value, who)
+        name = self.info.get("round_policy", "wait")
+        policy = self.round_policies.get(name)
+        if policy is None:
+            raise GeomxError(f"the global servers ask for round policy {name!r}, which this local server does not "
+                             f"have ({', '.join(sorted(self.round_policies))}): is it the same geomx version?")
+        policy.on_round(st, number, rnd)
 
     # saved state ----------------------------------------------------------------------------------------------
     def config_state(self) -> dict:
         return {"dc_rounds": self.dc_rounds.state_dict(),
-                "upstream": self.upstream.state_dict() if self.upstream is not None else None}
+                "upstream": self.upstream.state_dict() if self.upstream is not None else self._saved_upstream}
 
     def load_config_state(self, config: dict) -> None:
         self._configure_compression()
         self.dc_rounds.load_state_dict(config["dc_rounds"])
-        if config.get("upstream") is not None:      # which global server owns each key, pushes sent, streams
-            self.upstream.load_state_dict(config["upstream"])
+        saved = config.get("upstream")      # which global server owns each key, the pushes sent, the streams
+        if saved is not None and self.upstream is not None:
+            self.upstream.load_state_dict(saved)
+        else:
+            self._saved_upstream = saved
 
     def load_owned_state(self, st, saved):
         super().load_owned_state(st, saved)
@@ -184,6 +177,35 @@ class LocalServer(KVServer):
             self.global_tier.barrier_async("worker", lambda: self.reply(msg))
         else:
             super().on_command(msg, client)
+
+
+@register_round_policy("wait")
+class WaitForWan:
+    """Every DC round crosses the WAN as one fused push-and-pull; the reply answers the DC. Replies may arrive
+    in any order and are applied in round order (``st.upstream``, :class:`UpstreamRounds`)."""
+
+    def __init__(self, server: LocalServer) -> None:
+        self.server = server
+
+    def on_round(self, st: KeyState, number: int, rnd: Round) -> None:
+        # the fp32 sum: the client sends it in the key's dtype (a 16-bit key's sum as the mean, see dense_push)
+        h = self.server.upstream.pushpull(st.key, rnd.total, priority=rnd.priority, count=len(rnd.contributors))
+        contributors = rnd.contributors     # not the round: its sum is freed once sent, not at the reply
+        h.add_done_callback(lambda h: self._round_done(st, number, contributors, h))
+
+    def _round_done(self, st: KeyState, number: int, contributors: list[str], h: Handle) -> None:
+        if h.error is not None:
+            self.server.fail_waiting(st, f"the global round {number} of key {st.key!r} failed: {h.error}",
+                                     lost=isinstance(h.error, PeerLostError))
+            return
+        rounds = st.upstream
+        if rounds is None:
+            rounds = st.upstream = UpstreamRounds()
+        rounds.done[number] = (h.result, contributors)
+        while rounds.applied_rounds + 1 in rounds.done:
+            rounds.applied_rounds += 1
+            value, who = rounds.done.pop(rounds.applied_rounds)
+            self.server.set_value(st, value, who)
 
 
 def start_local_server(cfg: NodeConfig, done: threading.Event, *, node_id: str | None = None) -> LocalServer:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from geomx.cluster.client import Handle
+from geomx.cluster.round_policies import register_round_policy
 from geomx.cluster.kvserver import KeyState, Round
 from geomx.errors import PeerLostError
 
@@ -44,20 +45,23 @@ class OverlapState:
         self.in_flight, self.wan_error, self.wan_lost = False, state["wan_error"], state["wan_lost"]
 
 
+@register_round_policy("overlap")
 class WanOverlap:
     """Per-key state lives in ``st.overlap`` (:class:`OverlapState`)."""
 
     def __init__(self, server) -> None:
         self.server = server     # the LocalServer: set_value, fail_waiting, upstream, info
 
-    def on_round(self, st: KeyState, rnd: Round) -> None:
+    def on_round(self, st: KeyState, number: int, rnd: Round) -> None:
         s = st.overlap
         if s is None:
             s = st.overlap = OverlapState()
         if s.wan_error:
             self.server.fail_waiting(st, s.wan_error, lost=s.wan_lost)
             return
-        divisor = np.float32(self.server.info["num_all_workers"])
+        # the deployment's reduction: what the global server relays is the sum, or the sum / all workers
+        mean = self.server.info.get("reduction", "mean") == "mean"
+        divisor = np.float32(self.server.info["num_all_workers"] if mean else 1)
         value = np.divide(rnd.total, divisor, dtype=np.float32)
         inbox, s.inbox = s.inbox, None
         if inbox is not None:

@@ -114,11 +114,12 @@ class HipsCluster(Deployment):
     """``dcs`` DCs of ``per_dc`` workers each (a number, or one per DC); ``self.workers[dc]`` are their KVStores,
     ``self.local[dc]`` their local servers. ``global_server_fields``: NodeConfig fields of the global server
     alone (what its environment would set). ``master_mode``: the master worker's kvstore type, if not ``mode``.
-    ``reduction``: every kvstore's (the tests here were written for the mean; None: not asked, the sum)."""
+    ``reduction``: every kvstore's (the tests here were written for the mean; None: not asked, the sum).
+    ``mixedsync``: the MixedSync variant the master worker asks for (dist_async)."""
 
     def __init__(self, dcs=("a", "b"), per_dc: int | list[int] = 2, mode: str = "dist_sync", van: str = "inproc",
                  link: Callable | None = None, global_server_fields: dict | None = None,
-                 master_mode: str | None = None, reduction: str | None = "mean") -> None:
+                 master_mode: str | None = None, reduction: str | None = "mean", mixedsync: str = "wait") -> None:
         super().__init__(van, link)
         sizes = dict(zip(dcs, per_dc if isinstance(per_dc, list | tuple) else [per_dc] * len(dcs), strict=True))
         total = sum(sizes.values())
@@ -139,7 +140,7 @@ class HipsCluster(Deployment):
                     self.config(role="worker", dc=dc, scheduler=ds, num_workers=size, num_servers=1, rank=rank,
                                 **counts), mode, reduction=reduction))
         makers.append(lambda: KVStore(self.config(role="master", dc=CENTRAL_DC, scheduler=cs, num_workers=1,
-                                                  num_servers=1, **counts), master_mode or mode,
+                                                  num_servers=1, mixedsync=mixedsync, **counts), master_mode or mode,
                                       reduction=reduction))
         nodes = self.start_nodes(makers, lambda node: node.close() if isinstance(node, KVStore) else node.po.close())
         self.global_server, self.master = nodes[0], nodes[-1]
