@@ -1,7 +1,16 @@
-"""GeoMX's ``examples/cnn.py``, ported line for line to torch and geomx's raw KVStore (GeoMX/MXNet semantics),
-at GeoMX's own hyperparameters: LeNet-5 with Xavier initialization, learning rate 0.01, batch 32, the optimizer on
-the global servers (Adam for FSA and MixedSync, DCASGD with ``--dcasgd``), every worker pushing each gradient
-divided by its batch size and pulling the weights after every batch.
+"""GeoMX's ``examples/cnn.py`` and ``examples/cnn_hfa.py`` (``--hfa``), ported line for line to torch and geomx's
+raw KVStore (GeoMX/MXNet semantics), at GeoMX's own hyperparameters: LeNet-5 with Xavier initialization,
+learning rate 0.01, batch 32.
+
+* cnn.py: the optimizer on the global servers (Adam for FSA and MixedSync, DCASGD with ``--dcasgd``), every
+  worker pushing each gradient divided by its batch size and pulling the weights after every batch;
+* cnn_hfa.py (``MXNET_KVSTORE_USE_HFA=1``, K1 and K2 from ``MXNET_KVSTORE_HFA_K1/K2``): a local Adam on each
+  worker, every K1 batches each worker pushes its weights divided by the
+  DC's workers and pulls the result (the local servers' HFA logic makes it a DC average, every K2-th time the
+  average over the DCs). GeoMX's script never advances its local step counter, so it synchronizes only when
+  K1 = 1; the port counts the steps. GeoMX's cnn_hfa.py builds LeNet with sigmoid activations, which on the
+  digits stay at chance for the first 240 batches (measured on one worker, Adam lr 0.01); the port uses
+  cnn.py's ReLU.
 
 What differs: the data are scikit-learn's digits upsampled to LeNet's 28 x 28 (GeoMX reads MNIST from
 /root/data, which cannot be downloaded here), each worker trains on its slice for ``--iterations`` batches rather
@@ -51,6 +60,7 @@ def main() -> int:
     parser.add_argument("-bs", "--batch-size", type=int, default=32)
     parser.add_argument("-ms", "--mixed-sync", action="store_true")
     parser.add_argument("-dc", "--dcasgd", action="store_true")
+    parser.add_argument("--hfa", action="store_true", help="GeoMX's cnn_hfa.py")
     parser.add_argument("--iterations", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reduction", default=None, help="ask the kvstore for 'mean' (geomx's old semantics)")
@@ -60,12 +70,16 @@ def main() -> int:
 
     net = lenet()
     loss = nn.CrossEntropyLoss(reduction="none")    # per sample, as gluon's SoftmaxCrossEntropyLoss
+    if args.hfa:
+        k1 = int(os.environ["MXNET_KVSTORE_HFA_K1"])
+        assert os.environ.get("MXNET_KVSTORE_USE_HFA") == "1" and k1 >= 1, "MXNET_KVSTORE_USE_HFA / _K1 not set"
+        trainer = torch.optim.Adam(net.parameters(), lr=args.learning_rate)     # local, never shared
 
     if args.mixed_sync or args.dcasgd:
         kv = geomx.kvstore.create("dist_async", reduction=args.reduction)
     else:
         kv = geomx.kvstore.create("dist_sync", reduction=args.reduction)
-    if kv.is_master_worker:
+    if kv.is_master_worker and not args.hfa:
         kv.set_optimizer(DCASGD(net.parameters(), lr=args.learning_rate) if args.dcasgd
                          else torch.optim.Adam(net.parameters(), lr=args.learning_rate))
     num_all_workers = kv.num_all_workers
@@ -87,19 +101,29 @@ def main() -> int:
     x, y = images(x_train[mine]), torch.from_numpy(y_train[mine]).long()
     rng = np.random.default_rng([args.seed, index])
     begin = time.time()
-    for _ in range(args.iterations):
+    for local_iters in range(1, args.iterations + 1):
         batch = rng.choice(len(y), size=args.batch_size, replace=False)
         net.zero_grad()
         loss(net(x[batch]), y[batch]).sum().backward()               # l.backward() on a vector: the sum
-        for idx, param in enumerate(params):
-            kv.push(idx, param.grad / args.batch_size, priority=-idx)
-            kv.pull(idx, out=param.data, priority=-idx)
+        if args.hfa:
+            for param in params:
+                param.grad /= args.batch_size                        # trainer.step(num_samples)
+            trainer.step()
+            if local_iters % k1 == 0:
+                for idx, param in enumerate(params):
+                    kv.push(idx, param.data / kv.num_workers, priority=-idx)
+                    kv.pull(idx, out=param.data, priority=-idx)
+        else:
+            for idx, param in enumerate(params):
+                kv.push(idx, param.grad / args.batch_size, priority=-idx)
+                kv.pull(idx, out=param.data, priority=-idx)
         kv.waitall()
     with torch.no_grad():
         accuracy = (net(images(x_test)).argmax(1).numpy() == y_test).mean()
     out = Path(os.environ["GEOMX_RUN_DIR"]) / f"geomx-cnn-{index}.json"
     out.write_text(json.dumps({"test_acc": float(accuracy), "iterations": args.iterations,
-                               "seconds": time.time() - begin, "reduction": kv.reduction}))
+                               "seconds": time.time() - begin, "reduction": kv.reduction,
+                               "round_policy": kv._client.info.get("round_policy")}))
     kv.close()
     return 0
 
