@@ -151,26 +151,33 @@ def wire_bytes(msgs: list[Message], src: str) -> int:
 
 # -- the link alone ---------------------------------------------------------------------------------------
 
+def transfer(link: EmulatedLink, count: int, nbytes: int, *, timeout_s: float) -> tuple[float, list[float]]:
+    """Enqueue ``count`` messages of ``nbytes`` at once, wait for every delivery, close the link; returns the
+    time of the first enqueue and the delivery times."""
+    done, arrivals = threading.Event(), []
+
+    def deliver():
+        arrivals.append(time.monotonic())
+        if len(arrivals) == count:
+            done.set()
+    try:
+        t0 = time.monotonic()
+        for _ in range(count):
+            link.enqueue(nbytes, 0, deliver)
+        if not done.wait(timeout_s):
+            pytest.fail(f"{len(arrivals)} of {count} messages delivered")
+    finally:
+        link.close()
+    return t0, arrivals
+
+
 @pytest.mark.parametrize("rate_bps, msg_bytes", [(10e6, 64 * 1024), (1e9, MIB)])
 def test_link_goodput_of_one_second_transfer_is_within_5_percent_of_rate(rate_bps, msg_bytes):
     count = int(np.ceil(rate_bps / 8 / msg_bytes))      # >= 1 s of data
 
     def measure(_):
         link = EmulatedLink(name="a->central", rate_bps=rate_bps, one_way_delay_s=0.0)
-        done, arrivals = threading.Event(), []
-
-        def deliver():
-            arrivals.append(time.monotonic())
-            if len(arrivals) == count:
-                done.set()
-        try:
-            t0 = time.monotonic()
-            for _ in range(count):
-                link.enqueue(msg_bytes, 0, deliver)
-            if not done.wait(5.0):
-                pytest.fail(f"{len(arrivals)} of {count} messages delivered")
-        finally:
-            link.close()
+        t0, arrivals = transfer(link, count, msg_bytes, timeout_s=5.0)
         snap = link.snapshot()
         if not (snap["bytes"] == count * msg_bytes == sum(snap["series"]) and snap["messages"] == count):
             pytest.fail(f"counters {snap} do not match {count} messages of {msg_bytes} bytes")
@@ -180,6 +187,31 @@ def test_link_goodput_of_one_second_transfer_is_within_5_percent_of_rate(rate_bp
         fraction = count * msg_bytes * 8 / elapsed / rate_bps
         assert 0.95 <= fraction <= 1.02, f"goodput {fraction:.3f} of the rate"
         assert len(snap["series"]) >= 2
+
+    timing_attempts(measure)
+
+
+@pytest.mark.parametrize("streams", [1, 8])
+def test_a_lossy_link_serializes_at_what_its_tcp_streams_can_move(streams):
+    """100 Mbit/s line, 80 ms RTT, 0.01% loss (geomx.netem.tcp_model): one stream moves 17.7 Mbit/s, eight the
+    whole line (bounded by it, not by 8 x 17.7 = 142). Measured as the time the link takes to serialize 1.5 MB."""
+    from geomx.netem.tcp_model import TcpPath
+
+    tcp = TcpPath(loss=1e-4, streams=streams)
+    expected = min(100e6, streams * TcpPath(loss=1e-4).stream_bps(0.08))
+    count, size = 24, 64 * 1024
+
+    def measure(_):
+        link = EmulatedLink(name="b->central", rate_bps=100e6, one_way_delay_s=0.04, tcp=tcp)
+        if link.rate_bps != pytest.approx(expected):
+            link.close()
+            pytest.fail(f"link rate {link.rate_bps} bit/s, the model gives {expected}")
+        t0, arrivals = transfer(link, count, size, timeout_s=10.0)
+        snap = link.snapshot()
+        if not (snap["line_rate_bps"] == 100e6 and snap["loss"] == 1e-4 and snap["streams"] == streams):
+            pytest.fail(f"snapshot {snap}")
+        goodput = count * size * 8 / (arrivals[-1] - t0 - 0.04)     # less the last message's one-way delay
+        assert 0.9 * expected <= goodput <= 1.05 * expected, (goodput / 1e6, expected / 1e6)
 
     timing_attempts(measure)
 

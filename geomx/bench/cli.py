@@ -59,6 +59,9 @@ def _add_link_parser(bsub) -> None:
     p.add_argument("--sizes", default="64k,1m,4m", help="message sizes, e.g. 64k,1m,4m (default)")
     p.add_argument("--seconds", type=float, default=1.5, help="about how long each size transfers (default 1.5)")
     p.add_argument("--pings", type=int, default=40, help="ping-pongs per path for the delay (default 40)")
+    p.add_argument("--loss", help="packet loss, a fraction or percentage (0.01%%): the link's TCP ceiling")
+    p.add_argument("--streams", default="1", help="TCP streams per link, one run each, e.g. 1,8 (default 1)")
+    p.add_argument("--window", type=int, help="per-stream TCP window in bytes")
     _report_options(p)
     p.set_defaults(fn=_cmd_link, bench_parser=p)
 
@@ -97,7 +100,11 @@ def _cmd_link(args) -> int:
         jitter = 0.0
     if args.jitter:
         jitter = parse_duration(args.jitter)
-    result = bench_link(rate_bps=rate, rtt_s=rtt, jitter_s=jitter, sizes=_parse_bytes(args.sizes),
-                        seconds=args.seconds, pings=args.pings)
-    emit_report(args, "geomx bench link: one emulated WAN link", format_link_report(result), result)
+    from geomx.netem.tcp_model import tcp_path
+
+    paths = [tcp_path(loss=args.loss, streams=n.strip(), window=args.window) for n in args.streams.split(",")]
+    results = [bench_link(rate_bps=rate, rtt_s=rtt, jitter_s=jitter, sizes=_parse_bytes(args.sizes),
+                          seconds=args.seconds, pings=args.pings, tcp=path) for path in paths]
+    emit_report(args, "geomx bench link: one emulated WAN link",
+                "\n\n".join(format_link_report(r) for r in results), results if len(results) > 1 else results[0])
     return 0

@@ -10,6 +10,9 @@ real :class:`~geomx.transport.message.Message` objects over 127.0.0.1:
 2. added one-way delay: the median RTT of small ping-pongs through the emulator minus the median RTT of the
    same ping-pongs sent directly (interleaved, so both see the same machine load), divided by 2.
 
+With ``tcp`` (loss, streams, window: geomx.netem.tcp_model) the link's rate is what that many TCP streams move
+over its RTT; goodput is then reported against that model as well as against the line rate.
+
 Every figure is measured in the run; the configured numbers are returned next to them.
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 
 from geomx.errors import DeadlineError
 from geomx.netem.emulator import WanEmulator
+from geomx.netem.tcp_model import TcpPath
 from geomx.profiles import CENTRAL_DC, custom_profile
 from geomx.transport.message import Message, encode, payload_nbytes
 from geomx.transport.van import ZmqVan
@@ -56,10 +60,12 @@ class _Inbox:
 
 def bench_link(*, rate_bps: float = 100e6, rtt_s: float = 0.040, jitter_s: float = 0.0,
                sizes: tuple[int, ...] = (64 * KIB, 1 * MIB, 4 * MIB), seconds: float = 1.5, pings: int = 40,
-               ping_bytes: int = 64, timeout_s: float = 30.0) -> dict:
+               ping_bytes: int = 64, timeout_s: float = 30.0, tcp: TcpPath | None = None) -> dict:
     """Measure goodput per message size and the added one-way delay; see the module docstring."""
     profile = custom_profile(rate_bps, rtt_s, jitter_s)
-    emulator = WanEmulator(profile=profile)
+    tcp = tcp or TcpPath()
+    model_bps = tcp.goodput_bps(rate_bps, rtt_s)      # what the link should deliver
+    emulator = WanEmulator(profile=profile, tcp=tcp)
     emulator.start()
     inbox_a, inbox_c = _Inbox(), _Inbox()
     # a van routes through the emulator only when a send names dst_dc, so one pair measures both paths
@@ -81,7 +87,7 @@ def bench_link(*, rate_bps: float = 100e6, rtt_s: float = 0.040, jitter_s: float
         # connect every socket on the path first, so that connection set-up is not counted as link time
         van_a.send(van_c.address, Message("warm-up"), dst_dc=CENTRAL_DC)
         inbox_c.wait_for(1, timeout_s)
-        transfers = [_transfer(van_a, van_c, inbox_c, emulator, rate_bps, size, seconds, timeout_s)
+        transfers = [_transfer(van_a, van_c, inbox_c, emulator, model_bps, size, seconds, timeout_s)
                      for size in sizes]
         rtt_direct, rtt_emulated = _pings(van_a, van_c, inbox_a, pings, ping_bytes, rtt_s, timeout_s)
     finally:
@@ -89,7 +95,9 @@ def bench_link(*, rate_bps: float = 100e6, rtt_s: float = 0.040, jitter_s: float
         van_c.stop()
         emulator.stop()
     added = (statistics.median(rtt_emulated) - statistics.median(rtt_direct)) / 2
-    return {"rate_bps": rate_bps, "rtt_s": rtt_s, "one_way_delay_s": profile.one_way_delay_s, "jitter_s": jitter_s,
+    return {"rate_bps": model_bps, "line_rate_bps": rate_bps, "loss": tcp.loss, "streams": tcp.streams,
+            "window_bytes": tcp.window_bytes, "rtt_s": rtt_s, "one_way_delay_s": profile.one_way_delay_s,
+            "jitter_s": jitter_s,
             "chunk_bytes": emulator.chunk_bytes, "transfers": transfers, "pings": pings,
             "rtt_direct_median_s": statistics.median(rtt_direct),
             "rtt_emulated_median_s": statistics.median(rtt_emulated),
@@ -137,9 +145,14 @@ def _pings(van_a: ZmqVan, van_c: ZmqVan, inbox: _Inbox, pings: int, ping_bytes: 
 
 def format_link_report(result: dict) -> str:
     """A markdown report of :func:`bench_link`'s result."""
-    rate = result["rate_bps"]
-    lines = [f"### WAN link: {rate / 1e6:g} Mbit/s, RTT {result['rtt_s'] * 1000:g} ms "
-             f"(one-way {result['one_way_delay_s'] * 1000:g} ms), chunk {result['chunk_bytes'] // KIB} KiB",
+    rate, line = result["rate_bps"], result["line_rate_bps"]
+    tcp = ""
+    if result["loss"] or result["window_bytes"] is not None:
+        window = f", window {result['window_bytes']:,} B" if result["window_bytes"] is not None else ""
+        tcp = (f", loss {result['loss']:.4%}, {result['streams']} TCP stream(s){window}: the model gives "
+               f"{rate / 1e6:.3g} Mbit/s ({rate / line:.1%} of the line)")
+    lines = [f"### WAN link: {line / 1e6:g} Mbit/s, RTT {result['rtt_s'] * 1000:g} ms "
+             f"(one-way {result['one_way_delay_s'] * 1000:g} ms), chunk {result['chunk_bytes'] // KIB} KiB{tcp}",
              "",
              "| message size | messages | MB sent | time (s) | goodput (Mbit/s) | of rate "
              "| steady (Mbit/s) | of rate |",
@@ -156,7 +169,8 @@ def format_link_report(result: dict) -> str:
               "",
               f"Median RTT direct {result['rtt_direct_median_s'] * 1000:.3f} ms, through the emulator "
               f"{result['rtt_emulated_median_s'] * 1000:.3f} ms. Goodput = wire bytes / (last arrival - first send), "
-              f"one one-way delay included; steady leaves it out."]
+              f"one one-way delay included; steady leaves it out. \"Of rate\": of the link's modelled rate "
+              f"({rate / 1e6:.3g} Mbit/s)."]
     return "\n".join(lines)
 
 

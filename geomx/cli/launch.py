@@ -101,6 +101,7 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
             **base, "GEOMX_ROLE": "emulator", "GEOMX_EMULATOR_HOST": h, "GEOMX_EMULATOR_PORT": str(p_emu),
             "GEOMX_EMULATOR_DCS": ",".join([CENTRAL_DC, *topo.dc_names]), "GEOMX_EMULATOR_HOSTS": h,
             **({link_matrix.ENV: link_matrix.to_env(topo.wan_links)} if topo.wan_links else {}),
+            **topo.tcp.to_env(),
             **({"GEOMX_WAN_PROFILE": p.name} if p.name != "custom" else
                {"GEOMX_WAN_RATE": str(p.uplink_bps), "GEOMX_WAN_RTT": str(p.rtt_s),
                 "GEOMX_WAN_JITTER": str(p.jitter_s)})}))
@@ -234,7 +235,7 @@ class Launcher:
                          f"{self.topo.dcs} DCs x {self.topo.workers_per_dc} workers, {self.topo.global_servers} "
                          f"global server(s), WAN {p.name}: {p.description}"
                          + (f"; own settings for {link_matrix.to_env(self.topo.wan_links)}" if self.topo.wan_links
-                            else "") + f"); logs in {self.run_dir}")
+                            else "") + self._tcp_description() + f"); logs in {self.run_dir}")
                 from geomx.cli.progress import Progress
                 self.progress = Progress(self.run_dir, self.out)
                 self.progress.start()
@@ -282,6 +283,14 @@ class Launcher:
                 log_file.write(line)
                 log_file.flush()
                 self.say(f"[{prefix}] {line.decode(errors='replace').rstrip()}")
+
+    def _tcp_description(self) -> str:
+        tcp = self.topo.tcp
+        if not tcp.limits:
+            return ""
+        window = f", window {tcp.window_bytes:,} B" if tcp.window_bytes is not None else ""
+        return (f"; TCP: loss {tcp.loss:.4%}, {tcp.streams} stream(s) per link{window}, slowest link "
+                f"{self.topo.slowest_link_bps / 1e6:.3g} Mbit/s")
 
     def _monitor(self, interrupted: dict, timeout: float | None) -> int:
         start = time.monotonic()

@@ -35,6 +35,12 @@ def _add_topology_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dga-delay", type=int, help="dga: steps between pushing a gradient and applying its average "
                                                   "(default 1)")
     p.add_argument("--esync-steps", type=int, help="esync: local steps of the slowest worker per round (default 1)")
+    p.add_argument("--wan-loss", metavar="P", help="packet loss on every emulated link, a fraction or percentage "
+                                                   "(0.0001, 0.01%%): caps each TCP stream at the Mathis rate")
+    p.add_argument("--wan-streams", type=int, metavar="N",
+                   help="parallel TCP streams per emulated link (default 1; with --wan-loss/--wan-window)")
+    p.add_argument("--wan-window", type=int, metavar="BYTES", help="per-stream TCP window: caps a stream at "
+                                                                  "window / RTT (default: no cap)")
     p.add_argument("--wan-link", action="append", metavar="LINK=RATE/RTT",
                    help="one link's own rate and RTT (repeatable): b=50mbit/250ms (both directions between DC b "
                         "and the central party) or a->central=1gbit/20ms (one direction)")
@@ -52,7 +58,8 @@ def topology_from_args(args: argparse.Namespace):
                          sync_k1=args.hfa_k1, sync_k2=args.hfa_k2, sync_overlap=args.hfa_overlap,
                          sync_delay=args.dga_delay,
                          sync_steps=args.esync_steps,
-                         slowdown=args.slowdown, wan_links=args.wan_link)
+                         slowdown=args.slowdown, wan_links=args.wan_link, wan_loss=args.wan_loss,
+                         wan_streams=args.wan_streams, wan_window=args.wan_window)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from geomx.compat import check as check_combination
 from geomx.config import MIXEDSYNC, MODES, TOPOLOGIES
 from geomx.errors import ConfigError
 from geomx.netem.link_matrix import assignments, parse_link_overrides
+from geomx.netem.tcp_model import TcpPath, tcp_path
 from geomx.profiles import WanProfile, custom_profile, get_profile, parse_duration, parse_rate
 from geomx.sync.settings import launch_env, settings_from_env
 from geomx.sync.slowdown import parse_factor
@@ -40,12 +41,15 @@ class Topology:
     env: dict[str, str] = field(default_factory=dict)   # extra variables for every role
     slowdown: dict[tuple[str, int], float] = field(default_factory=dict)   # (dc, rank) -> factor
     wan_links: dict = field(default_factory=dict)   # (src, dst) -> link_matrix.LinkSpec: per-link overrides
+    tcp: TcpPath = field(default_factory=TcpPath)   # loss, streams, window: every link's TCP ceiling
 
     @property
     def slowest_link_bps(self) -> float:
-        """The slowest emulated link's rate, overrides included (what WAN-sized parts are cut for)."""
+        """The slowest emulated link's goodput, overrides and the TCP ceiling included (what WAN-sized parts are
+        cut for)."""
         p = self.profile
-        return min([p.uplink_bps, p.downlink_bps] + [s.rate_bps for s in self.wan_links.values()])
+        return min([self.tcp.goodput_bps(rate, p.rtt_s) for rate in (p.uplink_bps, p.downlink_bps)]
+                   + [self.tcp.goodput_bps(s.rate_bps, s.rtt_s) for s in self.wan_links.values()])
 
     @property
     def dc_names(self) -> list[str]:
@@ -105,7 +109,7 @@ def load_topology(path: str | None = None, **flags) -> Topology:
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"topology file {path} is not valid TOML: {exc}") from None
         known = {"dcs", "workers_per_dc", "global_servers", "mode", "mixedsync", "topology", "wan", "env", "host",
-                 "slowdown", "wan_links",
+                 "slowdown", "wan_links", "wan_loss", "wan_streams", "wan_window",
                  "sync"}
         unknown = set(data) - known
         if unknown:
@@ -138,6 +142,12 @@ def load_topology(path: str | None = None, **flags) -> Topology:
         if not topo.profile.emulated:
             raise ConfigError(f"wan_links{where} need an emulated WAN (--wan {topo.profile.name} has none)")
         topo.wan_links = parse_link_overrides(data["wan_links"], topo.dc_names, where)
+    if any(data.get(k) is not None for k in ("wan_loss", "wan_streams", "wan_window")):
+        if not topo.profile.emulated:
+            raise ConfigError(f"wan_loss/wan_streams/wan_window{where} need an emulated WAN (--wan "
+                              f"{topo.profile.name} has none)")
+        topo.tcp = tcp_path(loss=data.get("wan_loss"), streams=data.get("wan_streams"),
+                            window=data.get("wan_window"), where=where)
     sync = data.get("sync")
     if sync is not None and not isinstance(sync, (str, dict)):
         raise ConfigError(f"sync{where} must be an algorithm name or a table, got {sync!r}")

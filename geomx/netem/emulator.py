@@ -32,6 +32,7 @@ from geomx.errors import ConfigError
 from geomx.netem import link_matrix
 from geomx.netem import outages as outage_plan
 from geomx.netem.link import DeliveryScheduler, EmulatedLink
+from geomx.netem.tcp_model import TcpPath, tcp_path_from_env
 from geomx.transport.security import Curve, Plain, Sealed, link_security
 from geomx.profiles import WanProfile, custom_profile, get_profile, parse_duration, parse_rate
 from geomx.transport.message import payload_nbytes
@@ -61,17 +62,19 @@ class WanEmulator:
                  security: Sealed | Curve | Plain | None = None, dcs: Iterable[str] | None = None,
                  hosts: Iterable[str] | None = None,
                  links: dict[tuple[str, str], link_matrix.LinkSpec] | None = None,
-                 outages: outage_plan.Outages | None = None) -> None:
+                 outages: outage_plan.Outages | None = None, tcp: TcpPath | None = None) -> None:
         """``dcs``: the DCs of the deployment (the central party included); a route naming another is dropped.
         ``hosts``: the hosts messages may be relayed to (default: this host and the loopback); the emulator
         never forwards anywhere else, so it cannot be used to reach a third party. ``links``: per-link rate
         and RTT that replace the profile's on those links (geomx.netem.link_matrix). ``outages``: partitions
-        that heal, by DC, in seconds after :meth:`start` (geomx.netem.outages)."""
+        that heal, by DC, in seconds after :meth:`start` (geomx.netem.outages). ``tcp``: loss, streams and window
+        that cap every link at what its TCP streams can move (geomx.netem.tcp_model)."""
         if not profile.emulated:
             raise ConfigError(f"WAN profile {profile.name!r} is not emulated: no emulator is needed")
         self.profile = profile
         self.link_overrides = dict(links or {})
         self.outages = dict(outages or {})
+        self.tcp = tcp or TcpPath()
         self.dcs = frozenset(dcs) if dcs is not None else None
         self.hosts = frozenset(hosts) if hosts is not None else frozenset({host, "127.0.0.1", "localhost"})
         self.refusals = RefusalLog(log)
@@ -190,7 +193,7 @@ class WanEmulator:
                     one_way_delay_s=spec.rtt_s / 2 if spec else self.profile.one_way_delay_s,
                     jitter_s=self.profile.jitter_s,
                     chunk_bytes=self.chunk_bytes, seed=self.seed, scheduler=self._delivery, epoch=self._epoch,
-                    outages=outage_plan.for_link(self.outages, src_dc, dst_dc))
+                    outages=outage_plan.for_link(self.outages, src_dc, dst_dc), tcp=self.tcp)
             return link
 
     # -- threads -----------------------------------------------------------------------------------------
@@ -327,7 +330,8 @@ def run_from_env(env: Mapping[str, str] | None = None) -> int:
     GEOMX_EMULATOR_DCS (optional: the DCs, comma-separated, central included; routes naming others are
     dropped), GEOMX_EMULATOR_HOSTS (optional: the hosts it may relay to; default its own host and loopback),
     GEOMX_WAN_LINKS (optional: per-link rate and RTT, geomx.netem.link_matrix),
-    GEOMX_WAN_OUTAGES (optional: partitions that heal, by DC, geomx.netem.outages).
+    GEOMX_WAN_OUTAGES (optional: partitions that heal, by DC, geomx.netem.outages),
+    GEOMX_WAN_LOSS / GEOMX_WAN_STREAMS / GEOMX_WAN_WINDOW (optional: the TCP ceiling, geomx.netem.tcp_model).
     """
     env = os.environ if env is None else env
     profile = profile_from_env(env)
@@ -348,7 +352,8 @@ def run_from_env(env: Mapping[str, str] | None = None) -> int:
     emulator = WanEmulator(profile=profile, host=host, port=port, run_dir=env.get("GEOMX_RUN_DIR") or None,
                            security=link_security(env), dcs=dcs, hosts=hosts,
                            links=link_matrix.from_env(env.get(link_matrix.ENV), dcs),
-                           outages=outage_plan.from_env(env.get(outage_plan.ENV), dcs))
+                           outages=outage_plan.from_env(env.get(outage_plan.ENV), dcs),
+                           tcp=tcp_path_from_env(env))
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -22,7 +22,11 @@ The model of a link is one serial line of ``rate_bps`` followed by a propagation
   the wire is retransmitted once the path is back, as TCP does for a partition shorter than its timeouts).
   (start, end, rate) slows the line instead: a chunk that starts in that window is serialized at that rate.
 
-Not modelled: loss, congestion control (slow start), per-packet header overhead.
+* ``tcp`` (a :class:`geomx.netem.tcp_model.TcpPath`): loss and the streams' window cap the line's rate at what
+  that many TCP streams move over the link's RTT; the line then serializes at that goodput.
+
+Not modelled: the time course of congestion control (slow start, the sawtooth), retransmitted bytes, per-packet
+header overhead.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from collections.abc import Callable, Iterable
 
 from geomx.errors import ConfigError, GeomxError
 from geomx.netem.outages import problem as outage_problem
+from geomx.netem.tcp_model import TcpPath
 
 log = logging.getLogger("geomx.netem")
 
@@ -115,7 +120,7 @@ class EmulatedLink:
 
     def __init__(self, *, name: str, rate_bps: float, one_way_delay_s: float, jitter_s: float = 0.0,
                  chunk_bytes: int = 65536, seed: int = 0, scheduler: DeliveryScheduler | None = None,
-                 epoch: float | None = None, outages: Iterable[tuple] = ()) -> None:
+                 epoch: float | None = None, outages: Iterable[tuple] = (), tcp: TcpPath | None = None) -> None:
         if not rate_bps or rate_bps <= 0:
             raise ConfigError(f"link {name}: rate must be > 0 bit/s, got {rate_bps}")
         if one_way_delay_s < 0 or jitter_s < 0:
@@ -123,8 +128,11 @@ class EmulatedLink:
         if chunk_bytes <= 0:
             raise ConfigError(f"link {name}: chunk_bytes must be > 0, got {chunk_bytes}")
         self.name = name
-        self.rate_bps = float(rate_bps)
+        self.line_rate_bps = float(rate_bps)
         self.one_way_delay_s = float(one_way_delay_s)
+        self.tcp = tcp or TcpPath()
+        # the rate the line serializes at: its own, or what the TCP streams can move over its RTT
+        self.rate_bps = self.tcp.goodput_bps(self.line_rate_bps, 2 * self.one_way_delay_s)
         self.jitter_s = float(jitter_s)
         self.chunk_bytes = int(chunk_bytes)
         self._rng = random.Random(f"{seed}:{name}")    # str seeds are deterministic across runs
@@ -167,7 +175,9 @@ class EmulatedLink:
 
     def snapshot(self) -> dict:
         with self._stats_lock:
-            return {"name": self.name, "rate_bps": self.rate_bps, "one_way_delay_s": self.one_way_delay_s,
+            return {"name": self.name, "rate_bps": self.rate_bps, "line_rate_bps": self.line_rate_bps,
+                    "loss": self.tcp.loss, "streams": self.tcp.streams, "window_bytes": self.tcp.window_bytes,
+                    "one_way_delay_s": self.one_way_delay_s,
                     "jitter_s": self.jitter_s, "bytes": self._bytes, "messages": self._messages,
                     "queued_bytes": self._queued_bytes, "queued_messages": self._queued_messages,
                     "series": list(self._series),

@@ -9,7 +9,8 @@ From flags (``geomx launch --wan-link b=50mbit/250ms``, repeatable), a topology 
 (``wan_links = {b = "50mbit/250ms", "a->central" = "1gbit/20ms"}``), or the emulator's environment
 (``GEOMX_WAN_LINKS``, written by the launcher with explicit units: ``b->central=50000000.0bit/0.25s,...``). Units
 are those of every other WAN setting: a bare rate is bit/s, a bare RTT milliseconds. A later entry for
-the same link wins. Jitter stays the profile's. Not modelled yet: loss and TCP's window per stream.
+the same link wins. Jitter stays the profile's; loss, streams and window are the deployment's, for every link
+(geomx.netem.tcp_model).
 """
 from __future__ import annotations
 
