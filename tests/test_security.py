@@ -221,3 +221,26 @@ def test_the_wan_emulator_with_authenticated_links_stops_cleanly():
     stopper.start()
     stopper.join(10)
     assert not stopper.is_alive(), "the emulator's context kept open sockets after it stopped"
+
+
+def test_a_node_started_while_the_last_connection_checker_still_holds_its_endpoint_waits_for_it():
+    """ZeroMQ closes a stopped checker's socket in the background, so a node started right after the previous
+    one stopped (back-to-back tests, a restarted role) could find the checker's one endpoint per context still
+    bound (ci3 saw 'Address already in use'). The new checker's bind is tried again until the old socket is gone;
+    here a socket holds the endpoint for 0.3 s."""
+    import threading
+
+    from geomx.transport.security import Sealed
+
+    ctx = zmq.Context()
+    holder = ctx.socket(zmq.REP)
+    holder.bind("inproc://zeromq.zap.01")
+    threading.Timer(0.3, lambda: holder.close(linger=0)).start()
+    started = time.monotonic()
+    van = ZmqVan(node_id="late", dc="a", on_message=lambda m: None, context=ctx, security=Sealed(SECRET))
+    van.start()
+    try:
+        assert time.monotonic() - started >= 0.25
+    finally:
+        van.stop()
+    assert _terminates(ctx), "a checker that failed to bind left a socket open"

@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 
 import zmq
 import zmq.utils.z85
@@ -37,6 +38,7 @@ log = logging.getLogger("geomx.security")
 _MIN_SECRET_CHARS = 16
 _auth_lock = threading.Lock()
 _authenticators: dict[int, list] = {}   # id(context) -> [its ZAP handler, server sockets still using it]
+_ZAP_BIND_S = 2.0
 
 
 def read_secret(env) -> str | None:
@@ -182,18 +184,33 @@ def _ensure_authenticator(ctx: zmq.Context, configure) -> None:
     with _auth_lock:
         entry = _authenticators.get(id(ctx))
         if entry is None:
-            auth = _LoggingAuthenticator(ctx, log=logging.getLogger("geomx.security.zap"))
-            auth.start()
-            entry = _authenticators[id(ctx)] = [auth, 0]
+            entry = _authenticators[id(ctx)] = [_start_authenticator(ctx), 0]
         entry[1] += 1
         configure(entry[0])
+
+
+def _start_authenticator(ctx: zmq.Context) -> _LoggingAuthenticator:
+    """A started ZAP handler. Its endpoint (one per context) may still be held for a moment by the handler just
+    stopped (ZeroMQ closes sockets in the background): the bind is tried again for up to ``_ZAP_BIND_S``."""
+    deadline = time.monotonic() + _ZAP_BIND_S
+    while True:
+        auth = _LoggingAuthenticator(ctx, log=logging.getLogger("geomx.security.zap"))
+        try:
+            auth.start()
+            return auth
+        except zmq.ZMQError as exc:
+            if auth.zap_socket is not None:     # created, not bound: it would keep the context from terminating
+                auth.zap_socket.close(linger=0)
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def _release_authenticator(ctx: zmq.Context) -> None:
     """A server socket of ``ctx`` has closed; stop the ZAP handler once none is left. The handler holds sockets of
     its own, and a context with open sockets never terminates: left running, it kept every process alive for
     seconds after its work was done (and the WAN emulator until the launcher killed it)."""
-    with _auth_lock:
+    with _auth_lock:        # held while it stops, so that a new server socket waits for a fresh handler
         entry = _authenticators.get(id(ctx))
         if entry is None:
             return
@@ -201,7 +218,7 @@ def _release_authenticator(ctx: zmq.Context) -> None:
         if entry[1] > 0:
             return
         del _authenticators[id(ctx)]
-    entry[0].stop()
+        entry[0].stop()
 
 
 def _refusal_log():
