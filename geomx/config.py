@@ -26,6 +26,11 @@ MIXEDSYNC = ("wait", "overlap")
 # what a synchronous round returns without a server optimizer (and what one steps on): MXNet's and GeoMX's
 # servers sum the pushes; DistributedOptimizer asks for the mean over all training workers
 REDUCTIONS = ("sum", "mean")
+
+
+def round_divisor(reduction: str, num_all_workers: int) -> int:
+    """What a round's sum is divided by under ``reduction``: the training workers world-wide for the mean."""
+    return num_all_workers if reduction == "mean" else 1
 TOPOLOGIES = ("hips", "flat")
 
 

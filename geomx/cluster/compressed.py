@@ -208,7 +208,7 @@ class ClientWire(_Side):
                 "replica": [[key, value] for key, value in self._replica.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._push, self._replica = {}, {}
+        self._push = {}
         for key, shape, dtype, saved in state["push"]:
             codec = self.codec(key, tuple(shape), np.dtype(dtype))
             if codec is None:

@@ -21,7 +21,7 @@ from geomx.cluster.server_checkpoint import ServerCheckpoints
 from geomx.cluster.protocol import Command, Field, Op
 from geomx.compat import conflict
 from geomx.compression import CompressionPolicy
-from geomx.config import MIXEDSYNC, MODES, REDUCTIONS, NodeConfig
+from geomx.config import MIXEDSYNC, MODES, REDUCTIONS, NodeConfig, round_divisor
 from geomx.errors import ConfigError
 from geomx.profiles import CENTRAL_DC
 from geomx.transport.message import Message
@@ -126,7 +126,7 @@ class GlobalServer(KVServer):
 
     def _choose_policy(self) -> UpdatePolicy:
         sync = self.mode == "dist_sync"
-        divisor = self.num_all_workers if self.reduction == "mean" else 1
+        divisor = round_divisor(self.reduction, self.num_all_workers)
         if self.optimizer is not None:
             return ServerOptimizer(divisor, *self.optimizer, synchronous=sync)
         if sync:

@@ -21,6 +21,7 @@ import numpy as np
 
 from geomx.cluster.client import Handle
 from geomx.cluster.round_policies import register_round_policy
+from geomx.config import round_divisor
 from geomx.cluster.kvserver import KeyState, Round
 from geomx.errors import PeerLostError
 
@@ -60,8 +61,8 @@ class WanOverlap:
             self.server.fail_waiting(st, s.wan_error, lost=s.wan_lost)
             return
         # the deployment's reduction: what the global server relays is the sum, or the sum / all workers
-        mean = self.server.info.get("reduction", "mean") == "mean"
-        divisor = np.float32(self.server.info["num_all_workers"] if mean else 1)
+        info = self.server.info
+        divisor = np.float32(round_divisor(info.get("reduction", "mean"), info["num_all_workers"]))
         value = np.divide(rnd.total, divisor, dtype=np.float32)
         inbox, s.inbox = s.inbox, None
         if inbox is not None:

@@ -91,6 +91,7 @@ class KVStore:
         # claims the algorithm first
         settings = settings_from_env(env)
         self._server_hfa_k2 = settings.k2 if settings.algorithm == "hfa" else None
+        self._mode_sent: dict | None = None     # the master worker's last set_mode, as the servers hold it
         self.po = Postoffice(cfg)
         self._client: KVClient | None = None
         self.po.on_data = self._on_data
@@ -126,11 +127,15 @@ class KVStore:
         # GeoMX's HFA sums the DCs' shares: a kvstore that asked for the mean is not a GeoMX HFA script
         asks_server_hfa = self._unclaimed_sync is not None and (self._reduction or "sum") == "sum"
         hfa_k2 = self._server_hfa_k2 if asks_server_hfa else None
+        mode = {"mode": self.type, "mixedsync": self.cfg.mixedsync, "reduction": self._reduction or "sum",
+                "hfa_k2": hfa_k2}
+        if mode == self._mode_sent:     # the servers have it already
+            return
         if hfa_k2 is not None:
             check_combination(mode=self.type, topology=self.cfg.topology, sync="hfa", k2=hfa_k2)
-        for h in self._client.command(Command.SET_MODE, mode=self.type, mixedsync=self.cfg.mixedsync,
-                                      reduction=self._reduction or "sum", hfa_k2=hfa_k2):
+        for h in self._client.command(Command.SET_MODE, **mode):
             h.wait()
+        self._mode_sent = mode
 
     def _on_data(self, msg) -> None:
         if msg.op == Op.REPLY and self._client is not None:
@@ -189,7 +194,7 @@ class KVStore:
         if self._unclaimed_sync is None:
             return
         self._unclaimed_sync = None
-        if self.is_master_worker and self._server_hfa_k2 is not None:
+        if self.is_master_worker:
             self._send_mode()
 
     # configuration (master worker) ----------------------------------------------------------------------------

@@ -79,14 +79,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if kvstore is None:
             import geomx.kvstore
             kvstore = geomx.kvstore.create(reduction="mean")
-            kvstore.claim_sync(sync)
         elif kvstore.asked_reduction == "sum":
             raise ConfigError("DistributedOptimizer averages the workers' gradients, but this kvstore was created "
                               "with reduction='sum': create it without a reduction (or with 'mean')")
-        else:
-            kvstore.claim_sync(sync)        # before set_reduction: the master worker's mode goes out once
-            # FSA's step, the server optimizer and the algorithms' model averages read a round as the mean
-            kvstore.set_reduction("mean")
+        kvstore.claim_sync(sync)
+        # FSA's step, the server optimizer and the algorithms' model averages read a round as the mean (the master
+        # worker sends its mode again only where it changed)
+        kvstore.set_reduction("mean")
         self.kv = kvstore
         self.backward_passes_per_step = backward_passes_per_step
         self.slowdown = Slowdown.from_env()

@@ -52,6 +52,7 @@ class Queued:
     neg_priority: int
     seq: int
     addr: str = field(compare=False)            # the receiver (the socket's peer, or behind the emulator)
+    socket: str = field(compare=False)          # the socket it leaves on: ``addr``, or the emulator's
     dst_dc: str | None = field(compare=False)
     frames: list = field(compare=False)
     nbytes: int = field(compare=False)

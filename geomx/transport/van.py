@@ -207,8 +207,8 @@ class ZmqVan(Van):
         if not msg.src:
             msg.src = self.node_id
         frames = encode(msg)
-        item = Queued(-msg.priority, next(self._seq), addr, dst_dc, frames, payload_nbytes(frames))
         sock_addr = self._socket_address(addr, dst_dc)
+        item = Queued(-msg.priority, next(self._seq), addr, sock_addr, dst_dc, frames, payload_nbytes(frames))
         if self._send_lock.acquire(blocking=False):
             try:
                 with self._cv:
@@ -392,13 +392,12 @@ class ZmqVan(Van):
             frames = item.frames
             if self._seal is not None:      # here, not in send(): counters go out in order on each connection
                 frames = self._seal.seal(frames, item.addr)
-            sock_addr = self._socket_address(item.addr, item.dst_dc)
-            if sock_addr != item.addr:
+            if item.socket != item.addr:    # through the emulator, behind a route frame
                 route = msgpack.packb({"dst": item.addr, "src_dc": self.dc, "dst_dc": item.dst_dc,
                                        "prio": -item.neg_priority}, use_bin_type=True)
                 frames = [route] + frames
             item.wire = frames
-        sock_addr = self._socket_address(item.addr, item.dst_dc)
+        sock_addr = item.socket
         try:
             sock = self._sockets.get(sock_addr)
             if sock is None:
