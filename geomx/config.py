@@ -64,6 +64,7 @@ class NodeConfig:
     resume_step: int | None = None         # the step (= round) to resume at
     size_lower_bound: int | None = None    # MXNET_KVSTORE_SIZE_LOWER_BOUND here (global servers: theirs wins)
     optimizer_modules: tuple[str, ...] = ()   # GEOMX_OPTIMIZER_MODULES: user optimizer modules servers may import
+    min_workers_per_dc: int = 1            # a DC scheduler drops silent workers while this many remain
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
     connect_timeout: float = 120.0
@@ -197,6 +198,7 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
                                   if m.strip())
     if (env.get(SIZE_BOUND_ENV) or "").strip():
         cfg.size_lower_bound = env_size_bound(env)
+    cfg.min_workers_per_dc = _int(env, "GEOMX_MIN_WORKERS_PER_DC", role, 1)
     cfg.heartbeat_interval = _float(env, "GEOMX_HEARTBEAT_INTERVAL", cfg.heartbeat_interval)
     cfg.heartbeat_timeout = _float(env, "GEOMX_HEARTBEAT_TIMEOUT", cfg.heartbeat_timeout)
     cfg.connect_timeout = _float(env, "GEOMX_CONNECT_TIMEOUT", cfg.connect_timeout)
@@ -241,6 +243,9 @@ def _check_counts(cfg: NodeConfig) -> None:
 
     if cfg.role in ("scheduler", "server", "worker", "master", "global_server"):
         positive("DMLC_NUM_WORKER", cfg.num_workers)
+    if cfg.role == "scheduler" and cfg.dc != CENTRAL_DC and not 1 <= cfg.min_workers_per_dc <= cfg.num_workers:
+        raise ConfigError(f"GEOMX_MIN_WORKERS_PER_DC={cfg.min_workers_per_dc} must be between 1 and the DC's "
+                          f"DMLC_NUM_WORKER={cfg.num_workers} (the workers that must remain for the DC to go on)")
     if cfg.role == "server" and cfg.num_servers != 1:
         raise ConfigError(f"a local server needs DMLC_NUM_SERVER=1 (one local server per DC), got "
                           f"{cfg.num_servers}")

@@ -318,3 +318,40 @@ def test_the_launcher_sizes_parts_for_the_wan_one_value_for_every_role(tmp_path,
     assert parts(wan="lan") == {None}                        # no WAN: the kvstore's default (16 MiB)
     monkeypatch.setenv("GEOMX_PARTITION_BYTES", "1048576")  # the user's choice wins (inherited by every role)
     assert parts(wan="transpacific") == {None}
+
+
+# -- fault domains ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["0", "3"])
+def test_min_workers_per_dc_outside_one_to_the_dcs_workers_is_refused_naming_both_variables(value):
+    with pytest.raises(ConfigError, match=f"GEOMX_MIN_WORKERS_PER_DC={value} must be between 1 and the DC's "
+                                          f"DMLC_NUM_WORKER=2"):
+        config_from_env(worker_env(DMLC_ROLE="scheduler", DMLC_NUM_ALL_WORKER=None, GEOMX_MIN_WORKERS_PER_DC=value))
+    cfg = config_from_env(worker_env(DMLC_ROLE="scheduler", DMLC_NUM_ALL_WORKER=None, GEOMX_MIN_WORKERS_PER_DC="2"))
+    assert cfg.min_workers_per_dc == 2
+
+
+def test_launch_refuses_min_workers_per_dc_above_the_smallest_dc_naming_the_flag(tmp_path):
+    res = _geomx("launch", "--workers-per-dc", "2", "--min-workers-per-dc", "3", "--run-dir", str(tmp_path / "run"),
+                 "--", PY, "-c", "pass")
+    assert res.returncode == 2, res.stderr
+    assert "--min-workers-per-dc must be between 1 and the smallest DC's workers (2), got 3" in res.stderr
+
+
+def test_worker_losses_keep_at_least_min_workers_in_each_dc_and_none_in_the_flat_topology():
+    from geomx.cli.fault_domains import WorkerLosses
+
+    workers = {"a-worker-0": "a", "a-worker-1": "a", "a-worker-2": "a", "b-worker-0": "b"}
+    losses = WorkerLosses(workers, min_workers=1)
+    assert not losses.may_lose("b-worker-0")          # DC b's only worker
+    assert not losses.may_lose("master")              # not a training worker
+    assert losses.may_lose("a-worker-1")
+    assert losses.lose("a-worker-1", "was killed by signal 9 at 3.0 s") == (
+        "geomx: a-worker-1 was killed by signal 9 at 3.0 s; DC a goes on with 2 of 3 workers (--min-workers-per-dc 1)")
+    assert not losses.may_lose("a-worker-1")          # lost once
+    assert losses.may_lose("a-worker-2")
+    losses.lose("a-worker-2", "is frozen (stopped) at 4.0 s")
+    assert not losses.may_lose("a-worker-0")          # the last one of DC a
+    assert losses.summary() == "a-worker-1 (was killed by signal 9 at 3.0 s), a-worker-2 (is frozen (stopped) at 4.0 s)"
+    assert not WorkerLosses(workers, min_workers=None).may_lose("a-worker-1")
+    assert not WorkerLosses(workers, min_workers=3).may_lose("a-worker-1")

@@ -225,10 +225,15 @@ for step in range(1_000_000):
 """
 
 
-def test_killed_worker_stops_every_other_worker_with_an_error_naming_it_within_30s(tmp_path):
+# every DC needs both its workers: a lost one stops the run (by default a DC goes on without it, see
+# test_fault_domains.py)
+EVERY_WORKER_NEEDED = {**FAST_HEARTBEAT, "GEOMX_MIN_WORKERS_PER_DC": "2"}
+
+
+def test_killed_worker_stops_every_other_worker_naming_it_within_30s_when_its_dc_needs_every_worker(tmp_path):
     """No launcher: the deployment's own liveness checks must stop everybody, naming the dead worker."""
     script = write_script(tmp_path, TRAIN_FOREVER)
-    topo = make_topology(dcs=2, workers_per_dc=2, env=FAST_HEARTBEAT)
+    topo = make_topology(dcs=2, workers_per_dc=2, env=EVERY_WORKER_NEEDED)
     procs, running, run_dir = start_plan(tmp_path, script, topo, ready=lambda d: all(
         (d / f"training-{i}.json").exists() for i in range(topo.num_all_workers)))
     try:
@@ -248,6 +253,7 @@ def test_killed_worker_stops_every_other_worker_with_an_error_naming_it_within_3
             # PeerLostError, or KVError when its local server's global round failed first
             assert re.search(r"geomx\.errors\.(PeerLostError|KVError)", text), text
             assert "worker 1 of DC a" in text and f"pid {victim.pid}" in text, f"{name} does not name it:\n{text}"
+            assert "fewer than GEOMX_MIN_WORKERS_PER_DC=2" in text, text
     finally:
         procs.close()
 
@@ -263,9 +269,9 @@ def signal_when_training(role: str, sig: int, state: dict):
     return watch
 
 
-def test_killed_worker_makes_launch_exit_non_zero_naming_the_role(tmp_path):
+def test_killed_worker_makes_launch_exit_non_zero_naming_the_role_when_its_dc_needs_every_worker(tmp_path):
     state = {}
-    code, run_dir, output = launch(tmp_path, TRAIN_FOREVER, env=FAST_HEARTBEAT, timeout=60,
+    code, run_dir, output = launch(tmp_path, TRAIN_FOREVER, env=EVERY_WORKER_NEEDED, timeout=60,
                                    watch=signal_when_training("b-worker-0", signal.SIGKILL, state))
     assert state, "the workers never trained\n" + describe(code, run_dir, output)
     assert code == 1, describe(code, run_dir, output)
@@ -277,7 +283,7 @@ def test_a_frozen_worker_is_named_in_the_launchers_headline_not_the_role_that_ga
     gives up; the headline must name the frozen worker."""
     state = {}
     try:
-        code, run_dir, output = launch(tmp_path, TRAIN_FOREVER, env=FAST_HEARTBEAT, timeout=60,
+        code, run_dir, output = launch(tmp_path, TRAIN_FOREVER, env=EVERY_WORKER_NEEDED, timeout=60,
                                        watch=signal_when_training("a-worker-1", signal.SIGSTOP, state))
     finally:
         if state:       # the launcher's SIGTERM cannot reach a stopped process's handler; let it die
@@ -287,6 +293,7 @@ def test_a_frozen_worker_is_named_in_the_launchers_headline_not_the_role_that_ga
     assert code == 1, describe(code, run_dir, output)
     headline = next(line for line in output.splitlines() if "stopping every process" in line)
     assert headline.startswith("geomx: role a-worker-1 is frozen (stopped, not running);"), output
+    assert "fewer than GEOMX_MIN_WORKERS_PER_DC=2" in logs(run_dir), describe(code, run_dir, output)
 
 
 # -- garbage on the wire ---------------------------------------------------------------------------------------

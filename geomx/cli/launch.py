@@ -28,6 +28,7 @@ from geomx.metrics import METRICS_DIR
 from geomx.netem import link_matrix
 from geomx.netem import outages as outage_plan
 from geomx.netem.emulator import STATS_FILE
+from geomx.cli.fault_domains import MIN_WORKERS_ENV, WorkerLosses
 from geomx.profiles import CENTRAL_DC
 from geomx.sync.slowdown import ENV as SLOWDOWN_ENV
 import contextlib
@@ -42,6 +43,7 @@ class RoleSpec:
     argv: list[str]
     env: dict[str, str]
     echo: bool = False      # echo its output on the console
+    dc: str | None = None   # a DC's roles: its name
 
 
 @dataclass
@@ -133,7 +135,7 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
                 env.update(glob)
             if (dc, r) in topo.slowdown:
                 env[SLOWDOWN_ENV] = str(topo.slowdown[(dc, r)])
-            specs.append(RoleSpec(f"{dc}-worker-{r}", "worker", list(command), env, echo=True))
+            specs.append(RoleSpec(f"{dc}-worker-{r}", "worker", list(command), env, echo=True, dc=dc))
             index += 1
     return specs
 
@@ -198,6 +200,7 @@ class Launcher:
         self._print_lock = threading.Lock()
         self.progress = None        # geomx.cli.progress.Progress while the deployment runs (not with quiet)
         self.injector = Injector(parse_faults(inject), seed=inject_seed) if inject else None   # --inject
+        self.losses: WorkerLosses | None = None      # the workers the run may lose (set at start)
 
     def say(self, text: str) -> None:
         with self._print_lock:
@@ -219,6 +222,11 @@ class Launcher:
             for spec in emulators:
                 spec.env[outage_plan.ENV] = outage_plan.to_env(self.injector.wan_outages())
         self._write_manifest(specs)
+        try:
+            min_workers = None if self.topo.topology == "flat" else int(self.topo.env.get(MIN_WORKERS_ENV, "1"))
+        except ValueError:
+            raise ConfigError(f"{MIN_WORKERS_ENV}={self.topo.env[MIN_WORKERS_ENV]!r} is not a whole number") from None
+        self.losses = WorkerLosses({s.name: s.dc for s in specs if s.kind == "worker"}, min_workers)
         interrupted = {"sig": None}
 
         def on_signal(signum, _frame):
@@ -305,18 +313,24 @@ class Launcher:
                 if r.returncode is None:
                     r.returncode = r.proc.poll()
                     if r.returncode not in (None, 0) and not (r.spec.kind == "emulator" and trainers_done_at):
-                        failed.append(r)
+                        if self.losses.may_lose(r.spec.name):     # its DC goes on without it
+                            self.say(self.losses.lose(r.spec.name, f"{_how_it_ended(r.returncode)} at "
+                                                                   f"{time.monotonic() - start:.1f} s"))
+                        else:
+                            failed.append(r)
             if failed:
                 self._report_failure(min(failed, key=_blame_order), time.monotonic() - start)
                 return 1
-            if trainers_done_at is None and all(r.returncode == 0 for r in trainers):
+            if trainers_done_at is None and self._trainers_done(trainers, time.monotonic() - start):
                 trainers_done_at = time.monotonic()
             if trainers_done_at is not None:
                 infra = [r for r in self.running if r.spec.kind in ("scheduler", "server")]
                 if all(r.returncode == 0 for r in infra):
                     if not self.quiet:
-                        self.say(f"geomx: all {len(self.running)} processes finished in "
-                                 f"{time.monotonic() - start:.1f} s; logs in {self.run_dir}")
+                        took = f"{time.monotonic() - start:.1f} s; logs in {self.run_dir}"
+                        self.say(f"geomx: training finished without {self.losses.summary()}; the other processes "
+                                 f"exited in {took}" if self.losses.lost else
+                                 f"geomx: all {len(self.running)} processes finished in {took}")
                     return 0
                 if time.monotonic() - trainers_done_at > INFRA_EXIT_GRACE_S:
                     stuck = ", ".join(r.spec.name for r in infra if r.returncode is None)
@@ -329,9 +343,20 @@ class Launcher:
                 self.injector.tick(time.monotonic() - start, self._pids(), self.say)
             time.sleep(0.1)
 
+    def _trainers_done(self, trainers: list[Running], elapsed_s: float) -> bool:
+        """Every trainer exited 0 or was lost. A worker still frozen (SIGSTOP) when all the others are done was
+        dropped by its DC (they could not have finished otherwise): it is lost too."""
+        pending = [r for r in trainers if r.returncode != 0 and r.spec.name not in self.losses.lost]
+        if not pending or any(r.returncode is None and not _is_stopped(r.proc.pid) for r in pending):
+            return not pending
+        if not all(self.losses.may_lose(r.spec.name) for r in pending):
+            return False
+        for r in pending:
+            self.say(self.losses.lose(r.spec.name, f"is frozen (stopped) at {elapsed_s:.1f} s"))
+        return True
+
     def _report_failure(self, r: Running, elapsed_s: float) -> None:
-        code = r.returncode
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        how = _how_it_ended(r.returncode)
         # a role that gave up on a peer across an injected WAN fault: the fault is the cause to read first
         wan_faults = self.injector.wan_faults_in_effect(elapsed_s) if self.injector is not None else []
         if wan_faults:
@@ -358,6 +383,7 @@ class Launcher:
         alive = [r for r in self.running if r.proc.poll() is None]
         for r in alive:
             _signal_group(r.proc, signal.SIGTERM)
+            _signal_group(r.proc, signal.SIGCONT)      # a frozen role handles SIGTERM once it runs
         deadline = time.monotonic() + 5.0
         for r in alive:
             try:
@@ -368,6 +394,10 @@ class Launcher:
         for r in self.running:
             if r.pump is not None:
                 r.pump.join(timeout=2)
+
+
+def _how_it_ended(code: int) -> str:
+    return f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
 
 
 def _blame_order(r: Running) -> tuple[int, int]:

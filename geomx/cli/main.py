@@ -63,6 +63,7 @@ def topology_from_args(args: argparse.Namespace):
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    from geomx.cli.fault_domains import MIN_WORKERS_ENV
     from geomx.cli.launch import Launcher
 
     command = list(args.command)
@@ -77,6 +78,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if args.checkpoint_every < 1:
             raise GeomxError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
         topo.env["GEOMX_CHECKPOINT_EVERY"] = str(args.checkpoint_every)
+    if args.min_workers_per_dc is not None:
+        smallest = min(topo.workers_per_dc)
+        if not 1 <= args.min_workers_per_dc <= smallest:
+            raise GeomxError(f"--min-workers-per-dc must be between 1 and the smallest DC's workers ({smallest}), "
+                             f"got {args.min_workers_per_dc}")
+        topo.env[MIN_WORKERS_ENV] = str(args.min_workers_per_dc)
     return Launcher(topo, command, run_dir=run_dir, quiet=args.quiet, secure=args.secure, insecure=args.insecure,
                     resume=args.resume, resume_step=args.resume_step, inject=args.inject,
                     inject_seed=args.inject_seed).run(timeout=args.timeout)
@@ -109,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
                         "seconds) a role, e.g. kill:a-worker-1@10, stop:b-server@5+3, kill:random@10; or cut every "
                         "emulated WAN link of a DC for D seconds, e.g. partition:b@6+2, or slow them, e.g. "
                         "slow:b@6+10=10mbit; repeatable")
+    p.add_argument("--min-workers-per-dc", type=int, metavar="N",
+                   help="a DC goes on without a worker that died or froze while N of its workers remain (default 1; "
+                        "the DC's workers count to stop at the first lost worker); GEOMX_MIN_WORKERS_PER_DC")
     p.add_argument("--inject-seed", type=int, default=0, help="the seed that picks --inject's random role")
     p.add_argument("--resume-step", type=int, metavar="N",
                    help="with --resume: go back to step N (every worker must have kept its checkpoint)")

@@ -40,8 +40,19 @@ class DCRounds:
         rnd.add(msg.src, value, msg.priority, reusable=msg.private)
         msg.tensors = []        # held until the round completes: the round has the value
         held.append(msg)
-        if len(rnd.contributors) == server.expected_contributors(st):
-            del self.open[(st.key, n)]
-            total = rnd.total.astype(st.dtype, copy=False)
-            for request in held:
-                server.reply(request, tensors=[total])
+        self._complete_if_done(st, n)
+
+    def _complete_if_done(self, st, n: int) -> None:
+        rnd, held = self.open[(st.key, n)]
+        if not self.server.round_complete(st, rnd):
+            return
+        del self.open[(st.key, n)]
+        total = self.server.stand_in_for_departed(rnd).astype(st.dtype, copy=False)
+        for request in held:
+            self.server.reply(request, tensors=[total])
+
+    def drop(self, member: str) -> None:
+        """A worker left the DC: forget its held requests, complete the rounds that waited only for it."""
+        for (key, n), (_, held) in list(self.open.items()):
+            held[:] = [request for request in held if request.src != member]
+            self._complete_if_done(self.server.keys[key], n)

@@ -191,6 +191,10 @@ class KVServer:
     def expected_contributors(self, st: KeyState) -> int:
         raise NotImplementedError
 
+    def round_complete(self, st: KeyState, rnd: Round) -> bool:
+        """Whether ``rnd`` has every push it waits for (a local server's DC may have dropped a worker)."""
+        return len(rnd.contributors) >= self.expected_contributors(st)
+
     def on_init(self, msg: Message, client: NodeInfo) -> None:
         raise NotImplementedError
 
@@ -207,12 +211,15 @@ class KVServer:
         :meth:`Round.add`."""
         rnd = st.rounds.setdefault(number, Round())
         rnd.add(src, value, priority, reusable=reusable)
-        if len(rnd.contributors) == self.expected_contributors(st):
-            del st.rounds[number]
-            try:
-                self.on_round(st, number, rnd)
-            except GeomxError as exc:   # the round cannot go on: its waiting clients hear why now, not at a deadline
-                self.fail_waiting(st, f"round {number} of key {st.key!r} failed at {self.po.cfg.label}: {exc}")
+        if self.round_complete(st, rnd):
+            self.complete_round(st, number)
+
+    def complete_round(self, st: KeyState, number: int) -> None:
+        rnd = st.rounds.pop(number)
+        try:
+            self.on_round(st, number, rnd)
+        except GeomxError as exc:   # the round cannot go on: its waiting clients hear why now, not at a deadline
+            self.fail_waiting(st, f"round {number} of key {st.key!r} failed at {self.po.cfg.label}: {exc}")
 
     def read_value(self, st: KeyState, src: str) -> np.ndarray:
         return st.value

@@ -7,6 +7,11 @@ push round n+1 before round n returns); results are applied in round order. That
 policy (:class:`WaitForWan`); the others, MixedSync ``overlap`` (wan_overlap.py), which answers the workers
 without waiting for the WAN, and GeoMX's HFA server logic (hfa_rounds.py), are registered the same way
 (round_policies.py), and the global servers name the one a deployment runs.
+
+A DC is a fault domain: when its scheduler drops a silent worker (``member_left``), the rounds that waited for
+it complete with the workers that pushed, and the DC's sum is scaled to its configured size (the DC's mean
+stands in for the missing gradients), so the global round weighs every DC as before and nothing upstream
+changes.
 """
 from __future__ import annotations
 
@@ -72,6 +77,37 @@ class LocalServer(KVServer):
         self.dc_tier = tier
         self.add_clients(tier.members)
 
+    def on_member_left(self, tier: Tier, member: NodeInfo, reason: str) -> None:
+        """A worker of this DC was dropped: its held requests go, the rounds that waited only for it complete."""
+        if tier is not self.dc_tier:
+            return
+        self.clients.pop(member.id, None)
+        left = len(tier.workers())
+        log.warning("DC %s goes on with %d of %d workers without %s: rounds it misses count the DC's mean in its "
+                    "place", self.po.cfg.dc, left, self.po.cfg.num_workers, member.label)
+        if self.po.metrics is not None:
+            self.po.metrics.write("member_left", node=member.label, reason=reason, workers_left=left)
+        for st in self.keys.values():
+            st.waiting = [(msg, after) for msg, after in st.waiting if msg.src != member.id]
+            for number in sorted(st.rounds):
+                if self.round_complete(st, st.rounds[number]):
+                    self.complete_round(st, number)
+        self.dc_rounds.drop(member.id)
+
+    def round_complete(self, st: KeyState, rnd: Round) -> bool:
+        # every worker still in the DC pushed (a dropped worker's push, made before it went silent, counts)
+        return {w.id for w in self.dc_tier.workers()}.issubset(rnd.contributors)
+
+    def stand_in_for_departed(self, rnd: Round) -> np.ndarray:
+        """The round's sum, scaled to the DC's configured size when dropped workers are missing from it."""
+        configured, pushed = self.po.cfg.num_workers, len(rnd.contributors)
+        if pushed >= configured or rnd.total is None:
+            return rnd.total
+        factor = np.float32(configured / pushed) if rnd.total.dtype == np.float32 else configured / pushed
+        rnd.total = np.multiply(rnd.total, factor, out=rnd.total if rnd.owned else None)
+        rnd.owned = True
+        return rnd.total
+
     def dispatch(self, msg: Message) -> None:
         if msg.op == Op.REPLY and self.upstream is not None and msg.src not in self.clients:
             self.upstream.handle_reply(msg)
@@ -128,6 +164,7 @@ class LocalServer(KVServer):
                                    per_client=False, salt=self.po.cfg.label)
 
     def on_round(self, st: KeyState, number: int, rnd: Round) -> None:
+        self.stand_in_for_departed(rnd)
         name = self.info.get("round_policy", "wait")
         policy = self.round_policies.get(name)
         if policy is None:
@@ -214,6 +251,7 @@ def start_local_server(cfg: NodeConfig, done: threading.Event, *, node_id: str |
     po = Postoffice(cfg, node_id=node_id)
     server = LocalServer(po)
     po.on_data = server.dispatch
+    po.add_member_left_listener(server.on_member_left)
     po.add_abort_listener(lambda reason: done.set())
     po.add_shutdown_listener(lambda tier: done.set() if tier.name.startswith("dc:") else None)
     po.start()

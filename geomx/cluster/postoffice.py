@@ -33,7 +33,7 @@ _METRICS_PERIOD_S = 1.0
 log = logging.getLogger("geomx.postoffice")
 
 # what a tier's scheduler sends its members; the other control ops go to schedulers only
-FROM_SCHEDULER = {Op.TABLE, Op.REJECT, Op.BARRIER_DONE, Op.HEARTBEAT_ACK, Op.SHUTDOWN, Op.ABORT}
+FROM_SCHEDULER = {Op.TABLE, Op.REJECT, Op.BARRIER_DONE, Op.HEARTBEAT_ACK, Op.SHUTDOWN, Op.MEMBER_LEFT, Op.ABORT}
 TIER_ROLES = ("server", "worker")
 
 
@@ -90,7 +90,8 @@ class Tier:
         # echoed by the scheduler in every control message to us: proves the sender is the scheduler we
         # registered with (a stranger never sees it), for the cost of one string comparison
         self.token = secrets.token_hex(16)
-        self.members: list[NodeInfo] = []
+        self.members: list[NodeInfo] = []     # without those the scheduler dropped (``departed``)
+        self.departed: dict[str, tuple[NodeInfo, str]] = {}   # node id -> (member, why it was dropped)
         self.me: NodeInfo | None = None
         self.closed = False             # the scheduler said shutdown: stop heartbeating
         self.last_ack = time.monotonic()
@@ -175,6 +176,14 @@ class Tier:
         elif msg.op == Op.SHUTDOWN:
             self.closed = True
             self.po.on_shutdown(self)
+        elif msg.op == Op.MEMBER_LEFT:
+            node, reason = msg[Field.NODE], str(msg.get(Field.REASON, ""))
+            gone = [m for m in self.members if m.id == node]
+            if not gone or gone[0] == self.me:
+                raise ValueError(f"member_left names {node!r}, not another member of the tier")
+            self.members.remove(gone[0])
+            self.departed[node] = (gone[0], reason)
+            self.po.on_member_left(self, gone[0], reason)
 
 
 class Postoffice:
@@ -190,6 +199,7 @@ class Postoffice:
         self.aborted: str | None = None
         self._abort_listeners: list[Callable[[str], None]] = []
         self._shutdown_listeners: list[Callable[[Tier], None]] = []
+        self._member_left_listeners: list[Callable[[Tier, NodeInfo, str], None]] = []
         self._abort_event = threading.Event()
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
@@ -235,6 +245,15 @@ class Postoffice:
 
     def add_shutdown_listener(self, fn: Callable[[Tier], None]) -> None:
         self._shutdown_listeners.append(fn)
+
+    def add_member_left_listener(self, fn: Callable[[Tier, NodeInfo, str], None]) -> None:
+        """``fn(tier, member, reason)`` on the receive thread when a tier's scheduler drops a member."""
+        self._member_left_listeners.append(fn)
+
+    def on_member_left(self, tier: Tier, member: NodeInfo, reason: str) -> None:
+        log.warning("%s: %s left the %s tier: %s", self.cfg.label, member.label, tier.name, reason)
+        for fn in self._member_left_listeners:
+            fn(tier, member, reason)
 
     def abort(self, reason: str, *, tell_schedulers: bool = True) -> None:
         """Fail every wait with ``reason``; tell our schedulers so the whole deployment learns of it."""

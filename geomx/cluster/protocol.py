@@ -19,6 +19,7 @@ op                  direction                  fields
 ``hb`` / ``hb_ack``  node <-> scheduler         (none)
 ``bye``             node -> scheduler          (none): leaving cleanly
 ``shutdown``        scheduler -> servers       (none): every worker left
+``member_left``     scheduler -> members       node, reason: a worker left its DC's rounds (a fault domain)
 ``abort``           any -> any                 reason
 ==================  =========================  =============================================================
 
@@ -49,6 +50,7 @@ class Op:
     HEARTBEAT_ACK = "hb_ack"
     BYE = "bye"
     SHUTDOWN = "shutdown"
+    MEMBER_LEFT = "member_left"
     ABORT = "abort"
     # data
     INIT = "init"
@@ -62,7 +64,7 @@ class Op:
 
 
 CONTROL_OPS = frozenset({Op.REGISTER, Op.TABLE, Op.REJECT, Op.BARRIER, Op.BARRIER_DONE, Op.HEARTBEAT,
-                         Op.HEARTBEAT_ACK, Op.BYE, Op.SHUTDOWN, Op.ABORT})
+                         Op.HEARTBEAT_ACK, Op.BYE, Op.SHUTDOWN, Op.MEMBER_LEFT, Op.ABORT})
 
 
 class Field:
@@ -78,6 +80,7 @@ class Field:
     HOSTNAME = "hostname"
     MEMBERS = "members"
     REASON = "reason"
+    NODE = "node"
     GROUP = "group"
     SEQ = "seq"
     TOKEN = "token"       # register: a secret the member chose; its scheduler echoes it as AUTH in every answer

@@ -5,6 +5,11 @@ has registered, checks that they all count the topology the same way, assigns ra
 honoured; the rest are numbered in (host, port) order) and sends everyone the member table. Afterwards it
 releases barriers, watches heartbeats (a silent member aborts the tier with a message naming it) and, once
 every worker has said goodbye, tells the servers to shut down.
+
+A DC's tier is a fault domain (``min_workers``, GEOMX_MIN_WORKERS_PER_DC): a silent worker is dropped from the
+DC instead of aborting it, as long as at least ``min_workers`` of the DC's workers remain. The others hear
+``member_left`` (the local server then completes rounds without it, see local_server.py); the dropped worker
+hears ``abort``, should it ever run again.
 """
 from __future__ import annotations
 
@@ -31,8 +36,9 @@ class Scheduler:
     def __init__(self, *, tier: str, dc: str, expected: dict[str, int], host: str = "127.0.0.1", port: int,
                  emulator: str | None = None, heartbeat_timeout: float = 10.0, connect_timeout: float = 120.0,
                  bind_host: str | None = None, security=None, metrics=None, van: str = "zmq",
-                 van_options: dict | None = None) -> None:
+                 van_options: dict | None = None, min_workers: int | None = None) -> None:
         self.tier, self.dc, self.expected = tier, dc, dict(expected)
+        self.min_workers = min_workers      # None: every worker is needed (a silent one aborts the tier)
         self.heartbeat_timeout, self.connect_timeout = heartbeat_timeout, connect_timeout
         self.van = Van.create(van, node_id=new_node_id(f"scheduler-{tier}"), dc=dc, on_message=self._on_message,
                               host=host, port=port, emulator=emulator, bind_host=bind_host, security=security,
@@ -42,6 +48,7 @@ class Scheduler:
         self._members: dict[str, dict] = {}           # node id -> table entry (after rendezvous)
         self._last_seen: dict[str, float] = {}
         self._left: set[str] = set()
+        self._departed: dict[str, str] = {}            # node id -> why it was dropped (fault domain)
         self._barriers: dict[tuple[str, int], set[str]] = defaultdict(set)
         self._done = threading.Event()
         self.failure: str | None = None
@@ -108,6 +115,11 @@ class Scheduler:
                 # members' ops count only from the ids this scheduler admitted (ids are unguessable)
                 self.refusals.note(msg.src, "%s scheduler: %r from %r refused: not a member of the tier",
                                    self.tier, msg.op, msg.src)
+                return
+            if msg.src in self._departed:
+                # a dropped worker that runs again (it was frozen) hears abort from us; its own abort, heartbeats
+                # and barriers no longer concern the tier
+                log.info("%s scheduler: %r from dropped member %r ignored", self.tier, msg.op, msg.src)
                 return
             try:
                 handler(msg)
@@ -206,22 +218,30 @@ class Scheduler:
         group, seq = msg[Field.GROUP], int(msg[Field.SEQ])
         if msg.src not in self._members or group not in ("all", *self.expected):
             raise ValueError(f"barrier of group {group!r} before the member table or of no group of the tier")
-        arrived = self._barriers[(group, seq)]
-        arrived.add(msg.src)
-        members = [e for e in self._members.values() if group == "all" or e["tier_role"] == group]
-        if len(arrived) >= len(members):
-            for e in members:
-                self._send(e, Op.BARRIER_DONE, seq=seq)
-            del self._barriers[(group, seq)]
+        self._barriers[(group, seq)].add(msg.src)
+        self._release_barriers()
+
+    def _release_barriers(self) -> None:
+        """Release every barrier that all its members (those not dropped) have entered."""
+        for (group, seq), arrived in list(self._barriers.items()):
+            members = [e for i, e in self._members.items() if i not in self._departed
+                       and (group == "all" or e["tier_role"] == group)]
+            if all(e["id"] in arrived for e in members):
+                for e in members:
+                    self._send(e, Op.BARRIER_DONE, seq=seq)
+                del self._barriers[(group, seq)]
 
     def _bye(self, msg: Message) -> None:
         if msg.src not in self._members:
             return
         self._left.add(msg.src)
-        workers = [i for i, e in self._members.items() if e["tier_role"] == "worker"]
+        self._shut_down_when_workers_left()
+
+    def _shut_down_when_workers_left(self) -> None:
+        workers = [i for i, e in self._members.items() if e["tier_role"] == "worker" and i not in self._departed]
         if all(i in self._left for i in workers):
             for i, e in self._members.items():
-                if i not in self._left:
+                if i not in self._left and i not in self._departed:
                     self._send(e, Op.SHUTDOWN)
             log.info("%s tier: every worker left; shutting down", self.tier)
             self._done.set()
@@ -253,14 +273,45 @@ class Scheduler:
                     self._fail(f"the {self.tier} tier is incomplete after {self.connect_timeout:g} s: still waiting "
                                f"for " + ", ".join(f"{n} {r}(s)" for r, n in missing.items() if n > 0), None)
                 return
-            for node_id, seen in self._last_seen.items():
-                if node_id in self._left:
+            for node_id, seen in list(self._last_seen.items()):
+                if node_id in self._left or node_id in self._departed:
                     continue
                 if now - seen > self.heartbeat_timeout:
                     entry = self._members[node_id]
-                    self._fail(f"{self._label(entry)} stopped sending heartbeats {now - seen:.1f} s ago "
-                               f"(it died or its host is unreachable)", None, skip=node_id)
+                    reason = (f"{self._label(entry)} stopped sending heartbeats {now - seen:.1f} s ago (it died, "
+                              f"is frozen or its host is unreachable)")
+                    problem = self._cannot_drop(entry)
+                    if problem is None:
+                        self._drop(entry, reason)
+                        continue
+                    self._fail(reason + problem, None, skip=node_id)
                     return
+
+    def _cannot_drop(self, entry: dict) -> str | None:
+        """None when the tier may go on without ``entry``; else what to add to the failure's reason (empty where
+        the tier is no fault domain or ``entry`` is no training worker)."""
+        if self.min_workers is None or entry["kind"] != "worker" or entry["tier_role"] != "worker":
+            return ""
+        remaining = sum(1 for i, e in self._members.items() if e["kind"] == "worker" and i != entry["id"]
+                        and i not in self._departed and i not in self._left)
+        if remaining < self.min_workers:
+            return (f"; DC {self.dc} would go on with {remaining} worker(s), fewer than GEOMX_MIN_WORKERS_PER_DC="
+                    f"{self.min_workers} (geomx launch --min-workers-per-dc)")
+        return None
+
+    def _drop(self, entry: dict, reason: str) -> None:
+        """Go on without a silent worker: tell the others, release what waited for it."""
+        self._departed[entry["id"]] = reason
+        remaining = [e for i, e in self._members.items() if i not in self._departed and i not in self._left]
+        workers = sum(e["kind"] == "worker" for e in remaining)
+        log.warning("%s tier: %s; DC %s goes on with %d worker(s)", self.tier, reason, self.dc, workers)
+        if self._metrics is not None:
+            self._metrics.write("member_left", node=self._label(entry), reason=reason, workers_left=workers)
+        self._send(entry, Op.ABORT, reason=f"dropped from the {self.tier} tier: {reason}")
+        for e in remaining:
+            self._send(e, Op.MEMBER_LEFT, node=entry["id"], reason=reason)
+        self._release_barriers()
+        self._shut_down_when_workers_left()
 
 
 def _host_port(addr: str) -> tuple[str, int]:

@@ -1,0 +1,74 @@
+"""A DC is a fault domain: a worker that dies or freezes leaves its DC's rounds and the run goes on without it
+(issue 16). Real processes under ``geomx launch``; the scheduler drops a silent worker after the heartbeat
+deadline (3 s here), the local server completes rounds with the workers that pushed."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+from harness import FAST_HEARTBEAT, describe, launch, load_json
+
+# each worker pushes (its global index + 1); with the mean reduction a full round reads (1+2+3+4)/4 = 2.5. A DC
+# that lost a worker counts its mean in the missing one's place: without a-worker-1 (2), DC a weighs 1 x 2 and
+# the round reads (2 + 3 + 4) / 4 = 2.25; without b-worker-1 (4) as well, (2 + 3 x 2) / 4 = 2.0
+SURVIVORS_SCRIPT = """
+import os
+import time
+import numpy as np
+import geomx
+import kvhelp as h
+
+kv = geomx.kvstore.create(reduction="mean")
+kv.init(0, np.zeros(1000, np.float32))
+if kv.is_master_worker:
+    raise SystemExit(0)
+me = h.worker_index()
+seen, at_two, step, end = [], 0, 0, time.monotonic() + 60
+while at_two < 30 and time.monotonic() < end:
+    value = float(kv.pushpull(0, np.full(1000, me + 1, np.float32)).wait()[0])
+    if not seen or seen[-1] != value:
+        seen.append(value)
+    at_two = at_two + 1 if value == 2.0 else 0
+    step += 1
+    if step == 5:
+        h.dump(f"training-{me}", os.getpid())
+    time.sleep(0.01)
+h.dump(f"seen-{me}", {"values": seen, "steps": step})
+"""
+
+
+def test_a_dc_goes_on_without_a_killed_and_a_frozen_worker_and_counts_its_mean_in_their_place(tmp_path):
+    state: dict = {}
+
+    def kill_and_freeze(launcher, run_dir):
+        if state or not all((run_dir / f"training-{i}.json").exists() for i in range(4)):
+            return
+        roles = {r.spec.name: r.proc.pid for r in launcher.running}
+        os.kill(roles["a-worker-1"], signal.SIGKILL)
+        os.kill(roles["b-worker-1"], signal.SIGSTOP)
+        state["frozen"] = roles["b-worker-1"]
+
+    try:
+        code, run_dir, output = launch(tmp_path, SURVIVORS_SCRIPT, env=FAST_HEARTBEAT, timeout=90,
+                                       watch=kill_and_freeze)
+    finally:
+        if "frozen" in state:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(state["frozen"], signal.SIGCONT)
+    assert state, "the workers never trained\n" + describe(code, run_dir, output)
+    assert code == 0, describe(code, run_dir, output)
+    assert "geomx: a-worker-1 was killed by signal 9 at" in output, output
+    assert "DC a goes on with 1 of 2 workers (--min-workers-per-dc 1)" in output, output
+    assert "geomx: b-worker-1 is frozen (stopped) at" in output, output
+    assert "geomx: training finished without a-worker-1 (was killed by signal 9" in output, output
+    for survivor in (0, 2):
+        seen = load_json(run_dir, f"seen-{survivor}")
+        # full rounds, then one worker missing, then both: never a value that drops a DC's weight
+        assert seen["values"][0] == 2.5 and seen["values"][-1] == 2.0, seen
+        assert set(seen["values"]) <= {2.5, 2.25, 2.0}, seen
+    for dc, victim in (("a", "worker 1 of DC a"), ("b", "worker 1 of DC b")):
+        server_log = (run_dir / f"{dc}-server.log").read_text()
+        assert f"DC {dc} goes on with 1 of 2 workers without {victim}" in server_log, server_log
+        scheduler_log = (run_dir / f"{dc}-scheduler.log").read_text()
+        assert "stopped sending heartbeats" in scheduler_log and "goes on with 1 worker(s)" in scheduler_log
