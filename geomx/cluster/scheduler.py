@@ -27,6 +27,9 @@ from geomx.transport.van import new_node_id
 
 log = logging.getLogger("geomx.scheduler")
 
+# a member whose connection closed (its process ended) and that has been silent this long is dead: far sooner
+# than the heartbeat timeout, which stays the rule for a frozen member or an unreachable host
+GONE_S = 1.0
 # rejections a scheduler sends at all: each goes to an address the registration names, so without a cap a
 # stranger could make it open a socket to every address it lists
 MAX_REJECTIONS = 64
@@ -276,16 +279,22 @@ class Scheduler:
             for node_id, seen in list(self._last_seen.items()):
                 if node_id in self._left or node_id in self._departed:
                     continue
-                if now - seen > self.heartbeat_timeout:
-                    entry = self._members[node_id]
+                entry = self._members[node_id]
+                down = self.van.down_since(entry["addr"])
+                if down is not None and now - down > GONE_S and now - seen > GONE_S:
+                    reason = (f"{self._label(entry)} closed its connection {now - down:.1f} s ago and has been "
+                              f"silent since (its process ended)")
+                elif now - seen > self.heartbeat_timeout:
                     reason = (f"{self._label(entry)} stopped sending heartbeats {now - seen:.1f} s ago (it died, "
                               f"is frozen or its host is unreachable)")
-                    problem = self._cannot_drop(entry)
-                    if problem is None:
-                        self._drop(entry, reason)
-                        continue
-                    self._fail(reason + problem, None, skip=node_id)
-                    return
+                else:
+                    continue
+                problem = self._cannot_drop(entry)
+                if problem is None:
+                    self._drop(entry, reason)
+                    continue
+                self._fail(reason + problem, None, skip=node_id)
+                return
 
     def _cannot_drop(self, entry: dict) -> str | None:
         """None when the tier may go on without ``entry``; else what to add to the failure's reason (empty where

@@ -118,6 +118,11 @@ class Van(ABC):
         """Cumulative traffic (geomx.metrics kind ``traffic``): node, sent, sent_messages, received,
         send_queue."""
 
+    def down_since(self, addr: str) -> float | None:
+        """When this node's direct connection to ``addr`` closed (time.monotonic; its process ended), None
+        while it is up or where this van cannot tell: liveness checks then rely on heartbeats alone."""
+        return None
+
     def deliver(self, msg: Message) -> None:
         """Hand one received message to ``on_message`` (on the receive thread), timing it for the heartbeat
         check; a handler's exception is logged, never fatal."""

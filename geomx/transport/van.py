@@ -21,6 +21,7 @@ small route frame (see :mod:`geomx.netem.emulator`); the receiver cannot tell th
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import logging
@@ -37,6 +38,7 @@ import zmq
 
 from geomx.errors import ConfigError, PeerLostError, ProtocolError
 from geomx.transport.base import STALL_S, Van, register_van
+from geomx.transport.connection_watch import ConnectionWatch
 from geomx.transport.message import Message, build_message, decode_header, encode, payload_nbytes
 from geomx.transport.outbox import SEND_PIPE_MESSAGES, STUCK_S, Outbox, Queued, send_queue_bytes
 from geomx.transport.refusals import RefusalLog
@@ -153,6 +155,7 @@ class ZmqVan(Van):
         self._router: zmq.Socket | None = None
         self._threads: list[threading.Thread] = []
         self._receive_thread: threading.Thread | None = None
+        self._watch = ConnectionWatch(public_name(node_id))   # peers whose connection closed (a process ended)
         self.sent_bytes: dict[str, int] = defaultdict(int)      # by destination DC, as handed to ZeroMQ
         self.sent_messages: dict[str, int] = defaultdict(int)
         self.received_bytes = 0
@@ -200,6 +203,7 @@ class ZmqVan(Van):
         self._receive_thread = self._threads[0]
         for t in self._threads:
             t.start()
+        self._watch.start()
 
     def send(self, addr: str, msg: Message, *, dst_dc: str | None = None) -> None:
         """Queue ``msg`` for ``addr`` (a tcp:// address); ``dst_dc`` routes it through the WAN emulator.
@@ -265,6 +269,10 @@ class ZmqVan(Van):
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=flush_timeout + 1.0)
+        self._watch.stop(timeout=1.0)
+
+    def down_since(self, addr: str) -> float | None:
+        return self._watch.down_since(addr)
 
     # -- threads -----------------------------------------------------------------------------------------
 
@@ -369,6 +377,8 @@ class ZmqVan(Van):
                             public_name(self.node_id), left)
             with self._send_lock:
                 for sock in self._sockets.values():
+                    with contextlib.suppress(zmq.ZMQError):
+                        sock.disable_monitor()    # ends its ConnectionWatch stream before the socket goes
                     sock.close(linger=200)
                 self._sockets.clear()
 
@@ -424,4 +434,5 @@ class ZmqVan(Van):
         if self._security is not None:
             self._security.client(sock)
         sock.connect(addr)
+        self._watch.watch(sock, addr)
         return sock

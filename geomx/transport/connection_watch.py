@@ -1,0 +1,94 @@
+"""Which peers' connections are down, from ZeroMQ's socket monitor: the fast half of dead-peer detection.
+
+A process that ends (killed, crashed, exited) has its TCP connections closed by the kernel at once, and the
+DEALER socket a node keeps to it reports ``EVENT_DISCONNECTED``; heartbeats alone would take their whole
+timeout (10 s by default) to say the same. A frozen process (SIGSTOP) or an unreachable host keeps its
+connections, so heartbeats remain the rule for them. Only direct connections tell: a peer in another DC behind
+the WAN emulator is reached through the emulator's socket, which stays up.
+
+ZeroMQ sockets are not thread-safe: the van's sending side creates each monitor socket (a PAIR) next to the
+DEALER it watches and hands it over under a lock; from then on only the watch thread touches it.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+log = logging.getLogger("geomx.van")
+
+_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+_POLL_MS = 100
+
+
+class ConnectionWatch:
+    def __init__(self, name: str) -> None:
+        self._lock = threading.Lock()
+        self._handed_over: list[tuple[zmq.Socket, str]] = []
+        self._down: dict[str, float] = {}           # peer address -> when its connection went down (monotonic)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"van-watch-{name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def watch(self, sock: zmq.Socket, addr: str) -> None:
+        """Watch the connection of ``sock`` (a DEALER connected to ``addr``); call on the thread that owns it."""
+        # a name of our own: pyzmq's default names the endpoint after the socket's file descriptor, which a new
+        # socket reuses while ZeroMQ may still hold the closed one's endpoint
+        try:
+            monitor = sock.get_monitor_socket(_EVENTS, addr=f"inproc://geomx-watch-{secrets.token_hex(8)}")
+        except zmq.ZMQError as exc:     # watching is an optimization: heartbeats still cover this peer
+            log.debug("cannot watch the connection to %s: %s", addr, exc)
+            return
+        with self._lock:
+            self._handed_over.append((monitor, addr))
+
+    def down_since(self, addr: str) -> float | None:
+        """When the connection to ``addr`` went down (time.monotonic), None while it is up or never watched."""
+        return self._down.get(addr)
+
+    def _loop(self) -> None:
+        poller, monitors = zmq.Poller(), {}
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    new, self._handed_over = self._handed_over, []
+                for monitor, addr in new:
+                    poller.register(monitor, zmq.POLLIN)
+                    monitors[monitor] = addr
+                if not monitors:            # zmq's poll returns at once when it has no socket to watch
+                    self._stop.wait(_POLL_MS / 1000)
+                    continue
+                for monitor, _ in poller.poll(_POLL_MS):
+                    self._read(poller, monitors, monitor)
+        finally:
+            with self._lock:
+                leftovers, self._handed_over = self._handed_over, []
+            for monitor in [*monitors, *(m for m, _ in leftovers)]:
+                monitor.close(linger=0)
+
+    def _read(self, poller: zmq.Poller, monitors: dict, monitor: zmq.Socket) -> None:
+        try:
+            event = recv_monitor_message(monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        addr = monitors[monitor]
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            self._down.setdefault(addr, time.monotonic())
+            log.debug("connection to %s closed", addr)
+        elif event["event"] == zmq.EVENT_CONNECTED:
+            self._down.pop(addr, None)
+        elif event["event"] == zmq.EVENT_MONITOR_STOPPED:      # its DEALER was closed
+            poller.unregister(monitor)
+            del monitors[monitor]
+            monitor.close(linger=0)
