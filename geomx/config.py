@@ -65,6 +65,7 @@ class NodeConfig:
     size_lower_bound: int | None = None    # MXNET_KVSTORE_SIZE_LOWER_BOUND here (global servers: theirs wins)
     optimizer_modules: tuple[str, ...] = ()   # GEOMX_OPTIMIZER_MODULES: user optimizer modules servers may import
     min_workers_per_dc: int = 1            # a DC scheduler drops silent workers while this many remain
+    min_dcs: int = 1                       # the global scheduler drops a silent DC while this many remain
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
     connect_timeout: float = 120.0
@@ -199,6 +200,7 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
     if (env.get(SIZE_BOUND_ENV) or "").strip():
         cfg.size_lower_bound = env_size_bound(env)
     cfg.min_workers_per_dc = _int(env, "GEOMX_MIN_WORKERS_PER_DC", role, 1)
+    cfg.min_dcs = _int(env, "GEOMX_MIN_DCS", role, 1)
     cfg.heartbeat_interval = _float(env, "GEOMX_HEARTBEAT_INTERVAL", cfg.heartbeat_interval)
     cfg.heartbeat_timeout = _float(env, "GEOMX_HEARTBEAT_TIMEOUT", cfg.heartbeat_timeout)
     cfg.connect_timeout = _float(env, "GEOMX_CONNECT_TIMEOUT", cfg.connect_timeout)
@@ -252,6 +254,9 @@ def _check_counts(cfg: NodeConfig) -> None:
     if cfg.role in ("global_scheduler", "global_server", "server") or cfg.global_scheduler:
         positive("DMLC_NUM_GLOBAL_SERVER", cfg.num_global_servers)
         positive("DMLC_NUM_GLOBAL_WORKER", cfg.num_global_workers)
+    if cfg.role == "global_scheduler" and cfg.topology == "hips" and not 1 <= cfg.min_dcs <= cfg.num_global_workers:
+        raise ConfigError(f"GEOMX_MIN_DCS={cfg.min_dcs} must be between 1 and DMLC_NUM_GLOBAL_WORKER="
+                          f"{cfg.num_global_workers} (the DCs that must remain for the job to go on)")
     if cfg.role in ("worker", "master", "global_server"):
         positive("DMLC_NUM_ALL_WORKER", cfg.num_all_workers)
     if cfg.role == "master":

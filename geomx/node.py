@@ -24,20 +24,24 @@ def setup_logging() -> None:
 
 def run_scheduler(cfg: NodeConfig) -> int:
     from geomx import metrics
-    from geomx.cluster.scheduler import Scheduler
+    from geomx.cluster.scheduler import Scheduler, dc_rule, worker_rule
 
-    min_workers = None      # the global tier, and the flat topology's workers, need every member
+    # fault domains, in the hips topology only (servers there complete rounds without a dropped member); the
+    # flat topology's workers and the central party's tier need every member
+    drop_rule = None
     if cfg.role == "global_scheduler":
         tier, expected, (host, port) = "global", {"server": cfg.num_global_servers,
                                                   "worker": cfg.num_global_workers}, cfg.global_scheduler
+        if cfg.topology == "hips":
+            drop_rule = dc_rule(cfg.min_dcs)
     else:
         tier, expected, (host, port) = cfg.local_tier, {"server": cfg.num_servers,
                                                         "worker": cfg.num_workers}, cfg.scheduler
-        if cfg.topology == "hips" and cfg.dc != CENTRAL_DC:   # its local server goes on without a dropped worker
-            min_workers = cfg.min_workers_per_dc
+        if cfg.topology == "hips" and cfg.dc != CENTRAL_DC:
+            drop_rule = worker_rule(cfg.min_workers_per_dc)
     scheduler = Scheduler(tier=tier, dc=cfg.dc, expected=expected, host=host, port=port, emulator=cfg.emulator,
                           heartbeat_timeout=cfg.heartbeat_timeout, connect_timeout=cfg.connect_timeout,
-                          bind_host=cfg.bind_host, security=cfg.security, min_workers=min_workers,
+                          bind_host=cfg.bind_host, security=cfg.security, drop_rule=drop_rule, run_dir=cfg.run_dir,
                           metrics=metrics.open_process_writer(cfg.run_dir, cfg.role, cfg.dc))
     return scheduler.serve()
 

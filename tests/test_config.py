@@ -338,20 +338,26 @@ def test_launch_refuses_min_workers_per_dc_above_the_smallest_dc_naming_the_flag
     assert "--min-workers-per-dc must be between 1 and the smallest DC's workers (2), got 3" in res.stderr
 
 
-def test_worker_losses_keep_at_least_min_workers_in_each_dc_and_none_in_the_flat_topology():
-    from geomx.cli.fault_domains import WorkerLosses
+def test_losses_spare_workers_while_their_dc_keeps_its_minimum_then_whole_dcs_while_min_dcs_remain():
+    from geomx.cli.fault_domains import DcRole, Losses
 
-    workers = {"a-worker-0": "a", "a-worker-1": "a", "a-worker-2": "a", "b-worker-0": "b"}
-    losses = WorkerLosses(workers, min_workers=1)
-    assert not losses.may_lose("b-worker-0")          # DC b's only worker
-    assert not losses.may_lose("master")              # not a training worker
-    assert losses.may_lose("a-worker-1")
-    assert losses.lose("a-worker-1", "was killed by signal 9 at 3.0 s") == (
+    roles = {"a-worker-0": DcRole("worker", "a"), "a-worker-1": DcRole("worker", "a"),
+             "a-worker-2": DcRole("worker", "a"), "a-server": DcRole("server", "a"),
+             "b-worker-0": DcRole("worker", "b"), "b-scheduler": DcRole("scheduler", "b"),
+             "c-worker-0": DcRole("worker", "c")}
+    losses = Losses(roles, min_workers=1, min_dcs=2)
+    assert losses.judge("master", "was killed by signal 9") is None       # not a DC's role: the run stops
+    assert losses.judge("a-worker-1", "was killed by signal 9 at 3.0 s") == (
         "geomx: a-worker-1 was killed by signal 9 at 3.0 s; DC a goes on with 2 of 3 workers (--min-workers-per-dc 1)")
-    assert not losses.may_lose("a-worker-1")          # lost once
-    assert losses.may_lose("a-worker-2")
-    losses.lose("a-worker-2", "is frozen (stopped) at 4.0 s")
-    assert not losses.may_lose("a-worker-0")          # the last one of DC a
-    assert losses.summary() == "a-worker-1 (was killed by signal 9 at 3.0 s), a-worker-2 (is frozen (stopped) at 4.0 s)"
-    assert not WorkerLosses(workers, min_workers=None).may_lose("a-worker-1")
-    assert not WorkerLosses(workers, min_workers=3).may_lose("a-worker-1")
+    assert losses.judge("a-worker-2", "is frozen (stopped) at 4.0 s").endswith("goes on with 1 of 3 workers "
+                                                                               "(--min-workers-per-dc 1)")
+    # DC b's only worker cannot be spared alone: DC b drops out whole, and its scheduler's end goes with it
+    assert losses.judge("b-worker-0", "exited with status 1 at 5.0 s") == (
+        "geomx: DC b drops out (b-worker-0 exited with status 1 at 5.0 s); the run goes on with 2 of 3 DCs "
+        "(--min-dcs 2)")
+    assert losses.absorbed("b-scheduler") and losses.judge("b-scheduler", "exited with status 1") == ""
+    assert losses.judge("a-server", "was killed by signal 9") is None     # a second DC: fewer than 2 would remain
+    assert losses.summary() == ("a-worker-1 (was killed by signal 9 at 3.0 s), a-worker-2 (is frozen (stopped) at "
+                                "4.0 s), DC b (b-worker-0 exited with status 1 at 5.0 s)")
+    flat = Losses(roles, min_workers=None, min_dcs=None)
+    assert flat.judge("a-worker-1", "was killed by signal 9") is None

@@ -126,12 +126,24 @@ def test_a_deployment_survives_a_wan_partition_and_a_slowed_dc_and_its_links_sho
         assert sum(series[9:]) > 0, (name, series)
 
 
-def test_a_partition_longer_than_the_heartbeat_deadline_stops_the_run_naming_the_lost_dc_and_the_partition(tmp_path):
-    """A cut that outlasts the heartbeat deadline (4 s here) is reported, not waited out: the run stops, naming DC
-    b's local server (which side gives up first is a race: the schedulers lose its heartbeats, or it loses the
-    global scheduler's answers), and the launcher's headline says the partition was under way."""
+def test_a_partition_longer_than_the_heartbeat_deadline_drops_the_cut_off_dc_and_the_other_trains_on(tmp_path):
+    """A cut that outlasts the heartbeat deadline (4 s here): the global scheduler drops DC b, whose local server
+    gives up on its side; DC a's rounds go on (their mean is still 1: DC a weighs for both) to the end."""
     code, run_dir, output = launch(tmp_path, SHORT_TRAINING, dcs=2, workers_per_dc=1, wan="regional", timeout=90,
                                    env={"GEOMX_HEARTBEAT_TIMEOUT": "4"}, inject=["partition:b@2+60"])
+    check_ok((code, run_dir, output))
+    assert "geomx: DC b drops out (" in output and "the run goes on with 1 of 2 DCs" in output, output
+    scheduler_log = (run_dir / "global-scheduler.log").read_text()
+    assert "local server of DC b" in scheduler_log and "it goes on with 1 DC(s)" in scheduler_log, scheduler_log
+
+
+def test_a_partition_longer_than_the_heartbeat_deadline_stops_the_run_naming_the_lost_dc_and_the_partition(tmp_path):
+    """The same cut where every DC is needed (GEOMX_MIN_DCS=2) is reported, not waited out: the run stops, naming
+    DC b's local server (which side gives up first is a race: the schedulers lose its heartbeats, or it loses the
+    global scheduler's answers), and the launcher's headline says the partition was under way."""
+    code, run_dir, output = launch(tmp_path, SHORT_TRAINING, dcs=2, workers_per_dc=1, wan="regional", timeout=90,
+                                   env={"GEOMX_HEARTBEAT_TIMEOUT": "4", "GEOMX_MIN_DCS": "2"},
+                                   inject=["partition:b@2+60"])
     assert code == 1, output
     assert "during the injected partition of DC b (2-62 s)" in output, output
     assert ("local server of DC b" in output and "stopped sending heartbeats" in output) or \

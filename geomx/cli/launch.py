@@ -22,13 +22,15 @@ from typing import TextIO
 
 from geomx.cli.inject import Injector, parse_faults
 from geomx.cli.topology import Topology
+from geomx.config import NodeConfig
+from geomx.dropped import DropLog
 from geomx.lifeline import ENV as LAUNCHER_PID_ENV
 from geomx.errors import ConfigError
 from geomx.metrics import METRICS_DIR
 from geomx.netem import link_matrix
 from geomx.netem import outages as outage_plan
 from geomx.netem.emulator import STATS_FILE
-from geomx.cli.fault_domains import MIN_WORKERS_ENV, WorkerLosses
+from geomx.cli.fault_domains import MIN_DCS_ENV, MIN_WORKERS_ENV, DcRole, Losses
 from geomx.profiles import CENTRAL_DC
 from geomx.sync.slowdown import ENV as SLOWDOWN_ENV
 import contextlib
@@ -53,6 +55,7 @@ class Running:
     log_path: Path
     pump: threading.Thread | None = None
     returncode: int | None = None
+    ended_at: float | None = None       # when the launcher saw it end (time.monotonic)
 
 
 # Fixed ports (schedulers, emulator) come from below the kernel's ephemeral range (32768-60999 by default):
@@ -125,9 +128,11 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
     for d, (dc, n) in enumerate(zip(topo.dc_names, topo.workers_per_dc, strict=False)):
         local = {"DMLC_PS_ROOT_URI": h, "DMLC_PS_ROOT_PORT": str(dc_ports[d]), "DMLC_NUM_WORKER": str(n),
                  "DMLC_NUM_SERVER": "0" if flat else "1", "GEOMX_DC": dc}
-        specs.append(RoleSpec(f"{dc}-scheduler", "scheduler", node, {**base, **local, "DMLC_ROLE": "scheduler"}))
+        specs.append(RoleSpec(f"{dc}-scheduler", "scheduler", node, {**base, **local, "DMLC_ROLE": "scheduler"},
+                              dc=dc))
         if not flat:
-            specs.append(RoleSpec(f"{dc}-server", "server", node, {**base, **local, **glob, "DMLC_ROLE": "server"}))
+            specs.append(RoleSpec(f"{dc}-server", "server", node, {**base, **local, **glob, "DMLC_ROLE": "server"},
+                                  dc=dc))
         for r in range(n):
             env = {**base, **local, "DMLC_ROLE": "worker", "DMLC_NUM_ALL_WORKER": str(N), "GEOMX_RANK": str(r),
                    "GEOMX_WORKER_INDEX": str(index), "GEOMX_DC_INDEX": str(d), "GEOMX_NUM_DCS": str(n_dcs)}
@@ -200,7 +205,7 @@ class Launcher:
         self._print_lock = threading.Lock()
         self.progress = None        # geomx.cli.progress.Progress while the deployment runs (not with quiet)
         self.injector = Injector(parse_faults(inject), seed=inject_seed) if inject else None   # --inject
-        self.losses: WorkerLosses | None = None      # the workers the run may lose (set at start)
+        self.losses: Losses | None = None      # the workers and DCs the run may lose (set at start)
 
     def say(self, text: str) -> None:
         with self._print_lock:
@@ -222,11 +227,15 @@ class Launcher:
             for spec in emulators:
                 spec.env[outage_plan.ENV] = outage_plan.to_env(self.injector.wan_outages())
         self._write_manifest(specs)
-        try:
-            min_workers = None if self.topo.topology == "flat" else int(self.topo.env.get(MIN_WORKERS_ENV, "1"))
-        except ValueError:
-            raise ConfigError(f"{MIN_WORKERS_ENV}={self.topo.env[MIN_WORKERS_ENV]!r} is not a whole number") from None
-        self.losses = WorkerLosses({s.name: s.dc for s in specs if s.kind == "worker"}, min_workers)
+        flat = self.topo.topology == "flat"
+        self.drops = DropLog(self.run_dir)
+        # a role that exits with an error is a fault its deployment absorbs only if its scheduler drops it within
+        # the heartbeat deadline (and a little): until then it is undecided
+        self._drop_grace_s = self._heartbeat_timeout() + 3.0
+        self._undecided: list[Running] = []
+        self.losses = Losses({s.name: DcRole(s.kind, s.dc) for s in specs if s.dc is not None},
+                             min_workers=None if flat else self._setting(MIN_WORKERS_ENV),
+                             min_dcs=None if flat else self._setting(MIN_DCS_ENV))
         interrupted = {"sig": None}
 
         def on_signal(signum, _frame):
@@ -308,28 +317,36 @@ class Launcher:
             if interrupted["sig"] is not None:
                 self.say("geomx: interrupted; stopping every process")
                 return 130
-            failed = []
+            ended, undecided = [], self._undecided
             for r in self.running:
                 if r.returncode is None:
                     r.returncode = r.proc.poll()
                     if r.returncode not in (None, 0) and not (r.spec.kind == "emulator" and trainers_done_at):
-                        if self.losses.may_lose(r.spec.name):     # its DC goes on without it
-                            self.say(self.losses.lose(r.spec.name, f"{_how_it_ended(r.returncode)} at "
-                                                                   f"{time.monotonic() - start:.1f} s"))
-                        else:
-                            failed.append(r)
+                        r.ended_at = time.monotonic()
+                        ended.append(r)
+            failed, self._undecided = [], []
+            # a DC's scheduler or server first: when one of them ended, the DC drops out whole, its workers with it
+            for r in sorted(undecided + ended, key=lambda r: r.spec.kind == "worker"):
+                line = self._verdict(r, time.monotonic() - start)
+                if line is None:
+                    failed.append(r)
+                elif line is _WAIT:
+                    self._undecided.append(r)
+                elif line:
+                    self.say(line)
             if failed:
                 self._report_failure(min(failed, key=_blame_order), time.monotonic() - start)
                 return 1
             if trainers_done_at is None and self._trainers_done(trainers, time.monotonic() - start):
                 trainers_done_at = time.monotonic()
             if trainers_done_at is not None:
-                infra = [r for r in self.running if r.spec.kind in ("scheduler", "server")]
+                infra = [r for r in self.running if r.spec.kind in ("scheduler", "server")
+                         and not self.losses.absorbed(r.spec.name)]
                 if all(r.returncode == 0 for r in infra):
                     if not self.quiet:
                         took = f"{time.monotonic() - start:.1f} s; logs in {self.run_dir}"
                         self.say(f"geomx: training finished without {self.losses.summary()}; the other processes "
-                                 f"exited in {took}" if self.losses.lost else
+                                 f"exited in {took}" if self.losses else
                                  f"geomx: all {len(self.running)} processes finished in {took}")
                     return 0
                 if time.monotonic() - trainers_done_at > INFRA_EXIT_GRACE_S:
@@ -343,17 +360,48 @@ class Launcher:
                 self.injector.tick(time.monotonic() - start, self._pids(), self.say)
             time.sleep(0.1)
 
+    def _verdict(self, r: Running, elapsed_s: float) -> str | None:
+        """Whether the run goes on without ``r``, which ended with an error: the line to print ("" to print
+        nothing), None to stop the run, or _WAIT. A role its scheduler dropped, or one killed by a signal (its
+        scheduler drops it once its connection closes), is a fault the run may absorb (Losses). One that exited
+        with an error is its own failure, unless its scheduler drops it (or its DC) within the grace window: a
+        role that gave up on a lost peer, or that ran again after it was dropped, exits with an error too."""
+        if self.losses.absorbed(r.spec.name):
+            return ""
+        if r.proc.pid in self.drops.refresh() or r.returncode < 0:
+            return self.losses.judge(r.spec.name, f"{_how_it_ended(r.returncode)} at {elapsed_s:.1f} s")
+        return _WAIT if time.monotonic() - r.ended_at < self._drop_grace_s else None
+
     def _trainers_done(self, trainers: list[Running], elapsed_s: float) -> bool:
         """Every trainer exited 0 or was lost. A worker still frozen (SIGSTOP) when all the others are done was
         dropped by its DC (they could not have finished otherwise): it is lost too."""
-        pending = [r for r in trainers if r.returncode != 0 and r.spec.name not in self.losses.lost]
+        pending = [r for r in trainers if r.returncode != 0 and r.spec.name not in self.losses.lost
+                   and not self.losses.absorbed(r.spec.name)]
+        if any(r.returncode is not None for r in pending):       # ended with an error, not yet judged
+            return False
         if not pending or any(r.returncode is None and not _is_stopped(r.proc.pid) for r in pending):
             return not pending
-        if not all(self.losses.may_lose(r.spec.name) for r in pending):
-            return False
         for r in pending:
-            self.say(self.losses.lose(r.spec.name, f"is frozen (stopped) at {elapsed_s:.1f} s"))
+            line = self.losses.judge(r.spec.name, f"is frozen (stopped) at {elapsed_s:.1f} s")
+            if line is None:
+                return False
+            if line:
+                self.say(line)
         return True
+
+    def _heartbeat_timeout(self) -> float:
+        try:
+            return float(self.topo.env.get("GEOMX_HEARTBEAT_TIMEOUT") or os.environ.get("GEOMX_HEARTBEAT_TIMEOUT")
+                         or NodeConfig.heartbeat_timeout)
+        except ValueError:
+            return NodeConfig.heartbeat_timeout
+
+    def _setting(self, name: str) -> int:
+        """A fault-domain minimum from the topology's variables (default 1)."""
+        try:
+            return int(self.topo.env.get(name, "1"))
+        except ValueError:
+            raise ConfigError(f"{name}={self.topo.env[name]!r} is not a whole number") from None
 
     def _report_failure(self, r: Running, elapsed_s: float) -> None:
         how = _how_it_ended(r.returncode)
@@ -394,6 +442,9 @@ class Launcher:
         for r in self.running:
             if r.pump is not None:
                 r.pump.join(timeout=2)
+
+
+_WAIT = object()      # Launcher._verdict: not decided yet
 
 
 def _how_it_ended(code: int) -> str:

@@ -63,7 +63,7 @@ def topology_from_args(args: argparse.Namespace):
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from geomx.cli.fault_domains import MIN_WORKERS_ENV
+    from geomx.cli.fault_domains import MIN_DCS_ENV, MIN_WORKERS_ENV
     from geomx.cli.launch import Launcher
 
     command = list(args.command)
@@ -84,6 +84,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
             raise GeomxError(f"--min-workers-per-dc must be between 1 and the smallest DC's workers ({smallest}), "
                              f"got {args.min_workers_per_dc}")
         topo.env[MIN_WORKERS_ENV] = str(args.min_workers_per_dc)
+    if args.min_dcs is not None:
+        if not 1 <= args.min_dcs <= topo.dcs:
+            raise GeomxError(f"--min-dcs must be between 1 and the number of DCs ({topo.dcs}), got {args.min_dcs}")
+        topo.env[MIN_DCS_ENV] = str(args.min_dcs)
     return Launcher(topo, command, run_dir=run_dir, quiet=args.quiet, secure=args.secure, insecure=args.insecure,
                     resume=args.resume, resume_step=args.resume_step, inject=args.inject,
                     inject_seed=args.inject_seed).run(timeout=args.timeout)
@@ -119,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-workers-per-dc", type=int, metavar="N",
                    help="a DC goes on without a worker that died or froze while N of its workers remain (default 1; "
                         "the DC's workers count to stop at the first lost worker); GEOMX_MIN_WORKERS_PER_DC")
+    p.add_argument("--min-dcs", type=int, metavar="N",
+                   help="the other DCs go on without a DC whose local server died or whose WAN link stayed down past "
+                        "the heartbeat deadline, while N DCs remain (default 1; the number of DCs to stop at the "
+                        "first lost DC); GEOMX_MIN_DCS")
     p.add_argument("--inject-seed", type=int, default=0, help="the seed that picks --inject's random role")
     p.add_argument("--resume-step", type=int, metavar="N",
                    help="with --resume: go back to step N (every worker must have kept its checkpoint)")

@@ -14,7 +14,7 @@ import numpy as np
 from geomx.cluster.global_update import (GradientRelay, RoundGradient, ServerOptimizer, UpdatePolicy,
                                          resolve_optimizer)
 from geomx.cluster.compressed import ServerWire
-from geomx.cluster.kvserver import KeyState, KVServer, Refused, accumulator_dtype, init_layout
+from geomx.cluster.kvserver import KeyState, KVServer, Refused, Round, accumulator_dtype, init_layout
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
 from geomx.cluster.round_policies import round_policy_name
 from geomx.cluster.server_checkpoint import ServerCheckpoints
@@ -35,6 +35,7 @@ class GlobalServer(KVServer):
         self.num_all_workers = num_all_workers
         self.rank = -1
         self.global_tier: Tier | None = None
+        self.dc_weights: dict[str, int] = {}       # local server id -> its DC's workers (also once dropped)
         self.mode: str = "dist_sync"
         self.mixedsync: str = "wait"               # dist_async: do local servers wait for the WAN (config.MIXEDSYNC)
         self.reduction: str = "sum"                # a round's sum or mean (config.REDUCTIONS)
@@ -51,10 +52,27 @@ class GlobalServer(KVServer):
     def attach(self, tier: Tier) -> None:
         if tier.name == "global":
             self.global_tier, self.rank = tier, tier.me.rank
+            self.dc_weights = {m.id: m.weight for m in tier.workers()}
         self.add_clients(tier.members)
 
-    def expected_contributors(self, st: KeyState) -> int:
-        return len(self.global_tier.workers())
+    def round_clients(self) -> list[NodeInfo]:
+        return self.global_tier.workers()
+
+    def on_member_left(self, tier: Tier, member: NodeInfo, reason: str) -> None:
+        """A DC dropped out of the global tier (its local server fell silent): rounds go on without it."""
+        if tier is not self.global_tier:
+            return
+        log.warning("global server %d goes on with %d of %d DCs without DC %s: rounds it misses weigh the others' "
+                    "mean in its place", self.rank, len(tier.workers()), len(self.dc_weights), member.dc)
+        self.drop_client(member)
+
+    def stand_in_for_departed(self, rnd: Round) -> None:
+        """Scale a round that a dropped DC is missing from to the whole deployment's weight (each DC weighs its
+        workers), so the mean over the DCs that pushed takes the missing ones' place."""
+        full = sum(self.dc_weights.values())
+        pushed = sum(self.dc_weights.get(src, 1) for src in rnd.contributors)
+        if 0 < pushed < full:
+            rnd.scale(full / pushed)
 
     # configuration from the master worker ------------------------------------------------------------------
     def on_command(self, msg: Message, client: NodeInfo) -> None:
@@ -260,6 +278,7 @@ class GlobalServer(KVServer):
             self.policy.apply(self, st, value.astype(accumulator_dtype(value.dtype)), [src])
 
     def on_round(self, st, number, rnd):
+        self.stand_in_for_departed(rnd)
         self.policy.apply(self, st, rnd.total, rnd.contributors)
         if self.checkpoints is not None:
             self.checkpoints.round_done(st, len(self.keys))
@@ -274,6 +293,7 @@ def start_global_server(cfg: NodeConfig, done: threading.Event, *, node_id: str 
     po = Postoffice(cfg, node_id=node_id)
     server = GlobalServer(po, cfg.num_all_workers)
     po.on_data = server.handle
+    po.add_member_left_listener(server.on_member_left)
     po.add_abort_listener(lambda reason: done.set())
     po.add_shutdown_listener(lambda tier: done.set() if tier.name == "global" else None)
     po.start()

@@ -63,6 +63,14 @@ class Round:
             self.priority = max(self.priority, priority)
         self.contributors.append(src)
 
+    def scale(self, factor: float) -> np.ndarray:
+        """Multiply the sum by ``factor`` (in place where the round owns it); the new total."""
+        if factor != 1 and self.total is not None:
+            f = np.float32(factor) if self.total.dtype == np.float32 else factor
+            self.total = np.multiply(self.total, f, out=self.total if self.owned else None)
+            self.owned = True
+        return self.total
+
     def state_dict(self) -> dict:
         return {"total": self.total, "contributors": list(self.contributors), "priority": self.priority}
 
@@ -188,12 +196,24 @@ class KVServer:
                 "open_rounds": sum(len(st.rounds) for st in states)}
 
     # to be provided by subclasses ---------------------------------------------------------------------------
-    def expected_contributors(self, st: KeyState) -> int:
+    def round_clients(self) -> list[NodeInfo]:
+        """The clients whose pushes complete a synchronous round: those still members of their tier."""
         raise NotImplementedError
 
     def round_complete(self, st: KeyState, rnd: Round) -> bool:
-        """Whether ``rnd`` has every push it waits for (a local server's DC may have dropped a worker)."""
-        return len(rnd.contributors) >= self.expected_contributors(st)
+        """Whether every client still in the tier pushed ``rnd`` (a push that a client dropped since made before
+        it went silent counts)."""
+        return {c.id for c in self.round_clients()}.issubset(rnd.contributors)
+
+    def drop_client(self, member: NodeInfo) -> None:
+        """``member`` left its tier (its scheduler dropped it): forget its held requests, complete the rounds
+        that waited only for it."""
+        self.clients.pop(member.id, None)
+        for st in self.keys.values():
+            st.waiting = [(msg, after) for msg, after in st.waiting if msg.src != member.id]
+            for number in sorted(st.rounds):
+                if number in st.rounds and self.round_complete(st, st.rounds[number]):
+                    self.complete_round(st, number)
 
     def on_init(self, msg: Message, client: NodeInfo) -> None:
         raise NotImplementedError
@@ -308,7 +328,10 @@ class KVServer:
         self.po.refusals.note(msg.src, "%s: unexpected %r from %s dropped", self.po.cfg.label, msg.op, client.label)
 
     def reply(self, request: Message, *, error: str | None = None, tensors=(), **fields) -> None:
-        client = self.clients[request.src]
+        client = self.clients.get(request.src)
+        if client is None:      # its tier dropped it while the request was held (drop_client)
+            log.info("%s: reply to dropped member %r not sent", self.po.cfg.label, request.src)
+            return
         out = {Field.REQ: request.get(Field.REQ), **fields}
         if error:
             out[Field.ERROR] = error

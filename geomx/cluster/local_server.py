@@ -81,41 +81,27 @@ class LocalServer(KVServer):
         """A worker of this DC was dropped: its held requests go, the rounds that waited only for it complete."""
         if tier is not self.dc_tier:
             return
-        self.clients.pop(member.id, None)
         left = len(tier.workers())
         log.warning("DC %s goes on with %d of %d workers without %s: rounds it misses count the DC's mean in its "
                     "place", self.po.cfg.dc, left, self.po.cfg.num_workers, member.label)
         if self.po.metrics is not None:
             self.po.metrics.write("member_left", node=member.label, reason=reason, workers_left=left)
-        for st in self.keys.values():
-            st.waiting = [(msg, after) for msg, after in st.waiting if msg.src != member.id]
-            for number in sorted(st.rounds):
-                if self.round_complete(st, st.rounds[number]):
-                    self.complete_round(st, number)
+        self.drop_client(member)
         self.dc_rounds.drop(member.id)
 
-    def round_complete(self, st: KeyState, rnd: Round) -> bool:
-        # every worker still in the DC pushed (a dropped worker's push, made before it went silent, counts)
-        return {w.id for w in self.dc_tier.workers()}.issubset(rnd.contributors)
+    def round_clients(self) -> list[NodeInfo]:
+        return self.dc_tier.workers()
 
     def stand_in_for_departed(self, rnd: Round) -> np.ndarray:
         """The round's sum, scaled to the DC's configured size when dropped workers are missing from it."""
         configured, pushed = self.po.cfg.num_workers, len(rnd.contributors)
-        if pushed >= configured or rnd.total is None:
-            return rnd.total
-        factor = np.float32(configured / pushed) if rnd.total.dtype == np.float32 else configured / pushed
-        rnd.total = np.multiply(rnd.total, factor, out=rnd.total if rnd.owned else None)
-        rnd.owned = True
-        return rnd.total
+        return rnd.scale(configured / pushed) if pushed < configured else rnd.total
 
     def dispatch(self, msg: Message) -> None:
         if msg.op == Op.REPLY and self.upstream is not None and msg.src not in self.clients:
             self.upstream.handle_reply(msg)
         else:
             self.handle(msg)
-
-    def expected_contributors(self, st: KeyState) -> int:
-        return len(self.dc_tier.workers())
 
     # init: the master worker's value, fetched once per key from the global tier ----------------------------
     def on_init(self, msg: Message, client: NodeInfo) -> None:
@@ -225,8 +211,11 @@ class WaitForWan:
         self.server = server
 
     def on_round(self, st: KeyState, number: int, rnd: Round) -> None:
-        # the fp32 sum: the client sends it in the key's dtype (a 16-bit key's sum as the mean, see dense_push)
-        h = self.server.upstream.pushpull(st.key, rnd.total, priority=rnd.priority, count=len(rnd.contributors))
+        # the fp32 sum: the client sends it in the key's dtype (a 16-bit key's sum as the mean, see dense_push).
+        # It stands for the DC's configured workers, also when a dropped one is missing (stand_in_for_departed):
+        # the count must not change from round to round (see wan_overlap.py)
+        h = self.server.upstream.pushpull(st.key, rnd.total, priority=rnd.priority,
+                                          count=self.server.po.cfg.num_workers)
         contributors = rnd.contributors     # not the round: its sum is freed once sent, not at the reply
         h.add_done_callback(lambda h: self._round_done(st, number, contributors, h))
 

@@ -56,6 +56,7 @@ class NodeInfo:
     rank: int
     addr: str
     pid: int = 0
+    weight: int = 1  # the training workers it stands for (a local server in the global tier: its DC's)
 
     @property
     def label(self) -> str:
@@ -63,18 +64,21 @@ class NodeInfo:
 
     def to_wire(self) -> dict:
         return {"id": self.id, "kind": self.kind, "tier_role": self.tier_role, "dc": self.dc, "rank": self.rank,
-                "addr": self.addr, "pid": self.pid}
+                "addr": self.addr, "pid": self.pid, "weight": self.weight}
 
     @classmethod
     def from_wire(cls, d: dict) -> NodeInfo:
         """A member table entry, checked: ValueError names what is malformed."""
         if not isinstance(d, dict):
             raise ValueError(f"member entry {d!r} is not a map")
-        info = cls(**{k: d.get(k) for k in ("id", "kind", "tier_role", "dc", "rank", "addr", "pid")})
+        info = cls(**{k: d.get(k) for k in ("id", "kind", "tier_role", "dc", "rank", "addr", "pid")},
+                   weight=d.get("weight", 1))
         if not all(isinstance(v, str) and v for v in (info.id, info.kind, info.dc)):
             raise ValueError(f"member entry {d!r} lacks an id, kind or DC")
         if info.tier_role not in TIER_ROLES or not isinstance(info.rank, int) or not is_node_address(info.addr):
             raise ValueError(f"member entry {d!r} has a bad tier role, rank or address")
+        if not isinstance(info.weight, int) or isinstance(info.weight, bool) or info.weight < 1:
+            raise ValueError(f"member entry {d!r} has a bad weight")
         return info
 
 

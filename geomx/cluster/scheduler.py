@@ -6,10 +6,10 @@ honoured; the rest are numbered in (host, port) order) and sends everyone the me
 releases barriers, watches heartbeats (a silent member aborts the tier with a message naming it) and, once
 every worker has said goodbye, tells the servers to shut down.
 
-A DC's tier is a fault domain (``min_workers``, GEOMX_MIN_WORKERS_PER_DC): a silent worker is dropped from the
-DC instead of aborting it, as long as at least ``min_workers`` of the DC's workers remain. The others hear
-``member_left`` (the local server then completes rounds without it, see local_server.py); the dropped worker
-hears ``abort``, should it ever run again.
+Fault domains (a :class:`DropRule`): a DC's scheduler drops a silent training worker instead of aborting, as
+long as ``GEOMX_MIN_WORKERS_PER_DC`` of the DC's workers remain; the global scheduler drops a silent local server
+(its whole DC) as long as ``GEOMX_MIN_DCS`` DCs remain. The others hear ``member_left`` (the servers then
+complete their rounds without it, see kvserver.py); the dropped member hears ``abort``, should it run again.
 """
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
+from geomx import dropped
 from geomx.cluster.postoffice import describe_node
 from geomx.transport.message import Message
 from geomx.transport.refusals import RefusalLog
@@ -35,13 +37,35 @@ GONE_S = 1.0
 MAX_REJECTIONS = 64
 
 
+@dataclass(frozen=True)
+class DropRule:
+    """Which members a tier goes on without when they fall silent, and how many of them must remain."""
+    kind: str           # the process kind dropped: "worker" (a DC's training workers), "server" (local servers)
+    minimum: int
+    variable: str       # the setting that gave ``minimum``, named when too few remain
+    flag: str
+    what: str           # how to count the remaining ones: "worker(s)", "DC(s)"
+
+
+def worker_rule(minimum: int) -> DropRule:
+    """A DC's tier: its training workers."""
+    return DropRule("worker", minimum, "GEOMX_MIN_WORKERS_PER_DC", "--min-workers-per-dc", "worker(s)")
+
+
+def dc_rule(minimum: int) -> DropRule:
+    """The global tier (hips): the local servers, each standing for its DC."""
+    return DropRule("server", minimum, "GEOMX_MIN_DCS", "--min-dcs", "DC(s)")
+
+
 class Scheduler:
     def __init__(self, *, tier: str, dc: str, expected: dict[str, int], host: str = "127.0.0.1", port: int,
                  emulator: str | None = None, heartbeat_timeout: float = 10.0, connect_timeout: float = 120.0,
                  bind_host: str | None = None, security=None, metrics=None, van: str = "zmq",
-                 van_options: dict | None = None, min_workers: int | None = None) -> None:
+                 van_options: dict | None = None, drop_rule: DropRule | None = None,
+                 run_dir: str | None = None) -> None:
         self.tier, self.dc, self.expected = tier, dc, dict(expected)
-        self.min_workers = min_workers      # None: every worker is needed (a silent one aborts the tier)
+        self.drop_rule = drop_rule          # None: every member is needed (a silent one aborts the tier)
+        self.run_dir = run_dir              # where dropped members are recorded for the launcher (geomx.dropped)
         self.heartbeat_timeout, self.connect_timeout = heartbeat_timeout, connect_timeout
         self.van = Van.create(van, node_id=new_node_id(f"scheduler-{tier}"), dc=dc, on_message=self._on_message,
                               host=host, port=port, emulator=emulator, bind_host=bind_host, security=security,
@@ -188,8 +212,10 @@ class Scheduler:
             return
         now = time.monotonic()
         self._members = dict(self._pending)
-        table = [{k: e[k] for k in ("id", "kind", "tier_role", "dc", "rank", "addr", "pid")}
-                 for e in self._members.values()]
+        # weight: the training workers a member stands for (a local server: its DC's), which weighs its pushes
+        # when a tier goes on without some members (geomx.cluster.global_server)
+        table = [{**{k: e[k] for k in ("id", "kind", "tier_role", "dc", "rank", "addr", "pid")},
+                  "weight": _weight(e["declared"])} for e in self._members.values()]
         for e in self._members.values():
             self._last_seen[e["id"]] = now
             self._send(e, Op.TABLE, members=table)
@@ -250,7 +276,13 @@ class Scheduler:
             self._done.set()
 
     def _remote_abort(self, msg: Message) -> None:
-        self._fail(str(msg.get(Field.REASON, "aborted")), None, skip=msg.src)
+        reason = str(msg.get(Field.REASON, "aborted"))
+        entry = self._members.get(msg.src)
+        # a member the tier may go on without (a local server whose DC stopped) drops out instead
+        if entry is not None and self._cannot_drop(entry) is None:
+            self._drop(entry, f"{self._label(entry)} stopped: {reason}")
+            return
+        self._fail(reason, None, skip=msg.src)
 
     def _fail(self, reason: str, culprit: dict | None, *, skip: str | None = None,
               members: list[dict] | None = None) -> None:
@@ -296,31 +328,42 @@ class Scheduler:
                 self._fail(reason + problem, None, skip=node_id)
                 return
 
+    def _droppable_remaining(self, but: str) -> int:
+        rule = self.drop_rule
+        return sum(1 for i, e in self._members.items() if e["kind"] == rule.kind and e["tier_role"] == "worker"
+                   and i != but and i not in self._departed and i not in self._left)
+
     def _cannot_drop(self, entry: dict) -> str | None:
         """None when the tier may go on without ``entry``; else what to add to the failure's reason (empty where
-        the tier is no fault domain or ``entry`` is no training worker)."""
-        if self.min_workers is None or entry["kind"] != "worker" or entry["tier_role"] != "worker":
+        the tier is no fault domain or ``entry`` is not of the kind it drops)."""
+        rule = self.drop_rule
+        if rule is None or entry["kind"] != rule.kind or entry["tier_role"] != "worker":
             return ""
-        remaining = sum(1 for i, e in self._members.items() if e["kind"] == "worker" and i != entry["id"]
-                        and i not in self._departed and i not in self._left)
-        if remaining < self.min_workers:
-            return (f"; DC {self.dc} would go on with {remaining} worker(s), fewer than GEOMX_MIN_WORKERS_PER_DC="
-                    f"{self.min_workers} (geomx launch --min-workers-per-dc)")
+        remaining = self._droppable_remaining(entry["id"])
+        if remaining < rule.minimum:
+            return (f"; the {self.tier} tier would go on with {remaining} {rule.what}, fewer than {rule.variable}="
+                    f"{rule.minimum} (geomx launch {rule.flag})")
         return None
 
     def _drop(self, entry: dict, reason: str) -> None:
-        """Go on without a silent worker: tell the others, release what waited for it."""
+        """Go on without a silent member: tell the others, release what waited for it."""
         self._departed[entry["id"]] = reason
         remaining = [e for i, e in self._members.items() if i not in self._departed and i not in self._left]
-        workers = sum(e["kind"] == "worker" for e in remaining)
-        log.warning("%s tier: %s; DC %s goes on with %d worker(s)", self.tier, reason, self.dc, workers)
+        left = self._droppable_remaining(entry["id"])
+        log.warning("%s tier: %s; it goes on with %d %s", self.tier, reason, left, self.drop_rule.what)
         if self._metrics is not None:
-            self._metrics.write("member_left", node=self._label(entry), reason=reason, workers_left=workers)
+            self._metrics.write("member_left", node=self._label(entry), reason=reason, remaining=left)
+        dropped.record(self.run_dir, tier=self.tier, pid=entry["pid"], member=self._label(entry), reason=reason)
         self._send(entry, Op.ABORT, reason=f"dropped from the {self.tier} tier: {reason}")
         for e in remaining:
             self._send(e, Op.MEMBER_LEFT, node=entry["id"], reason=reason)
         self._release_barriers()
         self._shut_down_when_workers_left()
+
+
+def _weight(declared: dict) -> int:
+    n = declared.get("dc_workers", 1)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
 
 
 def _host_port(addr: str) -> tuple[str, int]:

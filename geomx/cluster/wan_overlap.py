@@ -79,8 +79,9 @@ class WanOverlap:
         s.in_flight = True
         # the sender count scales what travels (a sum goes as sum / count, see compressed.dense_push): it must
         # not change from push to push, or an error-feedback residual kept at one scale is sent at another.
-        # Summed rounds therefore go with the DC's workers, the count of every single round.
-        h = self.server.upstream.pushpull(st.key, total, count=self.server.expected_contributors(st))
+        # Summed rounds therefore go with the DC's configured workers, the count of every single round (a round
+        # short of a dropped worker is scaled to that size, LocalServer.stand_in_for_departed).
+        h = self.server.upstream.pushpull(st.key, total, count=self.server.po.cfg.num_workers)
         h.add_done_callback(lambda h: self._returned(st, h))
 
     def _returned(self, st: KeyState, h: Handle) -> None:
