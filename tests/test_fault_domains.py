@@ -38,6 +38,14 @@ h.dump(f"seen-{me}", {"values": seen, "steps": step})
 """
 
 
+def assert_survivors_read(run_dir, workers, values: list[float]) -> None:
+    """Each surviving worker read ``values[0]`` first, ``values[-1]`` last, and nothing outside ``values``."""
+    for worker in workers:
+        seen = load_json(run_dir, f"seen-{worker}")
+        assert seen["values"][0] == values[0] and seen["values"][-1] == values[-1], seen
+        assert set(seen["values"]) <= set(values), seen
+
+
 def test_a_dc_goes_on_without_a_killed_and_a_frozen_worker_and_counts_its_mean_in_their_place(tmp_path):
     state: dict = {}
 
@@ -62,11 +70,8 @@ def test_a_dc_goes_on_without_a_killed_and_a_frozen_worker_and_counts_its_mean_i
     assert "DC a goes on with 1 of 2 workers (--min-workers-per-dc 1)" in output, output
     assert "geomx: b-worker-1 is frozen (stopped) at" in output, output
     assert "geomx: training finished without a-worker-1 (was killed by signal 9" in output, output
-    for survivor in (0, 2):
-        seen = load_json(run_dir, f"seen-{survivor}")
-        # full rounds, then one worker missing, then both: never a value that drops a DC's weight
-        assert seen["values"][0] == 2.5 and seen["values"][-1] == 2.0, seen
-        assert set(seen["values"]) <= {2.5, 2.25, 2.0}, seen
+    # full rounds, then one worker missing, then both: never a value that drops a DC's weight
+    assert_survivors_read(run_dir, (0, 2), [2.5, 2.25, 2.0])
     # the killed worker's closed connection gives it away within about a second; the frozen one keeps its
     # connection and is dropped at the heartbeat deadline
     for dc, victim, how in (("a", "worker 1 of DC a", "closed its connection"),
@@ -98,10 +103,7 @@ def test_the_other_dc_goes_on_when_a_dcs_local_server_dies_and_weighs_for_the_mi
     assert "geomx: DC b drops out (b-server was killed by signal 9 at" in output, output
     assert "the run goes on with 1 of 2 DCs (--min-dcs 1)" in output, output
     assert "geomx: training finished without DC b (b-server was killed by signal 9" in output, output
-    for survivor in (0, 1):
-        seen = load_json(run_dir, f"seen-{survivor}")
-        assert seen["values"][0] == 2.5 and seen["values"][-1] == 1.5, seen
-        assert set(seen["values"]) <= {2.5, 1.5}, seen
+    assert_survivors_read(run_dir, (0, 1), [2.5, 1.5])
     scheduler_log = (run_dir / "global-scheduler.log").read_text()
     assert "local server of DC b" in scheduler_log and "closed its connection" in scheduler_log, scheduler_log
     assert "it goes on with 1 DC(s)" in scheduler_log, scheduler_log
