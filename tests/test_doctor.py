@@ -140,3 +140,35 @@ def test_doctor_command_prints_one_line_per_problem_and_exits_1(tmp_path, capsys
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == "1 problem found in 2 roles"
     assert out[0].startswith("a-worker-0: DMLC_NUM_WORKER=3 but a-scheduler")
+
+
+def test_doctor_probe_names_a_malformed_endpoint_and_an_unreachable_listener(capsys):
+    from geomx.cli.main import main
+
+    assert main(["doctor", "--probe", "nohostport"]) == 2
+    assert "--probe 'nohostport' is not HOST:PORT" in capsys.readouterr().err
+    port = _free_port()
+    assert main(["doctor", "--probe", f"127.0.0.1:{port}"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot reach the probe listener at 127.0.0.1:{port}" in err, err
+
+
+def test_doctor_probe_measures_rtt_and_rate_against_a_listener_on_this_machine():
+    import threading
+
+    from geomx.cli import link_probe
+
+    ready = threading.Event()
+    address = {}
+
+    def on_ready(addr):
+        address["port"] = addr[1]
+        ready.set()
+
+    listener = threading.Thread(target=link_probe.serve, args=("127.0.0.1", 0), daemon=True,
+                                kwargs={"seconds": 10, "on_ready": on_ready})
+    listener.start()
+    assert ready.wait(5)
+    result = link_probe.probe("127.0.0.1", address["port"], nbytes=4_000_000)
+    # the bytes timed are what came after the first eighth of the payload; loopback moves them at gigabits/s
+    assert 0 < result.nbytes <= 3_500_000 and result.rate_bps > 100e6 and 0 < result.rtt_s < 0.1, result

@@ -9,6 +9,9 @@ port) and the fix:
   the global tier's counts against the DCs given, two schedulers on one address, the secret held on every side;
 * on the network (unless ``--no-network``): every scheduler named is reached over TCP (and the time of that
   connect is printed as a round-trip estimate), and a role meant for this machine can listen on its address.
+
+``--probe-listen`` and ``--probe`` measure the path between two hosts instead (link_probe.py): RTT and the rate of
+one TCP stream, e.g. from a DC's host to the central party's.
 """
 from __future__ import annotations
 
@@ -297,12 +300,23 @@ def add_doctor_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--local", action="store_true",
                    help="the roles run on this machine: check that each can listen on its address and port")
     p.add_argument("--timeout", type=float, default=CONNECT_TIMEOUT_S, help="seconds per connection attempt")
+    p.add_argument("--probe-listen", metavar="[HOST:]PORT",
+                   help="answer --probe measurements on this address (default host 0.0.0.0) for --probe-for seconds")
+    p.add_argument("--probe-for", type=float, default=120.0, metavar="S", help="how long --probe-listen answers")
+    p.add_argument("--probe", metavar="HOST:PORT",
+                   help="measure RTT and one TCP stream's rate to a --probe-listen on another host (a DC's, the "
+                        "central party's)")
+    p.add_argument("--probe-mb", type=float, default=12.0, metavar="MB",
+                   help="megabytes --probe sends (at least 1 s of the link's rate gives a steady figure)")
     p.set_defaults(fn=cmd_doctor)
     return p
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     import os
+
+    if args.probe_listen or args.probe:
+        return _cmd_probe(args)
 
     envs: dict[str, Mapping[str, str]] = {}
     for item in args.env_file:
@@ -321,3 +335,26 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     print(f"{len(problems)} problem{'s' * (len(problems) != 1)} found in {len(envs)} role"
           f"{'s' * (len(envs) != 1)}")
     return 1 if problems else 0
+
+
+def _cmd_probe(args: argparse.Namespace) -> int:
+    from geomx.cli import link_probe
+
+    if args.probe_listen:
+        host, port = link_probe.parse_endpoint(args.probe_listen, what="--probe-listen", default_host="0.0.0.0")
+        def ready(addr) -> None:
+            print(f"answering probes on {addr[0]}:{addr[1]} for {args.probe_for:g} s", flush=True)
+
+        try:
+            answered = link_probe.serve(host, port, seconds=args.probe_for, on_ready=ready)
+        except OSError as exc:
+            raise GeomxError(f"--probe-listen {args.probe_listen}: cannot listen: {exc.strerror or exc}") from None
+        print(f"answered {answered} probe(s)")
+        return 0
+    host, port = link_probe.parse_endpoint(args.probe, what="--probe")
+    if not args.probe_mb > 0:
+        raise GeomxError(f"--probe-mb must be positive, got {args.probe_mb:g}")
+    result = link_probe.probe(host, port, nbytes=int(args.probe_mb * 1e6), timeout=max(args.timeout, 5.0))
+    print(f"probe {host}:{port}: {result}")
+    return 0
+

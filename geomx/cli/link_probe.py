@@ -1,0 +1,135 @@
+"""``geomx doctor --probe-listen`` / ``--probe``: measure the RTT and rate of the network path between two hosts,
+as a deployment's roles would see it over one TCP connection (a DC's host and the central party's, say).
+
+One end listens; the other connects, times ten 1-byte echoes (the median is the RTT) and then sends a bulk
+payload, whose receiver times it from its first byte to its last (the goodput of one TCP stream, the way
+geomx's links carry a message). Plain TCP: the probe carries no secrets, only zeros and timings.
+
+Wire: the client sends ``E`` + 1 byte (echoed), or ``B`` + an 8-byte big-endian length + that many bytes (the
+listener answers with the receive time, from the read that completes the first eighth of the payload to the
+last, as a big-endian double, and the bytes received in that time as an 8-byte integer).
+"""
+from __future__ import annotations
+
+import socket
+import statistics
+import struct
+import time
+from dataclasses import dataclass
+
+from geomx.errors import ConfigError, GeomxError
+
+_ECHOES = 10
+_CHUNK = 1 << 20
+IO_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    rtt_s: float
+    nbytes: int
+    receive_s: float
+
+    @property
+    def rate_bps(self) -> float:
+        return self.nbytes * 8 / self.receive_s if self.receive_s > 0 else float("inf")
+
+    def __str__(self) -> str:
+        return (f"RTT {self.rtt_s * 1e3:.2f} ms (median of {_ECHOES} echoes); {self.rate_bps / 1e6:.1f} Mbit/s "
+                f"received over one TCP stream ({self.nbytes / 1e6:.1f} MB timed in {self.receive_s:.2f} s)")
+
+
+def parse_endpoint(text: str, *, what: str, default_host: str | None = None) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "", text
+    host = host or default_host or ""
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{what} {text!r} is not HOST:PORT" + (" or PORT" if default_host else ""))
+    return host, int(port)
+
+
+def _receive_exactly(conn: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = conn.recv(n - len(out))
+        if not chunk:
+            raise ConnectionError("the connection closed mid-message")
+        out += chunk
+    return bytes(out)
+
+
+def serve(host: str, port: int, *, seconds: float, on_ready=None) -> int:
+    """Answer probes on ``host:port`` for ``seconds``; returns the number of probes answered."""
+    answered = 0
+    with socket.create_server((host, port), reuse_port=False) as server:
+        server.settimeout(0.5)
+        if on_ready is not None:
+            on_ready(server.getsockname())
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(IO_TIMEOUT_S)
+                try:
+                    answered += _answer(conn)
+                except (OSError, ConnectionError, struct.error):
+                    continue        # a broken probe (or a stranger's junk) ends its connection only
+    return answered
+
+
+def _answer(conn: socket.socket) -> int:
+    answered = 0
+    while True:
+        op = conn.recv(1)
+        if not op:
+            return answered
+        if op == b"E":
+            conn.sendall(_receive_exactly(conn, 1))
+        elif op == b"B":
+            (n,) = struct.unpack(">Q", _receive_exactly(conn, 8))
+            # timed once the first eighth (at most 1 MiB) is in: a shaper's burst and TCP's slow start are
+            # over by then, so the figure is the path's steady rate
+            skip = min(n // 8, _CHUNK)
+            first, timed, left = None, 0, n
+            while left:
+                chunk = conn.recv(min(left, _CHUNK))
+                if not chunk:
+                    raise ConnectionError("the connection closed mid-payload")
+                left -= len(chunk)
+                if first is not None:
+                    timed += len(chunk)
+                elif n - left >= skip:
+                    first = time.perf_counter()
+            conn.sendall(struct.pack(">dQ", time.perf_counter() - first if first is not None else 0.0, timed))
+            answered += 1
+        else:
+            return answered
+
+
+def probe(host: str, port: int, *, nbytes: int, timeout: float = IO_TIMEOUT_S) -> ProbeResult:
+    """RTT and one-stream rate to a listener at ``host:port``."""
+    try:
+        conn = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise GeomxError(f"cannot reach the probe listener at {host}:{port}: {exc.strerror or exc} (is "
+                         f"geomx doctor --probe-listen running there, and the port open?)") from None
+    with conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        rtts = []
+        for _ in range(_ECHOES):
+            start = time.perf_counter()
+            conn.sendall(b"E\x00")
+            _receive_exactly(conn, 1)
+            rtts.append(time.perf_counter() - start)
+        conn.sendall(b"B" + struct.pack(">Q", nbytes))
+        zeros = memoryview(bytes(_CHUNK))
+        left = nbytes
+        while left:
+            sent = conn.send(zeros[:min(left, _CHUNK)])
+            left -= sent
+        receive_s, timed = struct.unpack(">dQ", _receive_exactly(conn, 16))
+    return ProbeResult(statistics.median(rtts), timed, receive_s)
