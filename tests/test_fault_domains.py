@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 
 from harness import FAST_HEARTBEAT, describe, launch, load_json
 
@@ -110,3 +111,56 @@ def test_the_other_dc_goes_on_when_a_dcs_local_server_dies_and_weighs_for_the_mi
     server_log = (run_dir / "global-server-0.log").read_text()
     assert "goes on with 1 of 2 DCs without DC b" in server_log, server_log
 
+
+
+# -- in one process (tests/scripts/inproc.py): the rounds a dropped member leaves open ------------------------
+
+def test_a_round_and_a_dc_only_round_waiting_for_a_dropped_worker_complete_with_its_dcs_mean_in_its_place():
+    import numpy as np
+
+    from inproc import DEADLINE_S, HipsCluster
+
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=2)
+    try:
+        (a0, a1), (b0, b1) = cluster.workers["a"], cluster.workers["b"]
+        cluster.master.init("w", np.zeros(4, np.float32))
+        for kv in (a0, a1, b0, b1):
+            kv.init("w", np.zeros(4, np.float32))
+        # a1 never pushes: the round waits for it until its DC drops it
+        waiting = [kv.pushpull("w", np.full(4, v, np.float32)) for kv, v in ((a0, 1.0), (b0, 3.0), (b1, 4.0))]
+        dc_round = a0.pushpull("w", np.full(4, 5.0, np.float32), scope="dc")
+        time.sleep(0.2)
+        assert not any(h.done() for h in [*waiting, dc_round])
+        cluster.drop("dc:a", a1.po.node_id)
+        # DC a weighs 2 workers with a0's 1 in each place: (2 + 3 + 4) / 4
+        for h in waiting:
+            np.testing.assert_array_equal(h.wait(DEADLINE_S), np.full(4, 2.25, np.float32))
+        np.testing.assert_array_equal(dc_round.wait(DEADLINE_S), np.full(4, 10.0, np.float32))
+        # later rounds need only the workers that remain
+        later = [kv.pushpull("w", np.full(4, 1.0, np.float32)) for kv in (a0, b0, b1)]
+        for h in later:
+            np.testing.assert_array_equal(h.wait(DEADLINE_S), np.full(4, 1.0, np.float32))
+    finally:
+        cluster.close()
+
+
+def test_a_global_round_waiting_for_a_dropped_dc_completes_as_the_mean_over_the_workers_that_pushed():
+    import numpy as np
+
+    from inproc import DEADLINE_S, HipsCluster
+
+    cluster = HipsCluster(dcs=("a", "b", "c"), per_dc=[1, 2, 1])
+    try:
+        cluster.master.init("w", np.zeros(3, np.float32))
+        (a0,), (b0, b1) = cluster.workers["a"], cluster.workers["b"]
+        for kv in (a0, b0, b1, *cluster.workers["c"]):
+            kv.init("w", np.zeros(3, np.float32))
+        waiting = [kv.pushpull("w", np.full(3, v, np.float32)) for kv, v in ((a0, 1.0), (b0, 2.0), (b1, 2.0))]
+        time.sleep(0.2)
+        assert not any(h.done() for h in waiting)
+        cluster.drop("global", "server-c")
+        # DC a weighs 1 worker and DC b 2 (their weights in the member table): (1 + 2 + 2) / 3 workers
+        for h in waiting:
+            np.testing.assert_allclose(h.wait(DEADLINE_S), np.full(3, 5 / 3, np.float32), rtol=1e-6)
+    finally:
+        cluster.close()

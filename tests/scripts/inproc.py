@@ -8,7 +8,7 @@ links) or ZeroMQ over loopback (``van="zmq"``). Node ids of servers and flat wor
 * ``FlatCluster``: one global server serving the training workers directly (GeoMX's flat topology), and the
   master worker; clients are raw KVClients.
 * ``HipsCluster``: the global server, a local server per DC, the master worker and the DCs' workers as
-  ``geomx.kvstore`` KVStores.
+  ``geomx.kvstore`` KVStores; ``drop`` has a scheduler go on without a member (fault domains).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from geomx.cluster.client import KVClient
 from geomx.cluster.global_server import start_global_server
 from geomx.cluster.local_server import start_local_server
 from geomx.cluster.postoffice import Postoffice
-from geomx.cluster.scheduler import Scheduler
+from geomx.cluster.scheduler import Scheduler, dc_rule, worker_rule
 from geomx.config import NodeConfig
 from geomx.kvstore.kvstore import KVStore
 from geomx.profiles import CENTRAL_DC
@@ -35,16 +35,18 @@ class Deployment:
         self.van = van
         self.hub = Hub(link=link) if van == "inproc" else None
         self._stops: list[Callable[[], None]] = [self.hub.close] if self.hub else []
+        self.schedulers: dict[str, Scheduler] = {}
 
     def config(self, **fields) -> NodeConfig:
         return NodeConfig(van=self.van, van_options={"hub": self.hub} if self.hub else {}, heartbeat_timeout=60.0,
                           op_timeout=DEADLINE_S, connect_timeout=DEADLINE_S, **fields)
 
-    def scheduler(self, tier: str, dc: str, expected: dict) -> tuple[str, int]:
+    def scheduler(self, tier: str, dc: str, expected: dict, drop_rule=None) -> tuple[str, int]:
         """Start a tier's scheduler; its (host, port) for the members' configurations."""
         sched = Scheduler(tier=tier, dc=dc, expected=expected, port=0, heartbeat_timeout=60.0,
-                          connect_timeout=DEADLINE_S, van=self.van,
+                          connect_timeout=DEADLINE_S, van=self.van, drop_rule=drop_rule,
                           van_options={"hub": self.hub} if self.hub else None)
+        self.schedulers[tier] = sched
         threading.Thread(target=sched.serve, name=f"scheduler-{tier}", daemon=True).start()
         self._stops.insert(0, sched.stop)
         end = time.monotonic() + DEADLINE_S
@@ -69,6 +71,12 @@ class Deployment:
             self.close()
             raise failed[0]
         return nodes
+
+    def drop(self, tier: str, node_id: str) -> None:
+        """The tier's scheduler goes on without member ``node_id``, as when its heartbeats stop (fault domains)."""
+        sched = self.schedulers[tier]
+        with sched._lock:
+            sched._drop(sched._members[node_id], f"{node_id} dropped by the test")
 
     def close(self) -> None:
         stops, self._stops = self._stops, []
@@ -123,7 +131,8 @@ class HipsCluster(Deployment):
         super().__init__(van, link)
         sizes = dict(zip(dcs, per_dc if isinstance(per_dc, list | tuple) else [per_dc] * len(dcs), strict=True))
         total = sum(sizes.values())
-        gs = self.scheduler("global", CENTRAL_DC, {"server": 1, "worker": len(dcs)})
+        # fault domains as geomx.node sets them up: a DC goes on without a worker, the global tier without a DC
+        gs = self.scheduler("global", CENTRAL_DC, {"server": 1, "worker": len(dcs)}, drop_rule=dc_rule(1))
         cs = self.scheduler("dc:central", CENTRAL_DC, {"server": 1, "worker": 1})
         counts = {"num_global_servers": 1, "num_global_workers": len(dcs), "num_all_workers": total}
         makers: list = [lambda: start_global_server(
@@ -131,7 +140,7 @@ class HipsCluster(Deployment):
                         num_servers=1, **counts, **(global_server_fields or {})), threading.Event(),
             node_id="global_server-0")]
         for dc, size in sizes.items():
-            ds = self.scheduler(f"dc:{dc}", dc, {"server": 1, "worker": size})
+            ds = self.scheduler(f"dc:{dc}", dc, {"server": 1, "worker": size}, drop_rule=worker_rule(1))
             makers.append(lambda dc=dc, ds=ds, size=size: start_local_server(
                 self.config(role="server", dc=dc, scheduler=ds, global_scheduler=gs, num_workers=size,
                             num_servers=1, **counts), threading.Event(), node_id=f"server-{dc}"))
