@@ -5,6 +5,7 @@ the central party's tier, whose worker is the master worker that initializes and
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 from pathlib import Path
@@ -314,8 +315,9 @@ def start_global_server(cfg: NodeConfig, done: threading.Event, *, node_id: str 
 
 def run_global_server(cfg: NodeConfig) -> int:
     # a server optimizer (DCASGD, SGD...) may arrive once the tiers are up, and importing torch then, on the
-    # receive thread, stalls heartbeats: on a loaded machine for longer than their timeout. Import it first.
-    import torch  # noqa: F401
+    # receive thread, would stall it for seconds on a loaded machine: import it meanwhile, beside the joining
+    # (which waits on the network), instead of before it (every deployment's start then waited for it)
+    threading.Thread(target=importlib.import_module, args=("torch",), name="import-torch", daemon=True).start()
     done = threading.Event()
     server = start_global_server(cfg, done)
     try:
