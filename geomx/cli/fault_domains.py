@@ -36,6 +36,10 @@ class Losses:
     def workers_left(self, dc: str) -> int:
         return self.workers_per_dc[dc] - sum(1 for name in self.lost if self.roles[name].dc == dc)
 
+    def may_absorb(self, name: str) -> bool:
+        """Whether the run could go on without ``name`` at all: a DC's role, where DCs or workers may be lost."""
+        return name in self.roles and (self.min_workers is not None or self.min_dcs is not None)
+
     def absorbed(self, name: str) -> bool:
         """Whether ``name`` belongs to a DC already lost (its end changes nothing)."""
         role = self.roles.get(name)

@@ -368,6 +368,8 @@ class Launcher:
         role that gave up on a lost peer, or that ran again after it was dropped, exits with an error too."""
         if self.losses.absorbed(r.spec.name):
             return ""
+        if not self.losses.may_absorb(r.spec.name):     # a central role, or the flat topology: no fault domain
+            return None
         if r.proc.pid in self.drops.refresh() or r.returncode < 0:
             return self.losses.judge(r.spec.name, f"{_how_it_ended(r.returncode)} at {elapsed_s:.1f} s")
         return _WAIT if time.monotonic() - r.ended_at < self._drop_grace_s else None

@@ -259,8 +259,9 @@ class Postoffice:
         for fn in self._member_left_listeners:
             fn(tier, member, reason)
 
-    def abort(self, reason: str, *, tell_schedulers: bool = True) -> None:
-        """Fail every wait with ``reason``; tell our schedulers so the whole deployment learns of it."""
+    def abort(self, reason: str, *, tell_schedulers: bool = True, fatal: bool = False) -> None:
+        """Fail every wait with ``reason``; tell our schedulers so the whole deployment learns of it. ``fatal``:
+        a tier failed before it was complete (a misconfiguration): no tier may go on without us then."""
         if self.aborted:
             return
         self.aborted = reason
@@ -268,7 +269,7 @@ class Postoffice:
         if tell_schedulers:
             for tier in self.tiers.values():
                 if not tier.closed:
-                    tier.send_to_scheduler(Op.ABORT, reason=reason)
+                    tier.send_to_scheduler(Op.ABORT, reason=reason, **({Field.FATAL: True} if fatal else {}))
         for fn in self._abort_listeners:
             try:
                 fn(reason)
@@ -323,7 +324,8 @@ class Postoffice:
                                "of one of its tiers", self.cfg.label, msg.op, name, msg.src)
             return
         if msg.op == Op.ABORT:
-            self.abort(str(msg.get(Field.REASON, "aborted by a peer")), tell_schedulers=True)
+            self.abort(str(msg.get(Field.REASON, "aborted by a peer")), tell_schedulers=True,
+                       fatal=msg.get(Field.FATAL) is True)
             return
         try:
             tier.handle(msg)

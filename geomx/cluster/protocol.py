@@ -20,7 +20,7 @@ op                  direction                  fields
 ``bye``             node -> scheduler          (none): leaving cleanly
 ``shutdown``        scheduler -> servers       (none): every worker left
 ``member_left``     scheduler -> members       node, reason: a worker left its DC's rounds (a fault domain)
-``abort``           any -> any                 reason
+``abort``           any -> any                 reason; fatal (a tier failed before it was complete)
 ==================  =========================  =============================================================
 
 Data (a client and a server; requests carry ``req``, the reply echoes it):
@@ -81,6 +81,7 @@ class Field:
     MEMBERS = "members"
     REASON = "reason"
     NODE = "node"
+    FATAL = "fatal"       # abort: a tier failed before it was complete (no fault domain absorbs it)
     GROUP = "group"
     SEQ = "seq"
     TOKEN = "token"       # register: a secret the member chose; its scheduler echoes it as AUTH in every answer

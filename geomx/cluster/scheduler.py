@@ -278,8 +278,9 @@ class Scheduler:
     def _remote_abort(self, msg: Message) -> None:
         reason = str(msg.get(Field.REASON, "aborted"))
         entry = self._members.get(msg.src)
-        # a member the tier may go on without (a local server whose DC stopped) drops out instead
-        if entry is not None and self._cannot_drop(entry) is None:
+        # a member the tier may go on without (a local server whose DC stopped) drops out instead, unless what
+        # stopped it was a tier that never completed: a misconfiguration, which must stop the run
+        if entry is not None and msg.get(Field.FATAL) is not True and self._cannot_drop(entry) is None:
             self._drop(entry, f"{self._label(entry)} stopped: {reason}")
             return
         self._fail(reason, None, skip=msg.src)
@@ -293,9 +294,10 @@ class Scheduler:
         targets = members if members is not None else list(self._members.values() or self._pending.values())
         if culprit is not None and culprit["id"] not in {t["id"] for t in targets}:
             targets.append(culprit)
+        fatal = {Field.FATAL: True} if not self._members else {}     # the tier never completed
         for e in targets:
             if e["id"] != skip and e["id"] not in self._left:
-                self._send(e, Op.ABORT, reason=reason)
+                self._send(e, Op.ABORT, reason=reason, **fatal)
         self._done.set()
 
     def _check_liveness(self) -> None:
