@@ -109,7 +109,7 @@ def _need(env: Mapping[str, str], name: str, role: str) -> str:
     return value
 
 
-def _int(env: Mapping[str, str], name: str, role: str, default: int | None = None) -> int:
+def env_int(env: Mapping[str, str], name: str, role: str, default: int | None = None) -> int:
     raw = env.get(name)
     if raw is None or raw == "":
         if default is None:
@@ -121,7 +121,7 @@ def _int(env: Mapping[str, str], name: str, role: str, default: int | None = Non
         raise ConfigError(f"{name}={raw!r} is not an integer (role {role!r})") from None
 
 
-def _float(env: Mapping[str, str], name: str, default: float) -> float:
+def env_float(env: Mapping[str, str], name: str, default: float) -> float:
     raw = env.get(name)
     if not raw:
         return default
@@ -132,7 +132,7 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
 
 
 def _addr(env: Mapping[str, str], uri: str, port: str, role: str) -> tuple[str, int]:
-    return _need(env, uri, role), _int(env, port, role)
+    return _need(env, uri, role), env_int(env, port, role)
 
 
 def role_from_env(env: Mapping[str, str]) -> str:
@@ -177,7 +177,7 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
     cfg = NodeConfig(role=role, dc="", topology=topology, mode=mode, mixedsync=mixedsync)
     cfg.host = env.get("DMLC_NODE_HOST") or env.get("GEOMX_HOST") or "127.0.0.1"
     cfg.bind_host = env.get("GEOMX_BIND_HOST") or None
-    cfg.port = _int(env, "PORT", role, 0)
+    cfg.port = env_int(env, "PORT", role, 0)
     cfg.emulator = env.get("GEOMX_WAN_EMULATOR") or None
     cfg.security = link_security(env)
     if not isinstance(cfg.security, Sealed | Curve) and not cfg.host.startswith("127.") and cfg.host != "localhost":
@@ -192,35 +192,35 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
             "%s runs unauthenticated (no GEOMX_SECRET or GEOMX_AUTH_TOKEN): it accepts every connection and "
             "checks only who sent each message", role)
     cfg.run_dir = env.get("GEOMX_RUN_DIR") or None
-    cfg.checkpoint_every = _int(env, "GEOMX_CHECKPOINT_EVERY", role, 0)
+    cfg.checkpoint_every = env_int(env, "GEOMX_CHECKPOINT_EVERY", role, 0)
     cfg.resume_from = env.get("GEOMX_RESUME_FROM") or None
-    cfg.resume_step = _int(env, "GEOMX_RESUME_STEP", role) if env.get("GEOMX_RESUME_STEP") else None
+    cfg.resume_step = env_int(env, "GEOMX_RESUME_STEP", role) if env.get("GEOMX_RESUME_STEP") else None
     cfg.optimizer_modules = tuple(m.strip() for m in (env.get("GEOMX_OPTIMIZER_MODULES") or "").split(",")
                                   if m.strip())
     if (env.get(SIZE_BOUND_ENV) or "").strip():
         cfg.size_lower_bound = env_size_bound(env)
-    cfg.min_workers_per_dc = _int(env, "GEOMX_MIN_WORKERS_PER_DC", role, 1)
-    cfg.min_dcs = _int(env, "GEOMX_MIN_DCS", role, 1)
-    cfg.heartbeat_interval = _float(env, "GEOMX_HEARTBEAT_INTERVAL", cfg.heartbeat_interval)
-    cfg.heartbeat_timeout = _float(env, "GEOMX_HEARTBEAT_TIMEOUT", cfg.heartbeat_timeout)
-    cfg.connect_timeout = _float(env, "GEOMX_CONNECT_TIMEOUT", cfg.connect_timeout)
-    cfg.op_timeout = _float(env, "GEOMX_TIMEOUT", cfg.op_timeout)
+    cfg.min_workers_per_dc = env_int(env, "GEOMX_MIN_WORKERS_PER_DC", role, 1)
+    cfg.min_dcs = env_int(env, "GEOMX_MIN_DCS", role, 1)
+    cfg.heartbeat_interval = env_float(env, "GEOMX_HEARTBEAT_INTERVAL", cfg.heartbeat_interval)
+    cfg.heartbeat_timeout = env_float(env, "GEOMX_HEARTBEAT_TIMEOUT", cfg.heartbeat_timeout)
+    cfg.connect_timeout = env_float(env, "GEOMX_CONNECT_TIMEOUT", cfg.connect_timeout)
+    cfg.op_timeout = env_float(env, "GEOMX_TIMEOUT", cfg.op_timeout)
     cfg.partition_bytes = _partition_bytes(env.get("GEOMX_PARTITION_BYTES"))
     requested = env.get("GEOMX_RANK") or env.get("DMLC_WORKER_ID")
-    cfg.rank = _int(env, "GEOMX_RANK" if env.get("GEOMX_RANK") else "DMLC_WORKER_ID", role) if requested else None
+    cfg.rank = env_int(env, "GEOMX_RANK" if env.get("GEOMX_RANK") else "DMLC_WORKER_ID", role) if requested else None
 
     in_global_tier = role in ("global_scheduler", "global_server", "server") or (
         role == "worker" and topology == "flat")
     if role != "global_scheduler":
         cfg.scheduler = _addr(env, "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", role)
-        cfg.num_workers = _int(env, "DMLC_NUM_WORKER", role)
-        cfg.num_servers = _int(env, "DMLC_NUM_SERVER", role)
+        cfg.num_workers = env_int(env, "DMLC_NUM_WORKER", role)
+        cfg.num_servers = env_int(env, "DMLC_NUM_SERVER", role)
     if in_global_tier:
         cfg.global_scheduler = _addr(env, "DMLC_PS_GLOBAL_ROOT_URI", "DMLC_PS_GLOBAL_ROOT_PORT", role)
-        cfg.num_global_servers = _int(env, "DMLC_NUM_GLOBAL_SERVER", role)
-        cfg.num_global_workers = _int(env, "DMLC_NUM_GLOBAL_WORKER", role)
+        cfg.num_global_servers = env_int(env, "DMLC_NUM_GLOBAL_SERVER", role)
+        cfg.num_global_workers = env_int(env, "DMLC_NUM_GLOBAL_WORKER", role)
     if role in ("worker", "master", "global_server"):
-        cfg.num_all_workers = _int(env, "DMLC_NUM_ALL_WORKER", role)
+        cfg.num_all_workers = env_int(env, "DMLC_NUM_ALL_WORKER", role)
     if role == "master":
         cfg.num_global_servers = cfg.num_servers   # the central party's servers are the global servers
 

@@ -22,7 +22,7 @@ from typing import TextIO
 
 from geomx.cli.inject import Injector, parse_faults
 from geomx.cli.topology import Topology
-from geomx.config import NodeConfig
+from geomx.config import NodeConfig, env_float, env_int
 from geomx.dropped import DropLog
 from geomx.lifeline import ENV as LAUNCHER_PID_ENV
 from geomx.errors import ConfigError
@@ -231,11 +231,12 @@ class Launcher:
         self.drops = DropLog(self.run_dir)
         # a role that exits with an error is a fault its deployment absorbs only if its scheduler drops it within
         # the heartbeat deadline (and a little): until then it is undecided
-        self._drop_grace_s = self._heartbeat_timeout() + 3.0
+        env = self._role_env()
+        self._drop_grace_s = env_float(env, "GEOMX_HEARTBEAT_TIMEOUT", NodeConfig.heartbeat_timeout) + 3.0
         self._undecided: list[Running] = []
         self.losses = Losses({s.name: DcRole(s.kind, s.dc) for s in specs if s.dc is not None},
-                             min_workers=None if flat else self._setting(MIN_WORKERS_ENV),
-                             min_dcs=None if flat else self._setting(MIN_DCS_ENV))
+                             min_workers=None if flat else env_int(env, MIN_WORKERS_ENV, "launcher", 1),
+                             min_dcs=None if flat else env_int(env, MIN_DCS_ENV, "launcher", 1))
         interrupted = {"sig": None}
 
         def on_signal(signum, _frame):
@@ -391,19 +392,9 @@ class Launcher:
                 self.say(line)
         return True
 
-    def _heartbeat_timeout(self) -> float:
-        try:
-            return float(self.topo.env.get("GEOMX_HEARTBEAT_TIMEOUT") or os.environ.get("GEOMX_HEARTBEAT_TIMEOUT")
-                         or NodeConfig.heartbeat_timeout)
-        except ValueError:
-            return NodeConfig.heartbeat_timeout
-
-    def _setting(self, name: str) -> int:
-        """A fault-domain minimum from the topology's variables (default 1)."""
-        try:
-            return int(self.topo.env.get(name, "1"))
-        except ValueError:
-            raise ConfigError(f"{name}={self.topo.env[name]!r} is not a whole number") from None
+    def _role_env(self) -> dict[str, str]:
+        """The variables every role reads its settings from: the topology's over the launcher's own (_start)."""
+        return {**os.environ, **self.topo.env}
 
     def _report_failure(self, r: Running, elapsed_s: float) -> None:
         how = _how_it_ended(r.returncode)

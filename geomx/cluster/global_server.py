@@ -15,7 +15,7 @@ import numpy as np
 from geomx.cluster.global_update import (GradientRelay, RoundGradient, ServerOptimizer, UpdatePolicy,
                                          resolve_optimizer)
 from geomx.cluster.compressed import ServerWire
-from geomx.cluster.kvserver import KeyState, KVServer, Refused, Round, accumulator_dtype, init_layout
+from geomx.cluster.kvserver import KeyState, KVServer, Refused, accumulator_dtype, init_layout
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
 from geomx.cluster.round_policies import round_policy_name
 from geomx.cluster.server_checkpoint import ServerCheckpoints
@@ -36,7 +36,6 @@ class GlobalServer(KVServer):
         self.num_all_workers = num_all_workers
         self.rank = -1
         self.global_tier: Tier | None = None
-        self.dc_weights: dict[str, int] = {}       # local server id -> its DC's workers (also once dropped)
         self.mode: str = "dist_sync"
         self.mixedsync: str = "wait"               # dist_async: do local servers wait for the WAN (config.MIXEDSYNC)
         self.reduction: str = "sum"                # a round's sum or mean (config.REDUCTIONS)
@@ -53,7 +52,7 @@ class GlobalServer(KVServer):
     def attach(self, tier: Tier) -> None:
         if tier.name == "global":
             self.global_tier, self.rank = tier, tier.me.rank
-            self.dc_weights = {m.id: m.weight for m in tier.workers()}
+            self.round_weights = {m.id: m.weight for m in tier.workers()}   # a local server: its DC's workers
         self.add_clients(tier.members)
 
     def round_clients(self) -> list[NodeInfo]:
@@ -64,16 +63,8 @@ class GlobalServer(KVServer):
         if tier is not self.global_tier:
             return
         log.warning("global server %d goes on with %d of %d DCs without DC %s: rounds it misses weigh the others' "
-                    "mean in its place", self.rank, len(tier.workers()), len(self.dc_weights), member.dc)
+                    "mean in its place", self.rank, len(tier.workers()), len(self.round_weights), member.dc)
         self.drop_client(member)
-
-    def stand_in_for_departed(self, rnd: Round) -> None:
-        """Scale a round that a dropped DC is missing from to the whole deployment's weight (each DC weighs its
-        workers), so the mean over the DCs that pushed takes the missing ones' place."""
-        full = sum(self.dc_weights.values())
-        pushed = sum(self.dc_weights.get(src, 1) for src in rnd.contributors)
-        if 0 < pushed < full:
-            rnd.scale(full / pushed)
 
     # configuration from the master worker ------------------------------------------------------------------
     def on_command(self, msg: Message, client: NodeInfo) -> None:

@@ -185,6 +185,9 @@ class KVServer:
         self.info: dict = {}                      # sent with init replies: mode, server optimizer, ...
         self.wire: ServerWire | None = None       # gradient compression, once configured
         self.tables_pending = 1                   # member tables still to come; subclasses set it
+        # round client id -> the training workers it stands for (NodeInfo.weight), kept once a client is dropped:
+        # what a round short of dropped clients is scaled to (stand_in_for_departed)
+        self.round_weights: dict[str, int] = {}
         self._early: list[Message] = []           # requests that overtook our own member table
         self._early_bytes = 0
         po.metrics_fields.append(self.queue_depths)
@@ -204,6 +207,13 @@ class KVServer:
         """Whether every client still in the tier pushed ``rnd`` (a push that a client dropped since made before
         it went silent counts)."""
         return {c.id for c in self.round_clients()}.issubset(rnd.contributors)
+
+    def stand_in_for_departed(self, rnd: Round) -> np.ndarray:
+        """The round's sum, scaled to the weight of every round client when dropped ones are missing from it:
+        the mean over the clients that pushed, each weighed by the workers it stands for, takes their place."""
+        full = sum(self.round_weights.values())
+        pushed = sum(self.round_weights.get(src, 1) for src in rnd.contributors)
+        return rnd.scale(full / pushed) if 0 < pushed < full else rnd.total
 
     def drop_client(self, member: NodeInfo) -> None:
         """``member`` left its tier (its scheduler dropped it): forget its held requests, complete the rounds

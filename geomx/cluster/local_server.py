@@ -75,6 +75,7 @@ class LocalServer(KVServer):
 
     def attach_dc(self, tier: Tier) -> None:
         self.dc_tier = tier
+        self.round_weights = {m.id: m.weight for m in tier.workers()}
         self.add_clients(tier.members)
 
     def on_member_left(self, tier: Tier, member: NodeInfo, reason: str) -> None:
@@ -84,18 +85,11 @@ class LocalServer(KVServer):
         left = len(tier.workers())
         log.warning("DC %s goes on with %d of %d workers without %s: rounds it misses count the DC's mean in its "
                     "place", self.po.cfg.dc, left, self.po.cfg.num_workers, member.label)
-        if self.po.metrics is not None:
-            self.po.metrics.write("member_left", node=member.label, reason=reason, workers_left=left)
         self.drop_client(member)
         self.dc_rounds.drop(member.id)
 
     def round_clients(self) -> list[NodeInfo]:
         return self.dc_tier.workers()
-
-    def stand_in_for_departed(self, rnd: Round) -> np.ndarray:
-        """The round's sum, scaled to the DC's configured size when dropped workers are missing from it."""
-        configured, pushed = self.po.cfg.num_workers, len(rnd.contributors)
-        return rnd.scale(configured / pushed) if pushed < configured else rnd.total
 
     def dispatch(self, msg: Message) -> None:
         if msg.op == Op.REPLY and self.upstream is not None and msg.src not in self.clients:

@@ -94,8 +94,7 @@ class Tier:
         # echoed by the scheduler in every control message to us: proves the sender is the scheduler we
         # registered with (a stranger never sees it), for the cost of one string comparison
         self.token = secrets.token_hex(16)
-        self.members: list[NodeInfo] = []     # without those the scheduler dropped (``departed``)
-        self.departed: dict[str, tuple[NodeInfo, str]] = {}   # node id -> (member, why it was dropped)
+        self.members: list[NodeInfo] = []     # without those the scheduler dropped (member_left)
         self.me: NodeInfo | None = None
         self.closed = False             # the scheduler said shutdown: stop heartbeating
         self.last_ack = time.monotonic()
@@ -186,7 +185,6 @@ class Tier:
             if not gone or gone[0] == self.me:
                 raise ValueError(f"member_left names {node!r}, not another member of the tier")
             self.members.remove(gone[0])
-            self.departed[node] = (gone[0], reason)
             self.po.on_member_left(self, gone[0], reason)
 
 

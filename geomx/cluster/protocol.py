@@ -19,7 +19,7 @@ op                  direction                  fields
 ``hb`` / ``hb_ack``  node <-> scheduler         (none)
 ``bye``             node -> scheduler          (none): leaving cleanly
 ``shutdown``        scheduler -> servers       (none): every worker left
-``member_left``     scheduler -> members       node, reason: a worker left its DC's rounds (a fault domain)
+``member_left``     scheduler -> members       node, reason: the tier goes on without a member (a DC's worker, a DC)
 ``abort``           any -> any                 reason; fatal (a tier failed before it was complete)
 ==================  =========================  =============================================================
 
