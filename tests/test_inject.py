@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from geomx.cli.backends.local import LocalRole
 from geomx.cli.inject import Injector, parse_faults
 from geomx.errors import ConfigError
 from harness import check_ok, launch
@@ -21,15 +22,15 @@ def test_faults_are_applied_at_their_times_and_a_stop_is_undone_after_its_durati
     try:
         injector = Injector(parse_faults(["stop:b-server@0.2+0.5", "kill:a-worker-0@0.4"]))
         injector.bind(list(procs), ["a-worker-0"])
-        pids = {name: p.pid for name, p in procs.items()}
-        injector.tick(0.1, pids, said.append)
+        roles = {name: LocalRole(p) for name, p in procs.items()}
+        injector.tick(0.1, roles, said.append)
         assert _state(procs["b-server"].pid) != "T" and said == []                 # nothing due yet
-        injector.tick(0.3, pids, said.append)
+        injector.tick(0.3, roles, said.append)
         time.sleep(0.1)
         assert _state(procs["b-server"].pid) == "T"                                # stopped
-        injector.tick(0.5, pids, said.append)
+        injector.tick(0.5, roles, said.append)
         assert procs["a-worker-0"].wait(5) == -9                                   # killed
-        injector.tick(0.8, pids, said.append)
+        injector.tick(0.8, roles, said.append)
         time.sleep(0.1)
         assert _state(procs["b-server"].pid) != "T"                                # running again
         assert said == ["geomx: injected stop of b-server at 0.3 s for 0.5 s",

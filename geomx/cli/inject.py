@@ -13,13 +13,12 @@ and names every injected fault in its output, so a failure report can be read ag
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import random
 import re
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from geomx.errors import ConfigError
 from geomx.profiles import parse_rate
@@ -86,8 +85,13 @@ def parse_faults(specs: list[str]) -> list[Fault]:
     return faults
 
 
+class Signalled(Protocol):
+    def signal(self, sig: int) -> None: ...
+
+
 class Injector:
-    """Applies ``faults`` to the processes of a running deployment (``pids``: role name -> process group id)."""
+    """Applies ``faults`` to the roles of a running deployment (``roles``: role name -> its handle, whose
+    ``signal(sig)`` reaches the role's whole process group wherever it runs: geomx.cli.backends)."""
 
     def __init__(self, faults: list[Fault], *, seed: int = 0) -> None:
         self.faults = faults
@@ -115,19 +119,19 @@ class Injector:
                 out.setdefault(fault.role, []).append((fault.at_s, fault.end_s, *kept))
         return out
 
-    def tick(self, elapsed_s: float, pids: dict[str, int], say: Callable[[str], None]) -> None:
+    def tick(self, elapsed_s: float, roles: Mapping[str, Signalled], say: Callable[[str], None]) -> None:
         for fault in self.faults:
             if fault.action.on_wan:        # applied by the emulator on its own clock: only said here
                 self._announce_wan(fault, elapsed_s, say)
                 continue
             if not fault.done and elapsed_s >= fault.at_s:
                 fault.done = True
-                self._signal(pids.get(fault.role), fault.action.signal)
+                self._signal(roles.get(fault.role), fault.action.signal)
                 say(f"geomx: injected {fault.action.name} of {fault.role} at {elapsed_s:.1f} s"
                     + (f" for {fault.for_s:g} s" if fault.for_s is not None else ""))
             if fault.done and not fault.undone and fault.end_s is not None and elapsed_s >= fault.end_s:
                 fault.undone = True
-                self._signal(pids.get(fault.role), fault.action.undo)
+                self._signal(roles.get(fault.role), fault.action.undo)
                 say(f"geomx: undid the {fault.action.name} of {fault.role} at {elapsed_s:.1f} s")
 
     def wan_faults_in_effect(self, elapsed_s: float) -> list[str]:
@@ -147,16 +151,14 @@ class Injector:
             fault.undone = True
             say(f"geomx: the {fault.action.name} of DC {fault.role} ended at {fault.end_s:g} s")
 
-    def release(self, pids: dict[str, int]) -> None:
+    def release(self, roles: Mapping[str, Signalled]) -> None:
         """Undo what is still in effect (a stopped role must run again to be stopped by SIGTERM)."""
         for fault in self.faults:
             if fault.done and not fault.undone and fault.action.undo is not None:
                 fault.undone = True
-                self._signal(pids.get(fault.role), fault.action.undo)
+                self._signal(roles.get(fault.role), fault.action.undo)
 
     @staticmethod
-    def _signal(pgid: int | None, sig: int) -> None:
-        if pgid is None:
-            return
-        with contextlib.suppress(ProcessLookupError):     # the role already exited
-            os.killpg(pgid, sig)
+    def _signal(role: Signalled | None, sig: int) -> None:
+        if role is not None:            # None: the role already exited
+            role.signal(sig)

@@ -1,8 +1,10 @@
-"""``geomx launch``: start a whole geomx deployment on this machine and tear it down afterwards.
+"""``geomx launch``: start a whole geomx deployment and tear it down afterwards.
 
-Every role is a real process with its own log file in the run directory. Workers and the master worker run
-the user's command; their output is also echoed with a ``[dc/rank]`` prefix. If any process fails, every
-process is stopped and the launcher exits non-zero, naming the failed role and printing the tail of its log.
+Every role is a real process with its own log file in the run directory, on this machine or, with
+``--backend ray``, on the nodes of a Ray cluster that carry its DC's label (geomx.cli.backends). Workers and the
+master worker run the user's command; their output is also echoed with a ``[dc/rank]`` prefix. If any process
+fails, every process is stopped and the launcher exits non-zero, naming the failed role and printing the tail of
+its log.
 """
 from __future__ import annotations
 
@@ -20,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from geomx.cli.backends import Backend, LocalBackend, RoleHandle, Sites
 from geomx.cli.inject import Injector, parse_faults
 from geomx.cli.topology import Topology
 from geomx.config import NodeConfig, env_float, env_int
 from geomx.dropped import DropLog
-from geomx.lifeline import ENV as LAUNCHER_PID_ENV
 from geomx.errors import ConfigError
 from geomx.metrics import METRICS_DIR
 from geomx.netem import link_matrix
@@ -33,7 +35,6 @@ from geomx.netem.emulator import STATS_FILE
 from geomx.cli.fault_domains import MIN_DCS_ENV, MIN_WORKERS_ENV, DcRole, Losses
 from geomx.profiles import CENTRAL_DC
 from geomx.sync.slowdown import ENV as SLOWDOWN_ENV
-import contextlib
 
 INFRA_EXIT_GRACE_S = 30.0
 
@@ -46,14 +47,14 @@ class RoleSpec:
     env: dict[str, str]
     echo: bool = False      # echo its output on the console
     dc: str | None = None   # a DC's roles: its name
+    pinned: bool = False    # binds a fixed port others dial: runs at its site's host (geomx.cli.backends.Sites)
 
 
 @dataclass
 class Running:
     spec: RoleSpec
-    proc: subprocess.Popen
+    proc: RoleHandle
     log_path: Path
-    pump: threading.Thread | None = None
     returncode: int | None = None
     ended_at: float | None = None       # when the launcher saw it end (time.monotonic)
 
@@ -81,13 +82,17 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | None = None,
-         secret: str | None = None, auth_token: str | None = None) -> list[RoleSpec]:
-    """The processes of ``topo``, in start order, with the environment each one reads."""
-    h = topo.host
+         secret: str | None = None, auth_token: str | None = None, sites: Sites | None = None) -> list[RoleSpec]:
+    """The processes of ``topo``, in start order, with the environment each one reads. ``sites``: where each
+    site's listening roles run (default: all at ``topo.host``, on ``ports`` or free ones)."""
+    if sites is None:
+        sites = Sites({site: topo.host for site in (CENTRAL_DC, *topo.dc_names)},
+                      ports or free_ports(3 + topo.dcs, topo.host))
+    h = sites.hosts[CENTRAL_DC]
     node = [sys.executable, "-m", "geomx.node"]
     n_dcs, G, N = topo.dcs, topo.global_servers, topo.num_all_workers
     flat = topo.topology == "flat"
-    ports = ports or free_ports(3 + n_dcs, h)
+    ports = sites.ports
     p_global, p_central, p_emu, dc_ports = ports[0], ports[1], ports[2], ports[3:]
     global_workers = N if flat else n_dcs
     security = {"GEOMX_SECRET": secret} if secret else {"GEOMX_AUTH_TOKEN": auth_token} if auth_token else {}
@@ -104,19 +109,22 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
             base["GEOMX_PARTITION_BYTES"] = str(wan_partition_bytes(topo.slowest_link_bps))
         specs.append(RoleSpec("wan-emulator", "emulator", node, {
             **base, "GEOMX_ROLE": "emulator", "GEOMX_EMULATOR_HOST": h, "GEOMX_EMULATOR_PORT": str(p_emu),
-            "GEOMX_EMULATOR_DCS": ",".join([CENTRAL_DC, *topo.dc_names]), "GEOMX_EMULATOR_HOSTS": h,
+            "GEOMX_EMULATOR_DCS": ",".join([CENTRAL_DC, *topo.dc_names]),
+            "GEOMX_EMULATOR_HOSTS": ",".join(sorted(set(sites.hosts.values()))),
             **({link_matrix.ENV: link_matrix.to_env(topo.wan_links)} if topo.wan_links else {}),
             **topo.tcp.to_env(),
             **({"GEOMX_WAN_PROFILE": p.name} if p.name != "custom" else
                {"GEOMX_WAN_RATE": str(p.uplink_bps), "GEOMX_WAN_RTT": str(p.rtt_s),
-                "GEOMX_WAN_JITTER": str(p.jitter_s)})}))
+                "GEOMX_WAN_JITTER": str(p.jitter_s)})}, pinned=True))
     glob = {"DMLC_PS_GLOBAL_ROOT_URI": h, "DMLC_PS_GLOBAL_ROOT_PORT": str(p_global),
             "DMLC_NUM_GLOBAL_SERVER": str(G), "DMLC_NUM_GLOBAL_WORKER": str(global_workers)}
     central = {"DMLC_PS_ROOT_URI": h, "DMLC_PS_ROOT_PORT": str(p_central), "DMLC_NUM_SERVER": str(G),
                "DMLC_NUM_WORKER": "1", "GEOMX_DC": CENTRAL_DC}
     specs.append(RoleSpec("global-scheduler", "scheduler", node,
-                          {**base, **glob, "DMLC_ROLE_GLOBAL": "global_scheduler", "GEOMX_DC": CENTRAL_DC}))
-    specs.append(RoleSpec("central-scheduler", "scheduler", node, {**base, **central, "DMLC_ROLE": "scheduler"}))
+                          {**base, **glob, "DMLC_ROLE_GLOBAL": "global_scheduler", "GEOMX_DC": CENTRAL_DC},
+                          pinned=True))
+    specs.append(RoleSpec("central-scheduler", "scheduler", node, {**base, **central, "DMLC_ROLE": "scheduler"},
+                          pinned=True))
     for i in range(G):
         specs.append(RoleSpec(f"global-server-{i}", "server", node, {
             **base, **glob, **central, "DMLC_ROLE_GLOBAL": "global_server", "DMLC_ROLE": "server",
@@ -126,10 +134,10 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
         echo=True))
     index = 0
     for d, (dc, n) in enumerate(zip(topo.dc_names, topo.workers_per_dc, strict=False)):
-        local = {"DMLC_PS_ROOT_URI": h, "DMLC_PS_ROOT_PORT": str(dc_ports[d]), "DMLC_NUM_WORKER": str(n),
+        local = {"DMLC_PS_ROOT_URI": sites.hosts[dc], "DMLC_PS_ROOT_PORT": str(dc_ports[d]), "DMLC_NUM_WORKER": str(n),
                  "DMLC_NUM_SERVER": "0" if flat else "1", "GEOMX_DC": dc}
         specs.append(RoleSpec(f"{dc}-scheduler", "scheduler", node, {**base, **local, "DMLC_ROLE": "scheduler"},
-                              dc=dc))
+                              dc=dc, pinned=True))
         if not flat:
             specs.append(RoleSpec(f"{dc}-server", "server", node, {**base, **local, **glob, "DMLC_ROLE": "server"},
                                   dc=dc))
@@ -183,9 +191,11 @@ class Launcher:
     def __init__(self, topo: Topology, command: list[str], *, run_dir: Path, quiet: bool = False,
                  out: TextIO | None = None, secure: bool = False, insecure: bool = False,
                  resume: Path | str | None = None, resume_step: int | None = None,
-                 inject: list[str] | None = None, inject_seed: int = 0) -> None:
+                 inject: list[str] | None = None, inject_seed: int = 0, backend: Backend | None = None) -> None:
         if secure and insecure:
             raise ConfigError("--secure and --insecure contradict each other")
+        backend = backend or LocalBackend()
+        secure = secure or (backend.across_hosts and not insecure)
         if resume is not None:
             directory, step = resume_directory(Path(resume), Path(run_dir), topo.num_all_workers, resume_step)
             # every role resumes at the same step: the workers' checkpoints and the global servers' (a server
@@ -206,6 +216,7 @@ class Launcher:
         self.progress = None        # geomx.cli.progress.Progress while the deployment runs (not with quiet)
         self.injector = Injector(parse_faults(inject), seed=inject_seed) if inject else None   # --inject
         self.losses: Losses | None = None      # the workers and DCs the run may lose (set at start)
+        self.backend = backend      # where the roles run
 
     def say(self, text: str) -> None:
         with self._print_lock:
@@ -214,9 +225,26 @@ class Launcher:
 
     def run(self, timeout: float | None = None) -> int:
         """Start everything, wait, tear down. Returns the exit code for the launcher."""
+        self._started = time.time()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         clear_previous_run(self.run_dir)
-        specs = plan(self.topo, self.command, self.run_dir, secret=self.secret, auth_token=self.auth_token)
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
+            if threading.current_thread() is threading.main_thread() else {}
+        self._interrupted = None
+        try:
+            return self._run(timeout)
+        finally:
+            self.backend.close()
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self._interrupted = signum
+
+    def _run(self, timeout: float | None) -> int:
+        sites = self.backend.sites(self.topo)
+        specs = plan(self.topo, self.command, self.run_dir, secret=self.secret, auth_token=self.auth_token,
+                     sites=sites)
         if self.insecure:
             for spec in specs:
                 spec.env["GEOMX_INSECURE"] = "1"
@@ -237,16 +265,11 @@ class Launcher:
         self.losses = Losses({s.name: DcRole(s.kind, s.dc) for s in specs if s.dc is not None},
                              min_workers=None if flat else env_int(env, MIN_WORKERS_ENV, "launcher", 1),
                              min_dcs=None if flat else env_int(env, MIN_DCS_ENV, "launcher", 1))
-        interrupted = {"sig": None}
-
-        def on_signal(signum, _frame):
-            interrupted["sig"] = signum
-
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
-            if threading.current_thread() is threading.main_thread() else {}
         try:
+            self.backend.prepare(specs)
             for spec in specs:
                 self._start(spec)
+            self._write_manifest(specs)         # again, with where each role runs
             if not self.quiet:
                 p = self.topo.profile
                 self.say(f"geomx: {len(specs)} processes up ({self.topo.topology}, {self.topo.mode}, "
@@ -257,14 +280,12 @@ class Launcher:
                 from geomx.cli.progress import Progress
                 self.progress = Progress(self.run_dir, self.out)
                 self.progress.start()
-            return self._monitor(interrupted, timeout)
+            return self._monitor(timeout)
         finally:
             if self.progress is not None:
                 self.progress.stop()
                 self.progress = None
             self._stop_all()
-            for s, h in old.items():
-                signal.signal(s, h)
 
     # -----------------------------------------------------------------------------------------------------
     def _write_manifest(self, specs: list[RoleSpec]) -> None:
@@ -273,34 +294,20 @@ class Launcher:
                     "workers_per_dc": self.topo.workers_per_dc, "global_servers": self.topo.global_servers,
                     "wan": {"profile": p.name, "uplink_bps": p.uplink_bps, "downlink_bps": p.downlink_bps,
                             "rtt_s": p.rtt_s, "jitter_s": p.jitter_s},
-                    "command": self.command, "roles": [s.name for s in specs], "started": time.time(),
-                    "slowdown": {f"{dc}:{r}": f for (dc, r), f in sorted(self.topo.slowdown.items())}}
+                    "command": self.command, "roles": [s.name for s in specs], "started": self._started,
+                    "slowdown": {f"{dc}:{r}": f for (dc, r), f in sorted(self.topo.slowdown.items())},
+                    "backend": self.backend.name, "placement": self.backend.placement()}
         (self.run_dir / "launch.json").write_text(json.dumps(manifest, indent=2))
 
     def _start(self, spec: RoleSpec) -> None:
         log_path = self.run_dir / f"{spec.name}.log"
-        env = {**os.environ, **spec.env, LAUNCHER_PID_ENV: str(os.getpid())}
-        log_file = open(log_path, "wb")  # noqa: SIM115 - the role writes it until it exits; closed in stop()
+        on_line = None
         if spec.echo and not self.quiet:
-            proc = subprocess.Popen(spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            r = Running(spec, proc, log_path)
-            r.pump = threading.Thread(target=self._pump, args=(proc.stdout, log_file, spec.name), daemon=True)
-            r.pump.start()
-        else:
-            proc = subprocess.Popen(spec.argv, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            log_file.close()
-            r = Running(spec, proc, log_path)
-        self.running.append(r)
+            prefix = spec.name.replace("-worker-", "/")
 
-    def _pump(self, pipe, log_file, name: str) -> None:
-        prefix = name.replace("-worker-", "/")
-        with log_file:
-            for line in iter(pipe.readline, b""):
-                log_file.write(line)
-                log_file.flush()
-                self.say(f"[{prefix}] {line.decode(errors='replace').rstrip()}")
+            def on_line(line: str) -> None:
+                self.say(f"[{prefix}] {line}")
+        self.running.append(Running(spec, self.backend.start(spec, spec.env, log_path, on_line), log_path))
 
     def _tcp_description(self) -> str:
         tcp = self.topo.tcp
@@ -310,12 +317,12 @@ class Launcher:
         return (f"; TCP: loss {tcp.loss:.4%}, {tcp.streams} stream(s) per link{window}, slowest link "
                 f"{self.topo.slowest_link_bps / 1e6:.3g} Mbit/s")
 
-    def _monitor(self, interrupted: dict, timeout: float | None) -> int:
+    def _monitor(self, timeout: float | None) -> int:
         start = time.monotonic()
         trainers = [r for r in self.running if r.spec.kind in ("worker", "master")]
         trainers_done_at: float | None = None
         while True:
-            if interrupted["sig"] is not None:
+            if self._interrupted is not None:
                 self.say("geomx: interrupted; stopping every process")
                 return 130
             ended, undecided = [], self._undecided
@@ -358,7 +365,7 @@ class Launcher:
                 self.say(f"geomx: the run exceeded --timeout {timeout:g} s; stopping every process")
                 return 124
             if self.injector is not None:
-                self.injector.tick(time.monotonic() - start, self._pids(), self.say)
+                self.injector.tick(time.monotonic() - start, self._alive(), self.say)
             time.sleep(0.1)
 
     def _verdict(self, r: Running, elapsed_s: float) -> str | None:
@@ -382,7 +389,7 @@ class Launcher:
                    and not self.losses.absorbed(r.spec.name)]
         if any(r.returncode is not None for r in pending):       # ended with an error, not yet judged
             return False
-        if not pending or any(r.returncode is None and not _is_stopped(r.proc.pid) for r in pending):
+        if not pending or any(r.returncode is None and not r.proc.is_stopped() for r in pending):
             return not pending
         for r in pending:
             line = self.losses.judge(r.spec.name, f"is frozen (stopped) at {elapsed_s:.1f} s")
@@ -402,39 +409,37 @@ class Launcher:
         wan_faults = self.injector.wan_faults_in_effect(elapsed_s) if self.injector is not None else []
         if wan_faults:
             how += f" during the injected {', '.join(wan_faults)}"
-        if r.pump is not None:
-            r.pump.join(timeout=2)
+        r.proc.finish_output(2.0)
         tail = _tail(r.log_path, 30)
         # a role stopped by a signal (SIGSTOP, a debugger, a frozen VM) never exits: whoever gave up waiting for it
         # (a scheduler's heartbeat check, a peer's deadline) fails instead; the headline names the frozen one
-        frozen = [x.spec.name for x in self.running if x.returncode is None and _is_stopped(x.proc.pid)]
+        frozen = [x.spec.name for x in self.running if x.returncode is None and x.proc.is_stopped()]
         if frozen:
             self.say(f"geomx: role {', '.join(frozen)} is frozen (stopped, not running); {r.spec.name} gave up "
                      f"waiting for it ({how}); stopping every process. Last lines of {r.log_path}:\n{tail}")
             return
         self.say(f"geomx: role {r.spec.name} {how}; stopping every process. Last lines of {r.log_path}:\n{tail}")
 
-    def _pids(self) -> dict[str, int]:
-        """Role name -> process group id (every role leads its own session)."""
-        return {r.spec.name: r.proc.pid for r in self.running if r.returncode is None}
+    def _alive(self) -> dict[str, RoleHandle]:
+        """Role name -> handle of every role still running."""
+        return {r.spec.name: r.proc for r in self.running if r.returncode is None}
 
     def _stop_all(self) -> None:
         if self.injector is not None:
-            self.injector.release(self._pids())
+            self.injector.release(self._alive())
         alive = [r for r in self.running if r.proc.poll() is None]
         for r in alive:
-            _signal_group(r.proc, signal.SIGTERM)
-            _signal_group(r.proc, signal.SIGCONT)      # a frozen role handles SIGTERM once it runs
+            r.proc.signal(signal.SIGTERM)
+            r.proc.signal(signal.SIGCONT)      # a frozen role handles SIGTERM once it runs
         deadline = time.monotonic() + 5.0
         for r in alive:
             try:
                 r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal_group(r.proc, signal.SIGKILL)
+                r.proc.signal(signal.SIGKILL)
                 r.proc.wait(timeout=5)
         for r in self.running:
-            if r.pump is not None:
-                r.pump.join(timeout=2)
+            r.proc.finish_output(2.0)
 
 
 _WAIT = object()      # Launcher._verdict: not decided yet
@@ -448,20 +453,6 @@ def _blame_order(r: Running) -> tuple[int, int]:
     """Which of the roles found failed in one poll to name: one killed by a signal (the cause) before one that
     exited with an error (often a peer giving up on it), a trainer or server before a scheduler."""
     return (0 if r.returncode < 0 else 1, 1 if r.spec.kind == "scheduler" else 0)
-
-
-def _is_stopped(pid: int) -> bool:
-    """Whether the process is stopped by a signal (state T in /proc; False where there is no /proc)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2:][:1] in ("T", "t")
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
 
 
 def _tail(path: Path, lines: int) -> str:

@@ -88,9 +88,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if not 1 <= args.min_dcs <= topo.dcs:
             raise GeomxError(f"--min-dcs must be between 1 and the number of DCs ({topo.dcs}), got {args.min_dcs}")
         topo.env[MIN_DCS_ENV] = str(args.min_dcs)
+    from geomx.cli.backends import make_backend
+
+    backend = make_backend(args.backend, address=args.address)
     return Launcher(topo, command, run_dir=run_dir, quiet=args.quiet, secure=args.secure, insecure=args.insecure,
                     resume=args.resume, resume_step=args.resume_step, inject=args.inject,
-                    inject_seed=args.inject_seed).run(timeout=args.timeout)
+                    inject_seed=args.inject_seed, backend=backend).run(timeout=args.timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("launch", help="start a whole deployment on this machine and run a training command")
     _add_topology_flags(p)
     p.add_argument("--run-dir", help="directory for logs and metrics (default runs/<timestamp>)")
+    p.add_argument("--backend", choices=["local", "ray"], default="local",
+                   help="where the roles run: child processes here (local, default) or a Ray cluster whose nodes "
+                        "carry each DC's resource geomx_dc_<DC> (and geomx_dc_central), e.g. ray start "
+                        "--resources '{\"geomx_dc_a\": 1}'; needs pip install \"geomx[ray]\"")
+    p.add_argument("--address", help="--backend ray: the Ray cluster (default RAY_ADDRESS, else a cluster started "
+                                     "on this machine, else a new one-node cluster that is every DC)")
     p.add_argument("--quiet", action="store_true", help="no live progress, no echo of the workers' output")
     p.add_argument("--timeout", type=float, help="stop everything after this many seconds")
     p.add_argument("--secure", action="store_true",
