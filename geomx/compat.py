@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from geomx.errors import ConfigError
-from geomx.sync.settings import DC_ROUND_ALGORITHMS, WORKER_SIDE_ALGORITHMS
+from geomx.sync.settings import DC_ROUND_ALGORITHMS, SERVER_OPTIMIZER_ALGORITHMS, WORKER_SIDE_ALGORITHMS
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,8 @@ LABELS: dict[str, Callable[[Combination], str]] = {
     "mixedsync": lambda c: f"--mixedsync {c.mixedsync} (GEOMX_MIXEDSYNC={c.mixedsync!r})",
     "topology": lambda c: f"topology {c.topology!r} (GEOMX_TOPOLOGY, --topology)",
     "sync": lambda c: f"sync {c.sync!r} (GEOMX_SYNC, --sync, DistributedOptimizer(sync=))",
-    "server_optimizer": lambda c: "a server optimizer (kv.set_optimizer, DistributedOptimizer(update_on_server=True))",
+    "server_optimizer": lambda c: "a server optimizer (kv.set_optimizer, DistributedOptimizer(update_on_server=True))"
+    if c.server_optimizer else "no server optimizer (the workers update: DistributedOptimizer's default)",
     "compression": lambda c: "gradient compression (kv.set_gradient_compression)",
     "backward_passes_per_step": lambda c: f"backward_passes_per_step={c.backward_passes_per_step}",
 }
@@ -76,6 +77,10 @@ RULES: tuple[Rule, ...] = (
     Rule(("sync", "server_optimizer"), lambda c: _worker_side(c) and bool(c.server_optimizer),
          lambda c: f"{c.sync} updates on the workers and needs gradients or models back, not the servers' "
                    f"weights"),
+    Rule(("sync", "server_optimizer"), lambda c: c.sync in SERVER_OPTIMIZER_ALGORITHMS and c.server_optimizer is False,
+         lambda c: f"{c.sync} lands each layer's new weights from the servers in the next forward pass: it needs the "
+                   f"servers' optimizer (DistributedOptimizer(update_on_server=True); --update-on server in the "
+                   f"examples)"),
     Rule(("sync", "topology"),
          lambda c: c.sync in DC_ROUND_ALGORITHMS and c.topology == "flat" and (c.k2 > 1 or c.weights == "equal"),
          lambda c: f"{c.sync} with K2 = {c.k2} and {c.weights!r} weights needs DC rounds, i.e. the hips topology "

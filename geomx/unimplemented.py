@@ -42,9 +42,6 @@ UNIMPLEMENTED: tuple[Unimplemented, ...] = (
     Unimplemented("ENABLE_INTER_TS", _TSENGINE),
     Unimplemented("ENABLE_INTRA_TS", _TSENGINE),
     Unimplemented("MAX_GREED_RATE_TS", _TSENGINE, switch=False),
-    Unimplemented("ENABLE_P3", "P3's slicing and fused push-pull are not implemented: tensors above "
-                  "GEOMX_PARTITION_BYTES travel in parts, and DistributedOptimizer pushes with priority -layer "
-                  "index (first layers first)"),
     Unimplemented("MXNET_KVSTORE_BIGARRAY_BOUND", "tensors are split by bytes, not elements: GEOMX_PARTITION_BYTES "
                   "(default 16 MiB), each part its own key on one global server", switch=False),
     Unimplemented("DMLC_ENABLE_CENTRAL_WORKER", "the central party runs only the master worker, which trains "

@@ -526,11 +526,42 @@ def test_a_link_matrix_gives_named_links_their_own_rate_and_rtt_and_names_bad_en
     for entries, named in [(["c=1gbit/10ms"], "link c->central names a DC outside this deployment"),
                            (["a->a=1gbit/10ms"], "link a->a joins a DC to itself"),
                            (["a->central=fast/10ms"], "cannot read a rate from 'fast'"),
-                           (["b=50mbit"], "write SRC->DST=RATE/RTT or DC=RATE/RTT")]:
+                           (["b=50mbit"], "write SRC->DST=RATE/RTT"),
+                           (["b=50mbit/80ms/lots"], "its loss='lots' is not a loss fraction"),
+                           (["b=50mbit/80ms/100%"], "loss must be a fraction in \\[0, 1\\)")]:
         with pytest.raises(ConfigError, match=named):
             load_topology(dcs=2, wan="regional", wan_links=entries)
     with pytest.raises(ConfigError, match="wan_links need an emulated WAN"):
         load_topology(dcs=2, wan="lan", wan_links=["b=50mbit/250ms"])
+
+
+def test_a_link_of_the_matrix_may_have_its_own_loss_and_its_tcp_ceiling_follows_mathis():
+    """b=100mbit/80ms/0.01%: DC b's links lose 0.01% of their packets, the others the deployment's (none); one
+    stream over 80 ms then moves MSS x 8 x sqrt(3/2) / (RTT x sqrt(p)) = 17.7 Mbit/s, eight the whole line. The loss
+    survives the trip to the emulator and sizes the parts for the slowest link."""
+    from geomx.cli.launch import plan
+    from geomx.cli.topology import load_topology
+    from geomx.netem import link_matrix
+    from geomx.netem.tcp_model import MATHIS_C, MSS_BYTES, TcpPath
+    from geomx.profiles import get_profile
+
+    topo = load_topology(dcs=2, workers_per_dc=1, wan="regional", wan_links=["b=100mbit/80ms/0.01%"])
+    assert topo.wan_links[("b", "central")] == link_matrix.LinkSpec(1e8, 0.08, 0.0001)
+    one_stream = MSS_BYTES * 8 * MATHIS_C / (0.08 * 0.01)
+    assert topo.slowest_link_bps == pytest.approx(one_stream) and 17.5e6 < one_stream < 17.9e6
+    emulator_env = next(s.env for s in plan(topo, ["x"], Path("/tmp")) if s.kind == "emulator")
+    links = link_matrix.from_env(emulator_env[link_matrix.ENV], ["central", "a", "b"])
+    assert links == topo.wan_links
+    for streams, rate in [(1, one_stream), (8, 1e8)]:
+        emulator = WanEmulator(profile=get_profile("regional"), dcs=["central", "a", "b"], links=links,
+                               tcp=TcpPath(streams=streams))
+        built = {pair: emulator.link(*pair) for pair in [("b", "central"), ("a", "central")]}
+        try:
+            assert built[("b", "central")].rate_bps == pytest.approx(rate)
+            assert built[("a", "central")].rate_bps == 1e9        # no loss of its own, none in the deployment
+        finally:
+            for link in built.values():
+                link.close()
 
 
 # -- partitions that heal (geomx launch --inject partition:DC@T+D) ---------------------------------------

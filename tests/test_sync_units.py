@@ -91,7 +91,7 @@ def test_sync_table_in_toml(tmp_path):
     ({"MXNET_KVSTORE_USE_HFA": "1", "MXNET_KVSTORE_HFA_K1": "0"}, ["K1 (MXNET_KVSTORE_HFA_K1)", ">= 1", "got 0"]),
     ({"GEOMX_SYNC": "hfa", "MXNET_KVSTORE_HFA_K2": "-3"}, ["K2 (MXNET_KVSTORE_HFA_K2)", "got -3"]),
     ({"GEOMX_SYNC": "hfa", "MXNET_KVSTORE_HFA_K1": "2.5"}, ["MXNET_KVSTORE_HFA_K1", "whole number"]),
-    ({"GEOMX_SYNC": "esgd"}, ["GEOMX_SYNC='esgd'", "fsa, hfa, diloco, dga, esync"]),
+    ({"GEOMX_SYNC": "esgd"}, ["GEOMX_SYNC='esgd'", "fsa, p3, hfa, diloco, dga, esync"]),
     ({"GEOMX_SYNC": "diloco", "GEOMX_DILOCO_MOMENTUM": "1"}, ["GEOMX_DILOCO_MOMENTUM", "[0, 1)"]),
     ({"GEOMX_SYNC": "hfa", "GEOMX_HFA_WEIGHTS": "size"}, ["GEOMX_HFA_WEIGHTS", "samples, equal"]),
     ({"GEOMX_SYNC": "dga", "GEOMX_DGA_DELAY": "-1"}, ["dga delay D (GEOMX_DGA_DELAY)", ">= 0", "got -1"]),

@@ -49,7 +49,7 @@ def test_unimplemented_geomx_variables_are_reported_once_per_process(monkeypatch
         config_from_env(env)                   # a second read in the same process says nothing new
     warned = [r.getMessage() for r in caplog.records if r.name == "geomx.env"]
     named = sorted(m.split("=")[0] for m in warned)
-    # ENABLE_P3=0 asks for what geomx does anyway
+    # ENABLE_P3 is implemented (geomx.sync.p3): nothing to report
     assert named == ["DMLC_K", "ENABLE_DGT", "ENABLE_INTER_TS", "MXNET_KVSTORE_BIGARRAY_BOUND",
                      "MXNET_KVSTORE_SIZE_LOWER_BOUND"], warned
     dgt = next(m for m in warned if m.startswith("ENABLE_DGT=2"))

@@ -63,6 +63,11 @@ register(BenchConfig("hips-hfa-overlap", "HiPS HFA (K1=20, K2=10, global average
                      env=launch_env({"algorithm": "hfa", "k1": 20, "k2": 10, "overlap": 5})))
 register(BenchConfig("hips-diloco-overlap", "HiPS DiLoCo (K1=20, K2=10, outer step overlapped, D=5)",
                      env=launch_env({"algorithm": "diloco", "k1": 20, "k2": 10, "overlap": 5})))
+# P3 against its fair baseline: both with the servers' optimizer (P3 lands the servers' new weights layer by layer)
+SERVER_OPTIMIZER = ("--update-on", "server")
+register(BenchConfig("hips-fsa-server", "HiPS FSA, servers' optimizer (dist_sync)", train_args=SERVER_OPTIMIZER))
+register(BenchConfig("hips-p3", "HiPS P3, servers' optimizer (dist_sync)", env=launch_env({"algorithm": "p3"}),
+                     train_args=SERVER_OPTIMIZER))
 # heterogeneous DCs: DC b computes 3x slower
 SLOW = ("b=3",)
 register(BenchConfig("hips-fsa-slow", "HiPS FSA, DC b 3x slower", slowdown=SLOW))

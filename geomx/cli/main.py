@@ -25,7 +25,7 @@ def _add_topology_flags(p: argparse.ArgumentParser) -> None:
                    help="dist_async: local servers answer their DC after the WAN round (wait, GeoMX, default) or "
                         "at once, trading gradients with the global servers behind (overlap)")
     p.add_argument("--topology", choices=["hips", "flat"], help="hierarchical (default) or flat parameter server")
-    p.add_argument("--sync", choices=["fsa", "hfa", "diloco", "dga", "esync"],
+    p.add_argument("--sync", choices=["fsa", "p3", "hfa", "diloco", "dga", "esync"],
                    help="synchronization algorithm (default fsa; see geomx.sync)")
     p.add_argument("--hfa-k1", type=int, help="hfa/diloco: local steps between DC averages (default 1)")
     p.add_argument("--hfa-k2", type=int, help="hfa/diloco: DC averages between global averages (default 1)")
@@ -41,9 +41,9 @@ def _add_topology_flags(p: argparse.ArgumentParser) -> None:
                    help="parallel TCP streams per emulated link (default 1; with --wan-loss/--wan-window)")
     p.add_argument("--wan-window", type=int, metavar="BYTES", help="per-stream TCP window: caps a stream at "
                                                                   "window / RTT (default: no cap)")
-    p.add_argument("--wan-link", action="append", metavar="LINK=RATE/RTT",
-                   help="one link's own rate and RTT (repeatable): b=50mbit/250ms (both directions between DC b "
-                        "and the central party) or a->central=1gbit/20ms (one direction)")
+    p.add_argument("--wan-link", action="append", metavar="LINK=RATE/RTT[/LOSS]",
+                   help="one link's own rate and RTT, and loss (repeatable): b=50mbit/250ms (both directions between "
+                        "DC b and the central party), a->central=1gbit/20ms (one direction), b=50mbit/250ms/0.1%%")
     p.add_argument("--slowdown", action="append", metavar="DC[:RANK]=FACTOR",
                    help="make these workers compute FACTOR times slower (repeatable), e.g. b=3 or a:1=2")
 

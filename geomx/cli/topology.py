@@ -49,7 +49,7 @@ class Topology:
         cut for)."""
         p = self.profile
         return min([self.tcp.goodput_bps(rate, p.rtt_s) for rate in (p.uplink_bps, p.downlink_bps)]
-                   + [self.tcp.goodput_bps(s.rate_bps, s.rtt_s) for s in self.wan_links.values()])
+                   + [s.tcp(self.tcp).goodput_bps(s.rate_bps, s.rtt_s) for s in self.wan_links.values()])
 
     @property
     def dc_names(self) -> list[str]:

@@ -193,7 +193,8 @@ class WanEmulator:
                     one_way_delay_s=spec.rtt_s / 2 if spec else self.profile.one_way_delay_s,
                     jitter_s=self.profile.jitter_s,
                     chunk_bytes=self.chunk_bytes, seed=self.seed, scheduler=self._delivery, epoch=self._epoch,
-                    outages=outage_plan.for_link(self.outages, src_dc, dst_dc), tcp=self.tcp)
+                    outages=outage_plan.for_link(self.outages, src_dc, dst_dc),
+                    tcp=spec.tcp(self.tcp) if spec else self.tcp)
             return link
 
     # -- threads -----------------------------------------------------------------------------------------

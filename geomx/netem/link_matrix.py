@@ -3,20 +3,22 @@
 The profile gives every link the same rate and RTT (up and down may differ). Overrides name links:
 
 * ``SRC->DST=RATE/RTT``: one directed link, e.g. ``b->central=50mbit/250ms``;
-* ``DC=RATE/RTT``: both directions between a DC and the central party, e.g. ``b=50mbit/250ms``.
+* ``DC=RATE/RTT``: both directions between a DC and the central party, e.g. ``b=50mbit/250ms``;
+* either with its own packet loss after a second slash: ``b=50mbit/250ms/0.1%`` (else the deployment's loss).
 
 From flags (``geomx launch --wan-link b=50mbit/250ms``, repeatable), a topology file
 (``wan_links = {b = "50mbit/250ms", "a->central" = "1gbit/20ms"}``), or the emulator's environment
 (``GEOMX_WAN_LINKS``, written by the launcher with explicit units: ``b->central=50000000.0bit/0.25s,...``). Units
-are those of every other WAN setting: a bare rate is bit/s, a bare RTT milliseconds. A later entry for
-the same link wins. Jitter stays the profile's; loss, streams and window are the deployment's, for every link
-(geomx.netem.tcp_model).
+are those of every other WAN setting: a bare rate is bit/s, a bare RTT milliseconds, a loss a fraction or a
+percentage. A later entry for the same link wins. Jitter stays the profile's; streams and window are the
+deployment's, for every link, and so is the loss of a link that names none (geomx.netem.tcp_model).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from geomx.errors import ConfigError
+from geomx.netem.tcp_model import TcpPath, parse_loss
 from geomx.profiles import CENTRAL_DC, parse_duration, parse_rate
 
 ENV = "GEOMX_WAN_LINKS"
@@ -26,6 +28,11 @@ ENV = "GEOMX_WAN_LINKS"
 class LinkSpec:
     rate_bps: float
     rtt_s: float
+    loss: float | None = None       # None: the deployment's (--wan-loss)
+
+    def tcp(self, deployment: TcpPath) -> TcpPath:
+        """The TCP path of this link: the deployment's, with this link's own loss where it has one."""
+        return deployment if self.loss is None else replace(deployment, loss=self.loss)
 
 
 def parse_link_overrides(entries, dcs: list[str], where: str = "") -> dict[tuple[str, str], LinkSpec]:
@@ -37,10 +44,11 @@ def parse_link_overrides(entries, dcs: list[str], where: str = "") -> dict[tuple
     for entry in entries:
         text = str(entry).strip()
         link, sep, value = text.partition("=")
-        rate_text, slash, rtt_text = value.partition("/")
+        rate_text, slash, rest = value.partition("/")
+        rtt_text, has_loss, loss_text = rest.partition("/")
         if not sep or not slash or not link:
-            raise ConfigError(f"WAN link {text!r}{where}: write SRC->DST=RATE/RTT or DC=RATE/RTT, e.g. "
-                              f"b=50mbit/250ms")
+            raise ConfigError(f"WAN link {text!r}{where}: write SRC->DST=RATE/RTT[/LOSS] or DC=RATE/RTT[/LOSS], "
+                              f"e.g. b=50mbit/250ms or b=50mbit/250ms/0.1%")
         src, arrow, dst = link.partition("->")
         pairs = [(src, dst)] if arrow else [(link, CENTRAL_DC), (CENTRAL_DC, link)]
         for a, b in pairs:
@@ -50,11 +58,14 @@ def parse_link_overrides(entries, dcs: list[str], where: str = "") -> dict[tuple
             if a == b:
                 raise ConfigError(f"WAN link {text!r}{where}: link {a}->{b} joins a DC to itself")
         try:        # the units of every other WAN setting: a bare rate is bit/s, a bare RTT milliseconds
-            spec = LinkSpec(parse_rate(rate_text), parse_duration(rtt_text))
+            spec = LinkSpec(parse_rate(rate_text), parse_duration(rtt_text),
+                            parse_loss(loss_text, "its loss") if has_loss else None)
         except ConfigError as exc:
             raise ConfigError(f"WAN link {text!r}{where}: {exc}") from None
         if spec.rate_bps <= 0 or spec.rtt_s < 0:
             raise ConfigError(f"WAN link {text!r}{where}: rate must be > 0 and RTT >= 0")
+        if spec.loss is not None and not 0.0 <= spec.loss < 1.0:
+            raise ConfigError(f"WAN link {text!r}{where}: loss must be a fraction in [0, 1), got {spec.loss!r}")
         out.update({pair: spec for pair in pairs})
     return out
 
@@ -72,7 +83,8 @@ def assignments(entries, what: str, form: str, where: str = "") -> list[str]:
 
 def to_env(overrides: dict[tuple[str, str], LinkSpec]) -> str:
     """Units written out and every digit kept (repr), so that :func:`from_env` reads back the very numbers."""
-    return ",".join(f"{a}->{b}={s.rate_bps!r}bit/{s.rtt_s!r}s" for (a, b), s in sorted(overrides.items()))
+    return ",".join(f"{a}->{b}={s.rate_bps!r}bit/{s.rtt_s!r}s" + (f"/{s.loss!r}" if s.loss is not None else "")
+                    for (a, b), s in sorted(overrides.items()))
 
 
 def from_env(text: str | None, dcs: list[str] | None) -> dict[tuple[str, str], LinkSpec]:

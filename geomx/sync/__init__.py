@@ -8,6 +8,8 @@ table, ``GEOMX_SYNC`` / GeoMX's ``MXNET_KVSTORE_USE_HFA``), registered in one ta
 * ``hfa``, ``diloco``: model averaging run by each worker (:mod:`geomx.sync.averaging`);
 * ``dga``: delayed gradient averaging, run by each worker (:mod:`geomx.sync.dga`);
 * ``esync``: per-worker local steps from measured step times (:mod:`geomx.sync.esync`);
+* ``p3`` (GeoMX's ``ENABLE_P3=1``): FSA with the servers' optimizer whose next forward pass waits layer by layer
+  (:mod:`geomx.sync.p3`);
 * ``--slowdown``: emulated slow workers (:mod:`geomx.sync.slowdown`).
 
 A policy has ``setup(kv, params, num_samples=)``, ``step(optimizer, compute_s=) -> seconds waited``,
@@ -23,7 +25,7 @@ import importlib
 from geomx.errors import ConfigError
 from geomx.sync.settings import ALGORITHMS, REGISTRY, SyncSettings, launch_env, settings_from_env
 
-__all__ = ["ALGORITHMS", "DGA", "FSA", "ESync", "HFA", "DiLoCo", "SyncSettings", "create", "launch_env",
+__all__ = ["ALGORITHMS", "DGA", "FSA", "P3", "ESync", "HFA", "DiLoCo", "SyncSettings", "create", "launch_env",
            "settings_from_env"]
 
 
@@ -46,7 +48,7 @@ def create(spec=None, *, backward_passes_per_step: int = 1):
     from geomx.compat import check
     check(sync=settings.algorithm, backward_passes_per_step=backward_passes_per_step)
     options = settings.options()
-    if settings.algorithm == "fsa":
+    if REGISTRY[settings.algorithm].accumulates:
         options["backward_passes_per_step"] = backward_passes_per_step
     return policy_class(settings.algorithm)(**options)
 

@@ -11,6 +11,8 @@ algorithm   what a worker does
 ``diloco``  as hfa, but the global average feeds an outer optimizer (Nesterov SGD) instead of replacing the model
 ``dga``     push every gradient but step on the average from D steps ago, corrected (communication overlaps D steps)
 ``esync``   faster workers take more local steps per round, so all reach the global average together
+``p3``      as fsa with the servers' optimizer, but each layer waits for its new weights in the next forward pass
+            instead of step() waiting for all (GeoMX's ``ENABLE_P3=1``)
 ==========  ==================================================================================================
 """
 from __future__ import annotations
@@ -31,11 +33,14 @@ class Algorithm:
     cls: str
     worker_side: bool        # runs on the workers: synchronous rounds, no server optimizer, no accumulation
     dc_rounds: bool = False  # K2 > 1 / equal weights use DC-only rounds (local servers)
+    accumulates: bool = False            # takes backward_passes_per_step (FSA's gradient accumulation)
+    needs_server_optimizer: bool = False  # receives weights, never gradients
 
 
 # the one registry of synchronization algorithms: a new one is a policy class and a line here
 REGISTRY: dict[str, Algorithm] = {
-    "fsa": Algorithm("geomx.sync.fsa", "FSA", worker_side=False),
+    "fsa": Algorithm("geomx.sync.fsa", "FSA", worker_side=False, accumulates=True),
+    "p3": Algorithm("geomx.sync.p3", "P3", worker_side=False, accumulates=True, needs_server_optimizer=True),
     "hfa": Algorithm("geomx.sync.averaging", "HFA", worker_side=True, dc_rounds=True),
     "diloco": Algorithm("geomx.sync.averaging", "DiLoCo", worker_side=True, dc_rounds=True),
     "dga": Algorithm("geomx.sync.dga", "DGA", worker_side=True),
@@ -44,6 +49,7 @@ REGISTRY: dict[str, Algorithm] = {
 ALGORITHMS = tuple(REGISTRY)
 WORKER_SIDE_ALGORITHMS = tuple(name for name, a in REGISTRY.items() if a.worker_side)
 DC_ROUND_ALGORITHMS = tuple(name for name, a in REGISTRY.items() if a.dc_rounds)
+SERVER_OPTIMIZER_ALGORITHMS = tuple(name for name, a in REGISTRY.items() if a.needs_server_optimizer)
 WEIGHTINGS = ("samples", "equal")
 
 # option -> (environment variable, type, default); GeoMX's names where GeoMX has the option
@@ -57,11 +63,12 @@ OPTIONS = {
     "delay": ("GEOMX_DGA_DELAY", int, 1),
     "steps": ("GEOMX_ESYNC_STEPS", int, 1),
 }
-ALGORITHM_OPTIONS = {"fsa": (), "hfa": ("k1", "k2", "weights", "overlap"),
+ALGORITHM_OPTIONS = {"fsa": (), "p3": (), "hfa": ("k1", "k2", "weights", "overlap"),
                      "diloco": ("k1", "k2", "weights", "overlap", "outer_lr", "outer_momentum"), "dga": ("delay",),
                      "esync": ("steps",)}
 SYNC_ENV = "GEOMX_SYNC"
 GEOMX_HFA_ENV = "MXNET_KVSTORE_USE_HFA"
+GEOMX_P3_ENV = "ENABLE_P3"
 
 
 @dataclass(frozen=True)
@@ -120,17 +127,22 @@ def check(algorithm: str, options: Mapping, where: str = "") -> SyncSettings:
 
 
 def settings_from_env(env: Mapping[str, str] | None = None) -> SyncSettings:
-    """``GEOMX_SYNC`` (or GeoMX's ``MXNET_KVSTORE_USE_HFA=1``) and the chosen algorithm's option variables."""
+    """``GEOMX_SYNC`` (or GeoMX's ``MXNET_KVSTORE_USE_HFA=1`` / ``ENABLE_P3=1``) and the chosen algorithm's option
+    variables."""
     env = os.environ if env is None else env
     algorithm = (env.get(SYNC_ENV) or "").strip()
     if not algorithm:
-        algorithm = "hfa" if env.get(GEOMX_HFA_ENV, "").strip().lower() in ("1", "true", "yes") else "fsa"
+        algorithm = "hfa" if _on(env, GEOMX_HFA_ENV) else "p3" if _on(env, GEOMX_P3_ENV) else "fsa"
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"{SYNC_ENV}={algorithm!r} is not a synchronization algorithm; algorithms: "
                           f"{', '.join(ALGORITHMS)}")
     options = {name: env[OPTIONS[name][0]] for name in ALGORITHM_OPTIONS[algorithm]
                if env.get(OPTIONS[name][0], "").strip()}
     return check(algorithm, options)
+
+
+def _on(env: Mapping[str, str], var: str) -> bool:
+    return env.get(var, "").strip().lower() in ("1", "true", "yes")
 
 
 def launch_env(table: Mapping, where: str = "") -> dict[str, str]:
@@ -143,6 +155,8 @@ def launch_env(table: Mapping, where: str = "") -> dict[str, str]:
     env.update({OPTIONS[k][0]: str(v) for k, v in s.options().items()})
     if s.algorithm in ("hfa", "diloco"):
         env[GEOMX_HFA_ENV] = "1"
+    if s.algorithm == "p3":
+        env[GEOMX_P3_ENV] = "1"
     return env
 
 
@@ -175,7 +189,7 @@ def sync_requested(env: Mapping[str, str] | None = None) -> str | None:
     algorithm = settings_from_env(env).algorithm
     if algorithm == "fsa":
         return None
-    var = SYNC_ENV if (env.get(SYNC_ENV) or "").strip() else GEOMX_HFA_ENV
+    var = SYNC_ENV if (env.get(SYNC_ENV) or "").strip() else GEOMX_HFA_ENV if _on(env, GEOMX_HFA_ENV) else GEOMX_P3_ENV
     return (f"{var}={env[var]!r} asks for {algorithm}, which geomx runs inside geomx.torch.DistributedOptimizer "
             f"(sync={algorithm!r}); this script pushes through the raw kvstore, where it would silently run FSA: "
             f"wrap the optimizer in DistributedOptimizer, or unset {var} to push plain gradients")

@@ -73,7 +73,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.comm_wait_s = 0.0      # time step() spent waiting for the network (cumulative)
         sync = create_sync(sync, backward_passes_per_step=backward_passes_per_step)
         # a policy object (sync=DGA(...)) is checked here; a name was checked by create_sync
-        check_combination(sync=getattr(sync, "name", None), server_optimizer=update_on_server,
+        # update_on_server=False on a worker says nothing of the servers (the master worker sets their optimizer)
+        check_combination(sync=getattr(sync, "name", None), server_optimizer=update_on_server or None,
                           backward_passes_per_step=backward_passes_per_step)
         self.sync = sync
         if kvstore is None:
@@ -100,6 +101,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if update_on_server and not self.server_updates and kvstore.is_master_worker:
             raise ConfigError("update_on_server=True but the global servers run no optimizer")
         self.sync.setup(kvstore, self.params, num_samples=num_samples)
+        attach = getattr(self.sync, "attach_module", None)    # P3: waits per layer in the forward pass
+        if attach is not None:
+            attach(named_parameters if isinstance(named_parameters, torch.nn.Module) else None)
         metrics.ready()
         self.slowdown.compute_starts()
 

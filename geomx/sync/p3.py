@@ -1,0 +1,109 @@
+"""P3 (GeoMX's ``ENABLE_P3=1``, ``geomx launch --sync p3``): the next forward pass overlaps the rest of the
+synchronization, layer by layer.
+
+FSA's ``step()`` waits for every parameter's reply before the next forward pass may start. Under P3 the servers
+run the optimizer (each reply is a parameter's new weights), ``step()`` only makes sure every gradient is on its
+way, and each module waits for its own parameters' replies in a forward pre-hook, just before it needs them. The
+gradients travel first layers first (priority ``-index`` at the worker's send queue, in the local and global
+servers' queues and on the emulated WAN's links), so the first layers' weights come back first and the forward
+pass starts while the last layers' are still on the wire. The model after k steps is FSA's, bit for bit: the
+same replies land, only later.
+
+Replies land in buffers of P3's own (never ``.grad``, which the next backward pass writes), and every parameter
+lands before anything reads it outside a forward pass: ``model.state_dict()`` (a state-dict pre-hook),
+``DistributedOptimizer.finish()`` / ``synchronize()`` / ``state_dict()``.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from geomx.compat import check_kvstore
+from geomx.errors import ConfigError
+from geomx.sync.fsa import FSA
+
+
+class P3(FSA):
+    name = "p3"
+
+    def __init__(self, *, backward_passes_per_step: int = 1) -> None:
+        super().__init__(backward_passes_per_step=backward_passes_per_step)
+        self._landing: dict[int, tuple] = {}     # parameter index -> (handle, buffer): replies not yet applied
+        self._hooks: list = []
+        self._waited = 0.0                       # seconds forward pre-hooks waited since the last step()
+
+    def __repr__(self) -> str:
+        return f"P3(backward_passes_per_step={self.backward_passes_per_step})"
+
+    def setup(self, kv, params: list[tuple[str, torch.nn.Parameter]], *, num_samples: float | None = None) -> None:
+        super().setup(kv, params, num_samples=num_samples)
+        check_kvstore(kv, self.name)
+
+    def attach_module(self, module: torch.nn.Module | None) -> None:
+        """Hook every module that owns parameters: before its forward runs, its parameters' replies land."""
+        if not isinstance(module, torch.nn.Module):
+            raise ConfigError("p3 waits for each layer's weights in the forward pass, so it needs the model: "
+                              "DistributedOptimizer(optimizer, model, ...)")
+        index = {id(p): i for i, (_, p) in enumerate(self.params)}
+        owned = {id(p) for p in module.parameters()}
+        missing = [name for name, p in self.params if id(p) not in owned]
+        if missing:
+            raise ConfigError(f"p3: parameters {missing[:3]} belong to no module of the model given to "
+                              f"DistributedOptimizer; no forward pass would land their weights")
+        for m in module.modules():
+            own = [index[id(p)] for p in m.parameters(recurse=False) if id(p) in index]
+            if own:
+                self._hooks.append(m.register_forward_pre_hook(lambda _m, _args, own=own: self._wait_in_forward(own)))
+        self._hooks.append(module.register_state_dict_pre_hook(lambda *_: self._wait_in_forward(list(self._landing))))
+
+    def step(self, optimizer: torch.optim.Optimizer, *, compute_s: float = 0.0) -> float:
+        """Every gradient on its way; nothing waited for here (the forward pre-hooks wait). Returns the seconds
+        the pre-hooks waited since the last step."""
+        for i, (_, p) in enumerate(self.params):
+            if p.requires_grad and i not in self._handles:
+                self._push(i, p, p.grad if p.grad is not None else torch.zeros_like(p))
+        self._landing.update(self._handles)
+        self._handles.clear()
+        self._passes.clear()
+        self.steps += 1
+        waited, self._waited = self._waited, 0.0
+        return waited
+
+    def synchronize(self) -> tuple[list, float]:
+        raise ConfigError("p3 lands each parameter in the forward pass: call DistributedOptimizer.finish() to land "
+                          "them all instead of synchronize()")
+
+    def finish(self) -> float:
+        return self.land_all()
+
+    def land_all(self) -> float:
+        """Apply every reply still on its way (before the model is read outside a forward pass)."""
+        return self._land(list(self._landing))
+
+    def state_dict(self) -> dict:
+        self._wait_in_forward(list(self._landing))
+        return super().state_dict()
+
+    # internals ----------------------------------------------------------------------------------------------
+    def _push(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> None:
+        if self._landing.get(i) is not None:        # its previous reply first (a parameter no forward used)
+            self._wait_in_forward([i])
+        if grad.device.type != "cpu" or not grad.is_contiguous():
+            grad = grad.detach().cpu().contiguous()
+        out = torch.empty_like(grad)               # not .grad: the next backward pass accumulates into that
+        self._handles[i] = (self.kv.pushpull(self.params[i][0], grad, out=out, priority=-i), out)
+
+    def _wait_in_forward(self, indices: list[int]) -> None:
+        """Land ``indices`` between steps; the wait is counted at the next step()."""
+        self._waited += self._land(indices)
+
+    def _land(self, indices: list[int]) -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            for i in indices:
+                entry = self._landing.pop(i, None)
+                if entry is not None:
+                    entry[0].wait()
+                    self.params[i][1].copy_(entry[1])
+        return time.perf_counter() - start

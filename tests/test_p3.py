@@ -1,0 +1,127 @@
+"""P3 (``--sync p3``, GeoMX's ``ENABLE_P3=1``): step() returns with the replies still on their way, each layer's
+weights land in the forward pass, and the model after k steps is FSA's bit for bit; misuse is refused naming the
+fix. In-process deployments (tests/scripts/inproc.py): 2 DCs x 1 worker, the servers' Adam."""
+import threading
+
+import pytest
+import torch
+
+from geomx.errors import ConfigError
+from geomx.sync.p3 import P3
+from geomx.sync.settings import settings_from_env
+from inproc import DEADLINE_S, HipsCluster
+
+STEPS = 6
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 3))
+
+
+def _batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * worker + step)
+    return torch.randn(5, 8, generator=g), torch.randint(0, 3, (5,), generator=g)
+
+
+def _in_threads(fns) -> None:
+    errors: list = []
+
+    def run(fn):
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(fn,)) for fn in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE_S)
+    if errors:
+        raise errors[0]
+
+
+def _train(sync: str, observe=None) -> list[dict]:
+    """Both workers' weights after STEPS steps with ``sync`` (the master worker sets the servers' Adam)."""
+    from geomx.torch import DistributedOptimizer
+
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=1)
+    try:
+        kvs = [cluster.master, *cluster.workers["a"], *cluster.workers["b"]]
+        models = [_model() for _ in kvs]
+        opts: list = [None] * len(kvs)
+
+        def wrap(i):
+            opts[i] = DistributedOptimizer(torch.optim.Adam(models[i].parameters(), lr=0.01), models[i],
+                                           kvstore=kvs[i], update_on_server=True, sync=sync)
+
+        _in_threads([lambda i=i: wrap(i) for i in range(len(kvs))])
+
+        def train(i):
+            model, opt = models[i], opts[i]
+            for step in range(STEPS):
+                x, y = _batch(i, step)
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                if observe is not None:
+                    observe(i, step, opt)
+            opt.finish()
+
+        _in_threads([lambda i=i: train(i) for i in (1, 2)])
+        return [{k: v.clone() for k, v in models[i].state_dict().items()} for i in (1, 2)]
+    finally:
+        cluster.close()
+
+
+def test_p3_leaves_the_replies_on_the_wire_at_step_and_ends_on_fsas_model_bit_for_bit():
+    on_the_wire: list[int] = []
+
+    def observe(_worker, _step, opt):
+        on_the_wire.append(len(opt.sync._landing))      # replies not yet applied when step() returned
+
+    p3 = _train("p3", observe)
+    fsa = _train("fsa")
+    for p3_weights, fsa_weights in zip(p3, fsa, strict=True):
+        for name, value in fsa_weights.items():
+            assert torch.equal(p3_weights[name], value), name
+    assert torch.equal(p3[0]["0.weight"], p3[1]["0.weight"])       # both DCs on one model
+    assert not torch.equal(p3[0]["0.weight"], _model().state_dict()["0.weight"])      # and it trained
+    # six parameters per step were pushed and left to the next forward pass
+    assert on_the_wire == [6] * (2 * STEPS)
+
+
+def test_p3_is_refused_without_the_servers_optimizer_or_without_the_model_naming_the_fix():
+    from geomx.torch import DistributedOptimizer
+
+    cluster = HipsCluster(dcs=("a",), per_dc=1)
+    try:
+        (kv,) = cluster.workers["a"]
+        model = _model()
+        errors: dict = {}
+
+        def wrap(name, kvstore, **kw):
+            try:
+                DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), kvstore=kvstore, **kw)
+            except ConfigError as exc:
+                errors[name] = str(exc)
+
+        # the master worker sets no server optimizer: the worker's p3 has no weights to land
+        _in_threads([lambda: wrap("master", cluster.master, named_parameters=model),
+                     lambda: wrap("worker", kv, named_parameters=model, sync="p3")])
+        assert "it needs the servers' optimizer" in errors["worker"] and "update_on_server=True" in errors["worker"]
+    finally:
+        cluster.close()
+    with pytest.raises(ConfigError, match=r"needs the model: DistributedOptimizer\(optimizer, model"):
+        P3().attach_module(None)
+    with pytest.raises(ConfigError, match=r"conflicts with no server optimizer"):
+        from geomx.compat import check
+        check(sync="p3", server_optimizer=False)
+
+
+def test_enable_p3_selects_p3_as_geomx_documents_and_geomx_sync_wins():
+    assert settings_from_env({"ENABLE_P3": "1"}).algorithm == "p3"
+    assert settings_from_env({"ENABLE_P3": "1", "GEOMX_SYNC": "fsa"}).algorithm == "fsa"
+    assert settings_from_env({}).algorithm == "fsa"
