@@ -91,40 +91,105 @@ def _train(run_dir: Path, steps: int, update_on: str, **resume) -> str:
     return out.getvalue()
 
 
-@pytest.mark.parametrize("update_on", ["worker", "server"])
-def test_a_job_resumed_from_a_checkpoint_ends_on_the_uninterrupted_jobs_model_bit_for_bit(tmp_path, update_on):
-    """Adam's moments (on the workers, or on the global server with --update-on server), DiLoCo's outer
-    momentum and round base (on the workers), the step counts and the data order all carry over: new processes
-    resumed from the step-3 checkpoint (mid-round for DiLoCo, k1=2) and trained to step 6 give the very model
-    that the job that went on from step 3 gave. (The resumed processes share nothing with the first run but its
-    checkpoint files, so whether that run stopped at step 3 or went on makes no difference.)"""
-    _train(tmp_path / "straight", 6, update_on)
-    resumed_out = _train(tmp_path / "resumed", 6, update_on, resume=tmp_path / "straight", resume_step=3)
+def test_a_job_resumed_from_a_checkpoint_ends_on_the_uninterrupted_jobs_model_bit_for_bit(tmp_path):
+    """Adam's moments, DiLoCo's outer momentum and round base (all on the workers), the step counts and the data
+    order carry over: new processes resumed from the step-3 checkpoint (mid-round for DiLoCo, k1=2) and trained
+    to step 6 give the very model that the job that went on from step 3 gave. (The resumed processes share
+    nothing with the first run but its checkpoint files, so whether that run stopped at step 3 or went on makes
+    no difference.) The global server's checkpoints (--update-on server) are resumed by --restart-failed below."""
+    _train(tmp_path / "straight", 6, "worker")
+    resumed_out = _train(tmp_path / "resumed", 6, "worker", resume=tmp_path / "straight", resume_step=3)
     assert "resumed at step 3" in resumed_out
     checkpoints = {run: tmp_path / run / "checkpoints" for run in ("straight", "resumed")}
     assert sorted(steps_saved(checkpoints["resumed"])[0]) == [6]               # it trained steps 4-6 only
-    for worker in range(2 if update_on == "worker" else 1):
+    _same_final_models(checkpoints, 6, 2)
+    for worker in range(2):
         straight, resumed = (torch.load(checkpoints[run] / f"worker-{worker}-step-6.pt", weights_only=True)
                              for run in ("straight", "resumed"))
-        for name, tensor in straight["parts"]["model"].items():
-            assert torch.equal(tensor, resumed["parts"]["model"][name]), (worker, name)
-        if update_on == "worker":
-            adam = [s["exp_avg"] for s in straight["parts"]["optimizer"]["state"].values()]
-            assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(
-                adam, resumed["parts"]["optimizer"]["state"].values(), strict=True))
+        adam = [s["exp_avg"] for s in straight["parts"]["optimizer"]["state"].values()]
+        assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(
+            adam, resumed["parts"]["optimizer"]["state"].values(), strict=True))
         assert resumed["local_steps"] == 6
-    if update_on == "server":       # the weights and Adam's state lived on the global server: it checkpointed
-        from geomx import statefile
-
-        server = {run: statefile.load(checkpoints[run] / "global-server-0-round-6.state")
-                  for run in ("straight", "resumed")}
-        for a, b in zip(server["straight"]["keys"], server["resumed"]["keys"], strict=True):
-            assert a["key"] == b["key"] and (a["value"] == b["value"]).all()
-            assert (a["update"]["optimizer"]["state"][0]["exp_avg_sq"]
-                    == b["update"]["optimizer"]["state"][0]["exp_avg_sq"]).all()
     at_3 = torch.load(checkpoints["straight"] / "worker-0-step-3.pt", weights_only=True)["parts"]["model"]
     final = torch.load(checkpoints["straight"] / "worker-0-step-6.pt", weights_only=True)["parts"]["model"]
     assert not all(torch.equal(t, final[n]) for n, t in at_3.items())        # the control: steps 4-6 changed it
+
+
+def _same_final_models(checkpoints: dict, step: int, workers: int) -> None:
+    for worker in range(workers):
+        a, b = (torch.load(checkpoints[run] / f"worker-{worker}-step-{step}.pt", weights_only=True)["parts"]["model"]
+                for run in checkpoints)
+        for name, tensor in a.items():
+            assert torch.equal(tensor, b[name]), (worker, name)
+
+
+def test_a_job_whose_global_server_dies_restarts_from_its_last_checkpoint_and_ends_on_the_unfailed_jobs_model(
+        tmp_path):
+    """--restart-failed 1 with --update-on server: the model and Adam's state live on the global server, which
+    checkpoints them every 3 rounds with the worker. The global server is killed (SIGKILL) once both wrote step
+    3: the launcher names it, moves the failed attempt's logs into attempt-1/, starts every role again from the
+    latest step both saved, and the job ends on the model of the job that never failed, bit for bit: the steps
+    after the checkpoint are trained again, on the same batches (no acknowledged update lost). Slowed 30x (a
+    sleep: no number changes) so that the kill lands while it trains."""
+    import os
+    import signal
+    import threading
+    import time
+
+    _train(tmp_path / "straight", 9, "server")
+    run_dir = tmp_path / "restarted"
+    topo = load_topology(wan="lan", **DEPLOYMENTS["server"])
+    topo.env.update({"GEOMX_CHECKPOINT_EVERY": "3", "GEOMX_SLOWDOWN": "30"})
+    out = io.StringIO()
+    launcher = Launcher(topo, [sys.executable, str(EXAMPLE), "--steps", "9", "--update-on", "server"],
+                        run_dir=run_dir, out=out, restart_failed=1)
+    killed: list[int] = []
+
+    def kill_the_global_server_after_the_first_checkpoint() -> None:
+        saved = run_dir / "checkpoints"
+        deadline = time.monotonic() + 100
+        while not killed and time.monotonic() < deadline:
+            if (saved / "worker-0-step-3.pt").exists() and (saved / "global-server-0-round-3.state").exists():
+                server = next(r for r in launcher.running if r.spec.name == "global-server-0")
+                os.kill(server.proc.pid, signal.SIGKILL)
+                killed.append(server.proc.pid)
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=kill_the_global_server_after_the_first_checkpoint, daemon=True)
+    watcher.start()
+    assert launcher.run(timeout=150) == 0, out.getvalue()[-3000:]
+    watcher.join(5)
+    text = out.getvalue()
+    assert killed and "role global-server-0 was killed by signal 9" in text, text[-3000:]
+    restarted_at = int(text.split("restarting the job from step ")[1].split()[0])
+    assert restarted_at in (3, 6) and f"resumed at step {restarted_at}" in text
+    assert (run_dir / "attempt-1" / "global-server-0.log").exists()
+    assert (run_dir / "global-server-0.log").exists() and (run_dir / "launch.json").exists()   # the last attempt
+    checkpoints = {run: tmp_path / run / "checkpoints" for run in ("straight", "restarted")}
+    _same_final_models(checkpoints, 9, 1)
+    from geomx import statefile
+
+    server = {run: statefile.load(checkpoints[run] / "global-server-0-round-9.state") for run in checkpoints}
+    for a, b in zip(server["straight"]["keys"], server["restarted"]["keys"], strict=True):
+        assert a["key"] == b["key"] and (a["value"] == b["value"]).all()
+        assert (a["update"]["optimizer"]["state"][0]["exp_avg_sq"]
+                == b["update"]["optimizer"]["state"][0]["exp_avg_sq"]).all()
+
+
+def test_restart_step_is_the_latest_every_worker_and_every_checkpointing_global_server_saved(tmp_path):
+    from geomx.cli.restarts import restart_step
+
+    model, opt, _ = _training_state(0)
+    assert restart_step(tmp_path, 2, 1) is None                           # nothing saved: start afresh
+    for worker, steps in ((0, [3, 6]), (1, [3, 6])):
+        saver = Checkpointer(tmp_path, worker=worker, workers=2, every=3, model=model, optimizer=opt)
+        for step in steps:
+            saver.save(step, local_steps=step)
+    assert restart_step(tmp_path, 2, 1) == 6                              # worker-side optimizer: workers decide
+    (tmp_path / "global-server-0-round-3.state").write_bytes(b"")       # a server optimizer that saved round 3
+    assert restart_step(tmp_path, 2, 1) == 3
+    assert restart_step(tmp_path, 2, 2) is None                           # global server 1 saved nothing
+    assert restart_step(tmp_path, 3, 1) is None                           # worker 2 saved nothing
 
 
 def test_a_global_server_resumes_only_from_its_own_checkpoint_of_that_round_and_names_what_is_missing(tmp_path):

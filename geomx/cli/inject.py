@@ -114,7 +114,7 @@ class Injector:
         """The faults the WAN emulator applies, by DC (geomx.netem.outages): (start, end[, rate kept])."""
         out: dict[str, list[tuple]] = {}
         for fault in self.faults:
-            if fault.action.on_wan:
+            if fault.action.on_wan and not fault.done:      # a restarted job (--restart-failed) is spared it
                 kept = () if fault.rate_bps is None else (fault.rate_bps,)
                 out.setdefault(fault.role, []).append((fault.at_s, fault.end_s, *kept))
         return out

@@ -191,7 +191,8 @@ class Launcher:
     def __init__(self, topo: Topology, command: list[str], *, run_dir: Path, quiet: bool = False,
                  out: TextIO | None = None, secure: bool = False, insecure: bool = False,
                  resume: Path | str | None = None, resume_step: int | None = None,
-                 inject: list[str] | None = None, inject_seed: int = 0, backend: Backend | None = None) -> None:
+                 inject: list[str] | None = None, inject_seed: int = 0, backend: Backend | None = None,
+                 restart_failed: int = 0) -> None:
         if secure and insecure:
             raise ConfigError("--secure and --insecure contradict each other")
         backend = backend or LocalBackend()
@@ -217,6 +218,10 @@ class Launcher:
         self.injector = Injector(parse_faults(inject), seed=inject_seed) if inject else None   # --inject
         self.losses: Losses | None = None      # the workers and DCs the run may lose (set at start)
         self.backend = backend      # where the roles run
+        if restart_failed < 0:
+            raise ConfigError(f"--restart-failed must be >= 0, got {restart_failed}")
+        self.restart_failed = restart_failed    # geomx.cli.restarts
+        self._failed: Running | None = None      # the role whose failure stopped the last attempt
 
     def say(self, text: str) -> None:
         with self._print_lock:
@@ -225,14 +230,20 @@ class Launcher:
 
     def run(self, timeout: float | None = None) -> int:
         """Start everything, wait, tear down. Returns the exit code for the launcher."""
-        self._started = time.time()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         clear_previous_run(self.run_dir)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
             if threading.current_thread() is threading.main_thread() else {}
         self._interrupted = None
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return self._run(timeout)
+            code = self._run(timeout)
+            for attempt in range(1, self.restart_failed + 1):
+                if code != 1 or self._failed is None or self._interrupted is not None:
+                    break
+                self._restart(attempt)
+                code = self._run(None if deadline is None else max(1.0, deadline - time.monotonic()))
+            return code
         finally:
             self.backend.close()
             for s, h in old.items():
@@ -241,7 +252,24 @@ class Launcher:
     def _on_signal(self, signum, _frame) -> None:
         self._interrupted = signum
 
+    def _restart(self, attempt: int) -> None:
+        """Archive the failed attempt and point every role at the latest checkpoint (geomx.cli.restarts)."""
+        from geomx.cli.restarts import archive_attempt, restart_step
+
+        archived = archive_attempt(self.run_dir, attempt, [r.spec.name for r in self.running])
+        directory = self.run_dir / "checkpoints"
+        step = restart_step(directory, self.topo.num_all_workers, self.topo.global_servers)
+        if step is not None:
+            self.topo.env.update({"GEOMX_RESUME_FROM": str(directory.resolve()), "GEOMX_RESUME_STEP": str(step)})
+        start = (f"from step {step}" if step is not None else
+                 f"from step {self.topo.env['GEOMX_RESUME_STEP']} of --resume" if "GEOMX_RESUME_STEP" in self.topo.env
+                 else "afresh (no step every worker checkpointed yet)")
+        self.say(f"geomx: restarting the job {start} (restart {attempt} of {self.restart_failed}); the failed "
+                 f"attempt's logs are in {archived}")
+        self.running = []
+
     def _run(self, timeout: float | None) -> int:
+        self._started, self._failed = time.time(), None
         sites = self.backend.sites(self.topo)
         specs = plan(self.topo, self.command, self.run_dir, secret=self.secret, auth_token=self.auth_token,
                      sites=sites)
@@ -404,6 +432,7 @@ class Launcher:
         return {**os.environ, **self.topo.env}
 
     def _report_failure(self, r: Running, elapsed_s: float) -> None:
+        self._failed = r
         how = _how_it_ended(r.returncode)
         # a role that gave up on a peer across an injected WAN fault: the fault is the cause to read first
         wan_faults = self.injector.wan_faults_in_effect(elapsed_s) if self.injector is not None else []

@@ -93,7 +93,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     backend = make_backend(args.backend, address=args.address)
     return Launcher(topo, command, run_dir=run_dir, quiet=args.quiet, secure=args.secure, insecure=args.insecure,
                     resume=args.resume, resume_step=args.resume_step, inject=args.inject,
-                    inject_seed=args.inject_seed, backend=backend).run(timeout=args.timeout)
+                    inject_seed=args.inject_seed, backend=backend,
+                    restart_failed=args.restart_failed).run(timeout=args.timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="the other DCs go on without a DC whose local server died or whose WAN link stayed down past "
                         "the heartbeat deadline, while N DCs remain (default 1; the number of DCs to stop at the "
                         "first lost DC); GEOMX_MIN_DCS")
+    p.add_argument("--restart-failed", type=int, default=0, metavar="N",
+                   help="when a role fails in a way no fault domain absorbs, start the whole job again from its last "
+                        "checkpoint (--checkpoint-every; afresh without one), at most N times; each failed attempt's "
+                        "logs go to <run dir>/attempt-<k>")
     p.add_argument("--inject-seed", type=int, default=0, help="the seed that picks --inject's random role")
     p.add_argument("--resume-step", type=int, metavar="N",
                    help="with --resume: go back to step N (every worker must have kept its checkpoint)")
