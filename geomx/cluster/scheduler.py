@@ -29,9 +29,11 @@ from geomx.transport.van import new_node_id
 
 log = logging.getLogger("geomx.scheduler")
 
-# a member whose connection closed (its process ended) and that has been silent this long is dead: far sooner
-# than the heartbeat timeout, which stays the rule for a frozen member or an unreachable host
+# a member whose connection closed (its process ended, or, on a direct connection, ZeroMQ's heartbeats went
+# unanswered: it is frozen or unreachable; geomx.transport.connection_watch) and that has been silent this long is
+# dead: far sooner than the heartbeat timeout, which stays the rule for members behind the WAN emulator
 GONE_S = 1.0
+CHECK_S = 0.25          # how often liveness is checked
 # rejections a scheduler sends at all: each goes to an address the registration names, so without a cap a
 # stranger could make it open a socket to every address it lists
 MAX_REJECTIONS = 64
@@ -69,7 +71,7 @@ class Scheduler:
         self.heartbeat_timeout, self.connect_timeout = heartbeat_timeout, connect_timeout
         self.van = Van.create(van, node_id=new_node_id(f"scheduler-{tier}"), dc=dc, on_message=self._on_message,
                               host=host, port=port, emulator=emulator, bind_host=bind_host, security=security,
-                              **(van_options or {}))
+                              liveness_probe=True, **(van_options or {}))
         self._lock = threading.Lock()
         self._pending: dict[str, dict] = {}           # node id -> registration
         self._members: dict[str, dict] = {}           # node id -> table entry (after rendezvous)
@@ -98,10 +100,10 @@ class Scheduler:
         self.start()
         try:
             ticks = 0
-            while not self._done.wait(0.5):
+            while not self._done.wait(CHECK_S):
                 self._check_liveness()
                 ticks += 1
-                if self._metrics is not None and ticks % 2 == 0:
+                if self._metrics is not None and ticks % round(1.0 / CHECK_S) == 0:
                     self._metrics.write("traffic", **self.van.counters())
         finally:
             self.van.stop()
@@ -316,8 +318,8 @@ class Scheduler:
                 entry = self._members[node_id]
                 down = self.van.down_since(entry["addr"])
                 if down is not None and now - down > GONE_S and now - seen > GONE_S:
-                    reason = (f"{self._label(entry)} closed its connection {now - down:.1f} s ago and has been "
-                              f"silent since (its process ended)")
+                    reason = (f"{self._label(entry)} lost its connection {now - down:.1f} s ago and has been "
+                              f"silent since (its process ended, or it froze)")
                 elif now - seen > self.heartbeat_timeout:
                     reason = (f"{self._label(entry)} stopped sending heartbeats {now - seen:.1f} s ago (it died, "
                               f"is frozen or its host is unreachable)")

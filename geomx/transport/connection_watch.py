@@ -3,8 +3,13 @@
 A process that ends (killed, crashed, exited) has its TCP connections closed by the kernel at once, and the
 DEALER socket a node keeps to it reports ``EVENT_DISCONNECTED``; heartbeats alone would take their whole
 timeout (10 s by default) to say the same. A frozen process (SIGSTOP) or an unreachable host keeps its
-connections, so heartbeats remain the rule for them. Only direct connections tell: a peer in another DC behind
-the WAN emulator is reached through the emulator's socket, which stays up.
+connections open, so a van that probes (``liveness_probe``: the schedulers') has ZeroMQ send ZMTP heartbeats on
+its connections to peers of its own DC: a peer whose ZeroMQ I/O thread answers none for PROBE_TIMEOUT_S has its
+connection closed (over a WAN a late answer says nothing, and geomx's own heartbeats stay the rule there).
+That thread is not Python's, so a peer busy holding the GIL still answers; only a stopped process or an
+unreachable host does not. A connection counts as up again only once ZeroMQ's handshake succeeds (a frozen
+peer's kernel still accepts the TCP reconnection, its ZeroMQ never greets). Only direct connections tell: a
+peer in another DC behind the WAN emulator is reached through the emulator's socket, which stays up.
 
 ZeroMQ sockets are not thread-safe: the van's sending side creates each monitor socket (a PAIR) next to the
 DEALER it watches and hands it over under a lock; from then on only the watch thread touches it.
@@ -21,8 +26,16 @@ from zmq.utils.monitor import recv_monitor_message
 
 log = logging.getLogger("geomx.van")
 
-_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 _POLL_MS = 100
+PROBE_INTERVAL_S = 0.25         # a ZMTP heartbeat this often on a probing van's connections
+PROBE_TIMEOUT_S = 1.25          # no answer this long: ZeroMQ closes the connection (a frozen or unreachable peer)
+
+
+def heartbeat(sock: zmq.Socket) -> None:
+    """Have ZeroMQ heartbeat ``sock``'s connection (before it connects)."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, int(PROBE_INTERVAL_S * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(PROBE_TIMEOUT_S * 1000))
 
 
 class ConnectionWatch:
@@ -86,7 +99,7 @@ class ConnectionWatch:
         if event["event"] == zmq.EVENT_DISCONNECTED:
             self._down.setdefault(addr, time.monotonic())
             log.debug("connection to %s closed", addr)
-        elif event["event"] == zmq.EVENT_CONNECTED:
+        elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._down.pop(addr, None)
         elif event["event"] == zmq.EVENT_MONITOR_STOPPED:      # its DEALER was closed
             poller.unregister(monitor)

@@ -97,7 +97,8 @@ class InProcVan(Van):
 
     def __init__(self, *, node_id: str, dc: str, on_message: Callable[[Message], None], hub: Hub | None = None,
                  host: str = "127.0.0.1", port: int = 0, bind_host: str | None = None, emulator: str | None = None,
-                 security=None) -> None:
+                 security=None, liveness_probe: bool = False) -> None:
+        # liveness_probe: nothing in memory freezes apart from its own process
         super().__init__(node_id=node_id, dc=dc, on_message=on_message)
         if emulator is not None:
             raise ConfigError(f"{node_id}: the in-memory van cannot use the WAN emulator at {emulator}; give its "

@@ -38,7 +38,7 @@ import zmq
 
 from geomx.errors import ConfigError, PeerLostError, ProtocolError
 from geomx.transport.base import STALL_S, Van, register_van
-from geomx.transport.connection_watch import ConnectionWatch
+from geomx.transport.connection_watch import ConnectionWatch, heartbeat
 from geomx.transport.message import Message, build_message, decode_header, encode, payload_nbytes
 from geomx.transport.outbox import SEND_PIPE_MESSAGES, STUCK_S, Outbox, Queued, send_queue_bytes
 from geomx.transport.refusals import RefusalLog
@@ -133,7 +133,9 @@ class ZmqVan(Van):
     def __init__(self, *, node_id: str, dc: str, on_message: Callable[[Message], None], host: str = "127.0.0.1",
                  port: int = 0, bind_host: str | None = None, emulator: str | None = None,
                  context: zmq.Context | None = None, security: Sealed | Curve | Plain | None = None,
-                 send_queue_mb: float | None = None, stuck_s: float = STUCK_S) -> None:
+                 send_queue_mb: float | None = None, stuck_s: float = STUCK_S, liveness_probe: bool = False) -> None:
+        """``liveness_probe``: heartbeat the connections to peers of this DC at ZeroMQ's level, so that a frozen
+        peer's connection reads as down (geomx.transport.connection_watch; the schedulers' vans)."""
         super().__init__(node_id=node_id, dc=dc, on_message=on_message)
         self.host = host
         self._bind_host = bind_host or host
@@ -156,6 +158,7 @@ class ZmqVan(Van):
         self._threads: list[threading.Thread] = []
         self._receive_thread: threading.Thread | None = None
         self._watch = ConnectionWatch(public_name(node_id))   # peers whose connection closed (a process ended)
+        self._probe = liveness_probe
         self.sent_bytes: dict[str, int] = defaultdict(int)      # by destination DC, as handed to ZeroMQ
         self.sent_messages: dict[str, int] = defaultdict(int)
         self.received_bytes = 0
@@ -411,7 +414,10 @@ class ZmqVan(Van):
         try:
             sock = self._sockets.get(sock_addr)
             if sock is None:
-                sock = self._sockets[sock_addr] = self._connect(sock_addr)
+                # probed: a peer of this DC reached directly (over a WAN, a late answer is no sign of a frozen
+                # peer, and a connection ZeroMQ closed would lose what the kernel had not delivered yet)
+                local = sock_addr == item.addr and item.dst_dc in (None, self.dc)
+                sock = self._sockets[sock_addr] = self._connect(sock_addr, probe=self._probe and local)
             sock.send_multipart(item.wire, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
@@ -424,7 +430,7 @@ class ZmqVan(Van):
         self.sent_messages[dst] += 1
         return True
 
-    def _connect(self, addr: str) -> zmq.Socket:
+    def _connect(self, addr: str, *, probe: bool = False) -> zmq.Socket:
         if not is_tcp_address(addr):
             raise zmq.ZMQError(zmq.EINVAL, f"{addr!r} is not a tcp://host:port address")
         sock = self._ctx.socket(zmq.DEALER)
@@ -433,6 +439,8 @@ class ZmqVan(Van):
         sock.setsockopt(zmq.LINGER, 0)
         if self._security is not None:
             self._security.client(sock)
+        if probe:
+            heartbeat(sock)
         sock.connect(addr)
         self._watch.watch(sock, addr)
         return sock
