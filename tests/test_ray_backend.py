@@ -19,8 +19,16 @@ from geomx.metrics import METRICS_DIR, read_records  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_cnn.py"
 SITES = ("central", "a", "b")
-# every trainer a short script: the master worker (of the central party) fails, the DCs' workers succeed
-FAILING_MASTER = "import os, sys, time; time.sleep(2); sys.exit(3 if os.environ['GEOMX_DC'] == 'central' else 0)"
+# the example, except that the master worker (of the central party) fails the first time it runs
+MASTER_FAILS_ONCE = f"""
+import os, runpy, sys
+marker = os.path.join(os.environ["GEOMX_RUN_DIR"], "master-failed-once")
+if os.environ["GEOMX_DC"] == "central" and not os.path.exists(marker):
+    open(marker, "w").close()
+    sys.exit(3)
+sys.argv = ["train_cnn.py", "--steps", "5"]
+runpy.run_path({str(EXAMPLE)!r}, run_name="__main__")
+"""
 
 
 @pytest.fixture(scope="module")
@@ -87,17 +95,23 @@ def test_ray_places_each_dcs_roles_on_its_labelled_node_and_every_dc_trains_the_
     assert not [p for p in pids if _alive(p)]
 
 
-def test_ray_stops_every_role_and_names_the_one_that_failed(cluster, tmp_path):
+def test_ray_names_a_failed_role_stops_every_process_and_restarts_the_job_on_the_cluster(cluster, tmp_path):
+    """--restart-failed 1 on Ray: the master worker fails once; the launcher names it, stops every role through
+    the actors, and places the whole job again, which trains to the end. No process of either attempt is left."""
     c, _ = cluster
     run_dir = tmp_path / "run"
     done = _geomx("launch", "--backend", "ray", "--address", c.address, "--run-dir", str(run_dir), "--dcs", "1",
-                  "--workers-per-dc", "1", "--wan", "lan", "--timeout", "100", "--quiet",
-                  "--", "python", "-c", FAILING_MASTER, timeout=200)
-    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+                  "--workers-per-dc", "1", "--wan", "lan", "--timeout", "100", "--quiet", "--restart-failed", "1",
+                  "--", "python", "-c", MASTER_FAILS_ONCE, timeout=200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "role master exited with status 3" in done.stdout, done.stdout[-3000:]
-    placement = json.loads((run_dir / "launch.json").read_text())["placement"]
-    pids = [int(where.rsplit("pid ", 1)[1].rstrip(")")) for where in placement.values()]
-    assert not [p for p in pids if _alive(p)]
+    assert "restarting the job afresh (no step every worker checkpointed yet) (restart 1 of 1)" in done.stdout
+    assert "final test accuracy" in (run_dir / "a-worker-0.log").read_text()
+    pids = []
+    for manifest in (run_dir / "attempt-1" / "launch.json", run_dir / "launch.json"):
+        placement = json.loads(manifest.read_text())["placement"]
+        pids += [int(where.rsplit("pid ", 1)[1].rstrip(")")) for where in placement.values()]
+    assert len(pids) == 14 and not [p for p in pids if _alive(p)]
 
 
 def test_ray_names_the_dc_whose_resource_no_node_carries_before_starting_anything(cluster, tmp_path):

@@ -167,6 +167,7 @@ class RayBackend(Backend):
         self.address = address
         self._anchors: dict[str, tuple[object, str, str]] = {}   # site -> (actor, node id, host)
         self._actors: dict[str, object] = {}         # role name -> its RoleHost actor (prepare)
+        self._created: list = []                      # every actor made, for close (every attempt's)
         self._roles: dict[str, RayRole] = {}
         self._placed: dict[str, str] = {}
         self._collector: threading.Thread | None = None
@@ -184,6 +185,7 @@ class RayBackend(Backend):
             # one actor per site first: its node is where the site's listening roles will run
             actor = actor_class.options(num_cpus=0, resources={site_resource(site): DEMAND},
                                         max_concurrency=4).remote()
+            self._created.append(actor)
             node_id, host = self._get(actor.where.remote(), f"placing an actor on a node of site {site}")
             self._anchors[site] = (actor, node_id, host)
         hosts = {site: self._anchors[site][2] for site in sites}
@@ -193,6 +195,8 @@ class RayBackend(Backend):
         return Sites(hosts, ports)
 
     def _connect(self, sites: list[str]) -> None:
+        if self._connected:         # a restarted job (--restart-failed) places its roles on the same cluster
+            return
         ray = self._ray
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         quiet = {"logging_level": logging.WARNING, "log_to_driver": False}
@@ -240,6 +244,7 @@ class RayBackend(Backend):
             if spec.pinned:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._anchors[site][1], soft=False)
             self._actors[spec.name] = self._ray.remote(RoleHost).options(**options).remote()
+            self._created.append(self._actors[spec.name])
         for actor in spare.values():        # a site with no listening role (none so far): not needed
             self._ray.kill(actor)
 
@@ -287,7 +292,7 @@ class RayBackend(Backend):
             if not role.output_done.is_set():      # its last output, if the collector stopped before it came
                 with contextlib.suppress(Exception):
                     role.take(*ray.get(role.actor.status.remote(), timeout=5.0))
-        for actor in [*self._actors.values(), *(a for a, _node, _host in self._anchors.values())]:
+        for actor in self._created:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
         if self._connected:
