@@ -9,7 +9,8 @@ servers' queues and on the emulated WAN's links), so the first layers' weights c
 pass starts while the last layers' are still on the wire. The model after k steps is FSA's, bit for bit: the
 same replies land, only later.
 
-Replies land in buffers of P3's own (never ``.grad``, which the next backward pass writes), and every parameter
+Gradients leave from, and replies land in, buffers of P3's own (never ``.grad``, which the next backward pass or
+``zero_grad(set_to_none=False)`` writes while the round is still on its way), and every parameter
 lands before anything reads it outside a forward pass: ``model.state_dict()`` (a state-dict pre-hook),
 ``DistributedOptimizer.finish()`` / ``synchronize()`` / ``state_dict()``.
 """
@@ -89,10 +90,10 @@ class P3(FSA):
     def _push(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> None:
         if self._landing.get(i) is not None:        # its previous reply first (a parameter no forward used)
             self._wait_in_forward([i])
-        if grad.device.type != "cpu" or not grad.is_contiguous():
-            grad = grad.detach().cpu().contiguous()
-        out = torch.empty_like(grad)               # not .grad: the next backward pass accumulates into that
-        self._handles[i] = (self.kv.pushpull(self.params[i][0], grad, out=out, priority=-i), out)
+        # a copy of its own: step() returns with the push maybe still unsent (sent without a copy), and the next
+        # backward pass, or zero_grad(set_to_none=False), writes .grad in place; the reply lands in it as well
+        sent = grad.detach().to("cpu", copy=True).contiguous()
+        self._handles[i] = (self.kv.pushpull(self.params[i][0], sent, out=sent, priority=-i), sent)
 
     def _wait_in_forward(self, indices: list[int]) -> None:
         """Land ``indices`` between steps; the wait is counted at the next step()."""
