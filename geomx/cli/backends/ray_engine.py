@@ -181,11 +181,11 @@ class RayBackend(Backend):
         self._connect(sites)
         self._check_labels(sites)
         actor_class = self._ray.remote(RoleHost)
-        for site in sites:
-            # one actor per site first: its node is where the site's listening roles will run
-            actor = actor_class.options(num_cpus=0, resources={site_resource(site): DEMAND},
-                                        max_concurrency=4).remote()
-            self._created.append(actor)
+        # one actor per site first (all asked for at once): its node is where the site's listening roles will run
+        first = {site: actor_class.options(num_cpus=0, resources={site_resource(site): DEMAND},
+                                           max_concurrency=4).remote() for site in sites}
+        self._created += first.values()
+        for site, actor in first.items():
             node_id, host = self._get(actor.where.remote(), f"placing an actor on a node of site {site}")
             self._anchors[site] = (actor, node_id, host)
         hosts = {site: self._anchors[site][2] for site in sites}
@@ -205,7 +205,7 @@ class RayBackend(Backend):
             try:
                 ray.init(address=address, **quiet)
             except ConnectionError as exc:
-                raise ConfigError(f"--ray-address {address}: no Ray cluster answers there ({exc})") from None
+                raise ConfigError(f"--address {address}: no Ray cluster answers there ({exc})") from None
         else:
             try:
                 ray.init(address="auto", **quiet)
