@@ -43,13 +43,16 @@ def _in_threads(fns) -> None:
         raise errors[0]
 
 
-def _train(sync: str, observe=None, set_to_none: bool = True) -> list[dict]:
+def _train(sync: str, observe=None, set_to_none: bool = True, compression: dict | None = None) -> list[dict]:
     """Both workers' weights after STEPS steps with ``sync`` (the master worker sets the servers' Adam)."""
     from geomx.torch import DistributedOptimizer
 
     cluster = HipsCluster(dcs=("a", "b"), per_dc=1)
     try:
         kvs = [cluster.master, *cluster.workers["a"], *cluster.workers["b"]]
+        if compression is not None:
+            for kv in kvs:
+                kv.set_gradient_compression(compression)
         models = [_model() for _ in kvs]
         opts: list = [None] * len(kvs)
 
@@ -92,6 +95,17 @@ def test_p3_leaves_the_replies_on_the_wire_at_step_and_ends_on_fsas_model_bit_fo
     assert not torch.equal(p3[0]["0.weight"], _model().state_dict()["0.weight"])      # and it trained
     # six parameters per step were pushed and left to the next forward pass
     assert on_the_wire == [6] * (2 * STEPS)
+
+
+@pytest.mark.parametrize("codec", [{"type": "fp16"}, {"wan": {"type": "topk", "ratio": 0.25}, "size_lower_bound": 1}],
+                         ids=["fp16", "topk-wan"])
+def test_p3_with_a_codec_ends_on_the_model_of_fsa_with_that_codec(codec):
+    """Compression is FSA's, so P3 leaves it alone: the same codec, the same rounds, the same model."""
+    p3, fsa = _train("p3", compression=codec), _train("fsa", compression=codec)
+    for p3_weights, fsa_weights in zip(p3, fsa, strict=True):
+        for name, value in fsa_weights.items():
+            assert torch.equal(p3_weights[name], value), name
+    assert not torch.equal(p3[0]["0.weight"], _model().state_dict()["0.weight"])
 
 
 def test_p3_is_refused_without_the_servers_optimizer_or_without_the_model_naming_the_fix():
