@@ -12,8 +12,10 @@ restart after a crash in the middle, sees the old file or the new one, never hal
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import msgpack
@@ -105,3 +107,14 @@ def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) 
 def load(path: str | os.PathLike) -> Any:
     with open(path, "rb") as f:
         return loads(f.read())
+
+
+def numbered_files(directory: Path, pattern: re.Pattern) -> dict[int, list[int]]:
+    """Checkpoint files in ``directory`` whose names ``pattern`` matches with two numbers, (owner, number):
+    owner -> its numbers (a worker's steps, a global server's rounds)."""
+    found: dict[int, list[int]] = {}
+    for entry in directory.iterdir() if directory.is_dir() else ():
+        m = pattern.match(entry.name)
+        if m:
+            found.setdefault(int(m.group(1)), []).append(int(m.group(2)))
+    return found

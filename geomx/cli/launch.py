@@ -26,6 +26,7 @@ from geomx.cli.backends import Backend, LocalBackend, RoleHandle, Sites
 from geomx.cli.inject import Injector, parse_faults
 from geomx.cli.topology import Topology
 from geomx.config import NodeConfig, env_float, env_int
+from geomx.dropped import FILE as DROPPED_FILE
 from geomx.dropped import DropLog
 from geomx.errors import ConfigError
 from geomx.metrics import METRICS_DIR
@@ -81,13 +82,17 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     return ports
 
 
+def one_host_sites(topo: Topology, ports: list[int] | None = None) -> Sites:
+    """Every site at ``topo.host``, on ``ports`` or free ones there (the local backend's placement)."""
+    return Sites({site: topo.host for site in (CENTRAL_DC, *topo.dc_names)},
+                 ports or free_ports(3 + topo.dcs, topo.host))
+
+
 def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | None = None,
          secret: str | None = None, auth_token: str | None = None, sites: Sites | None = None) -> list[RoleSpec]:
     """The processes of ``topo``, in start order, with the environment each one reads. ``sites``: where each
-    site's listening roles run (default: all at ``topo.host``, on ``ports`` or free ones)."""
-    if sites is None:
-        sites = Sites({site: topo.host for site in (CENTRAL_DC, *topo.dc_names)},
-                      ports or free_ports(3 + topo.dcs, topo.host))
+    site's listening roles run (default: one_host_sites)."""
+    sites = sites or one_host_sites(topo, ports)
     h = sites.hosts[CENTRAL_DC]
     node = [sys.executable, "-m", "geomx.node"]
     n_dcs, G, N = topo.dcs, topo.global_servers, topo.num_all_workers
@@ -153,10 +158,17 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
     return specs
 
 
+def run_files(run_dir: Path, roles: list[str]) -> list[Path]:
+    """What geomx writes into a run directory for one run of ``roles``: their logs, the metrics, the WAN link
+    counters, the drop log and the manifest (not the checkpoints, nor what the training script writes)."""
+    return [*(run_dir / f"{name}.log" for name in roles), *(run_dir / METRICS_DIR).glob("*.jsonl"),
+            run_dir / STATS_FILE, run_dir / DROPPED_FILE, run_dir / "launch.json"]
+
+
 def clear_previous_run(run_dir: Path) -> None:
     """A run directory holds one run. Metrics files are named by process id, so a second launch into the same
-    directory would otherwise add its processes to the first run's (a report would count both). Removes what
-    geomx wrote for an earlier run (its manifest, its roles' logs, metrics, the WAN link counters); files the
+    directory would otherwise add its processes to the first run's (a report would count both), and an old drop
+    log would name its pids as dropped. Removes what geomx wrote for an earlier run (run_files); files the
     training script wrote there stay."""
     manifest = run_dir / "launch.json"
     if not manifest.exists():
@@ -165,9 +177,7 @@ def clear_previous_run(run_dir: Path) -> None:
         roles = json.loads(manifest.read_text()).get("roles", [])
     except (ValueError, AttributeError):
         roles = []
-    stale = [run_dir / f"{name}.log" for name in roles if isinstance(name, str) and "/" not in name]
-    stale += [*(run_dir / METRICS_DIR).glob("*.jsonl"), run_dir / STATS_FILE, manifest]
-    for path in stale:
+    for path in run_files(run_dir, [name for name in roles if isinstance(name, str) and "/" not in name]):
         path.unlink(missing_ok=True)
 
 
@@ -428,7 +438,8 @@ class Launcher:
         return True
 
     def _role_env(self) -> dict[str, str]:
-        """The variables every role reads its settings from: the topology's over the launcher's own (_start)."""
+        """The variables every role reads its settings from: the topology's over the launcher's own (as
+        LocalBackend.start gives them; a Ray role gets the launcher's GEOMX_/DMLC_ ones)."""
         return {**os.environ, **self.topo.env}
 
     def _report_failure(self, r: Running, elapsed_s: float) -> None:

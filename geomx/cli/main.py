@@ -10,6 +10,7 @@ from pathlib import Path
 
 from geomx.errors import GeomxError
 from geomx.profiles import PROFILES
+from geomx.sync.settings import ALGORITHMS
 
 
 def _add_topology_flags(p: argparse.ArgumentParser) -> None:
@@ -25,7 +26,7 @@ def _add_topology_flags(p: argparse.ArgumentParser) -> None:
                    help="dist_async: local servers answer their DC after the WAN round (wait, GeoMX, default) or "
                         "at once, trading gradients with the global servers behind (overlap)")
     p.add_argument("--topology", choices=["hips", "flat"], help="hierarchical (default) or flat parameter server")
-    p.add_argument("--sync", choices=["fsa", "p3", "hfa", "diloco", "dga", "esync"],
+    p.add_argument("--sync", choices=list(ALGORITHMS),
                    help="synchronization algorithm (default fsa; see geomx.sync)")
     p.add_argument("--hfa-k1", type=int, help="hfa/diloco: local steps between DC averages (default 1)")
     p.add_argument("--hfa-k2", type=int, help="hfa/diloco: DC averages between global averages (default 1)")

@@ -11,46 +11,36 @@ bit. Without a checkpoint yet, the job starts afresh.
 """
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
-
-from geomx.dropped import FILE as DROPPED_FILE
-from geomx.metrics import METRICS_DIR
-from geomx.netem.emulator import STATS_FILE
-
-_SERVER_FILE = re.compile(r"global-server-(\d+)-round-(\d+)\.state$")
-ATTEMPT_FILES = ("launch.json", STATS_FILE, DROPPED_FILE)
 
 
 def restart_step(directory: Path, workers: int, global_servers: int) -> int | None:
     """The latest step that every worker checkpointed in ``directory`` and, if any global server checkpoints
     there, every global server too; None where there is none (start afresh)."""
+    from geomx.cluster.server_checkpoint import rounds_saved
     from geomx.torch.checkpoint import steps_saved
 
     found = steps_saved(directory)
     if any(w not in found for w in range(workers)):
         return None
     common = set.intersection(*(set(found[w]) for w in range(workers)))
-    servers: dict[int, set[int]] = {}
-    for entry in directory.iterdir() if directory.is_dir() else ():
-        m = _SERVER_FILE.match(entry.name)
-        if m:
-            servers.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    servers = rounds_saved(directory)
     if servers:
         for rank in range(global_servers):
-            common &= servers.get(rank, set())
+            common &= set(servers.get(rank, ()))
     return max(common) if common else None
 
 
 def archive_attempt(run_dir: Path, attempt: int, role_names: list[str]) -> Path:
-    """Move what a failed attempt wrote (its roles' logs, metrics, link counters, drop log, manifest, the
-    workers' results) into ``run_dir/attempt-<attempt>``; the checkpoints stay for the next attempt."""
+    """Move what a failed attempt wrote (geomx.cli.launch.run_files, and the workers' results) into
+    ``run_dir/attempt-<attempt>``, at the same relative paths; the checkpoints stay for the next attempt."""
+    from geomx.cli.launch import run_files
+
     target = run_dir / f"attempt-{attempt}"
-    target.mkdir(parents=True, exist_ok=True)
-    paths = [run_dir / f"{name}.log" for name in role_names] + [run_dir / name for name in ATTEMPT_FILES]
-    paths += [run_dir / METRICS_DIR, *run_dir.glob("result-*.json")]
-    for path in paths:
+    for path in [*run_files(run_dir, role_names), *run_dir.glob("result-*.json")]:
         if path.exists():
-            shutil.move(str(path), str(target / path.name))
+            moved = target / path.relative_to(run_dir)
+            moved.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(path), str(moved))
     return target

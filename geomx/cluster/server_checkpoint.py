@@ -32,8 +32,16 @@ log = logging.getLogger("geomx.server_checkpoint")
 FORMAT = "geomx-global-server-checkpoint/1"
 
 
+_FILE = re.compile(r"global-server-(\d+)-round-(\d+)\.state$")
+
+
 def checkpoint_name(rank: int, round_: int) -> str:
     return f"global-server-{rank}-round-{round_}.state"
+
+
+def rounds_saved(directory: Path) -> dict[int, list[int]]:
+    """global server rank -> the rounds it has checkpoint files for in ``directory``."""
+    return statefile.numbered_files(directory, _FILE)
 
 
 class ServerCheckpoints:
@@ -84,8 +92,7 @@ class ServerCheckpoints:
         self.directory.mkdir(parents=True, exist_ok=True)
         statefile.save(self.directory / checkpoint_name(self.rank, round_),
                        {"format": FORMAT, "rank": self.rank, "round": round_, "keys": list(keys.values())})
-        pattern = re.compile(rf"global-server-{self.rank}-round-(\d+)\.state$")
-        saved = sorted(int(m.group(1)) for p in self.directory.iterdir() if (m := pattern.match(p.name)))
+        saved = sorted(rounds_saved(self.directory).get(self.rank, []))
         for old in saved[:-self.keep]:
             (self.directory / checkpoint_name(self.rank, old)).unlink(missing_ok=True)
         log.info("global server %d: checkpoint of round %d written (%d keys)", self.rank, round_, len(keys))

@@ -74,9 +74,7 @@ class FSA:
         completes everywhere) and wait for all results. Returns, per parameter, the tensor its gradient was
         pushed from, now holding the reply (mean gradient, or new weights when the servers update), and the
         seconds waited."""
-        for i, (_, p) in enumerate(self.params):
-            if p.requires_grad and i not in self._handles:
-                self._push(i, p, p.grad if p.grad is not None else torch.zeros_like(p))
+        self._push_the_rest()
         start = time.perf_counter()
         results = []
         for i in range(len(self.params)):
@@ -98,6 +96,13 @@ class FSA:
         self.steps = state["steps"]
 
     # internals ----------------------------------------------------------------------------------------------
+    def _push_the_rest(self) -> None:
+        """Push every gradient backward did not push (zeros for a parameter without one this step, so that the
+        round completes everywhere)."""
+        for i, (_, p) in enumerate(self.params):
+            if p.requires_grad and i not in self._handles:
+                self._push(i, p, p.grad if p.grad is not None else torch.zeros_like(p))
+
     def _on_grad(self, p: torch.Tensor) -> None:
         i = self._index[id(p)]
         passes = self._passes[i] = self._passes.get(i, 0) + 1

@@ -31,7 +31,6 @@ class P3(FSA):
     def __init__(self, *, backward_passes_per_step: int = 1) -> None:
         super().__init__(backward_passes_per_step=backward_passes_per_step)
         self._landing: dict[int, tuple] = {}     # parameter index -> (handle, buffer): replies not yet applied
-        self._hooks: list = []
         self._waited = 0.0                       # seconds forward pre-hooks waited since the last step()
 
     def __repr__(self) -> str:
@@ -55,15 +54,13 @@ class P3(FSA):
         for m in module.modules():
             own = [index[id(p)] for p in m.parameters(recurse=False) if id(p) in index]
             if own:
-                self._hooks.append(m.register_forward_pre_hook(lambda _m, _args, own=own: self._wait_in_forward(own)))
-        self._hooks.append(module.register_state_dict_pre_hook(lambda *_: self._wait_in_forward(list(self._landing))))
+                m.register_forward_pre_hook(lambda _m, _args, own=own: self._wait_in_forward(own))
+        module.register_state_dict_pre_hook(lambda *_: self._wait_in_forward(list(self._landing)))
 
     def step(self, optimizer: torch.optim.Optimizer, *, compute_s: float = 0.0) -> float:
         """Every gradient on its way; nothing waited for here (the forward pre-hooks wait). Returns the seconds
         the pre-hooks waited since the last step."""
-        for i, (_, p) in enumerate(self.params):
-            if p.requires_grad and i not in self._handles:
-                self._push(i, p, p.grad if p.grad is not None else torch.zeros_like(p))
+        self._push_the_rest()
         self._landing.update(self._handles)
         self._handles.clear()
         self._passes.clear()
@@ -88,7 +85,7 @@ class P3(FSA):
 
     # internals ----------------------------------------------------------------------------------------------
     def _push(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> None:
-        if self._landing.get(i) is not None:        # its previous reply first (a parameter no forward used)
+        if i in self._landing:                     # its previous reply first (a parameter no forward used)
             self._wait_in_forward([i])
         # a copy of its own: step() returns with the push maybe still unsent (sent without a copy), and the next
         # backward pass, or zero_grad(set_to_none=False), writes .grad in place; the reply lands in it as well

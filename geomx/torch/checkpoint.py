@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from geomx.errors import ConfigError
-from geomx.statefile import write_atomically
+from geomx.statefile import numbered_files, write_atomically
 
 _FILE = re.compile(r"worker-(\d+)-step-(\d+)\.pt$")
 FORMAT = "geomx-worker-checkpoint/1"
@@ -125,12 +125,7 @@ def _restored(obj: Any) -> Any:
 
 def steps_saved(directory: Path) -> dict[int, list[int]]:
     """worker index -> the steps it has checkpoint files for."""
-    found: dict[int, list[int]] = {}
-    for entry in directory.iterdir() if directory.is_dir() else ():
-        m = _FILE.match(entry.name)
-        if m:
-            found.setdefault(int(m.group(1)), []).append(int(m.group(2)))
-    return found
+    return numbered_files(directory, _FILE)
 
 
 def common_step(directory: Path, workers: int, step: int | None = None) -> int:

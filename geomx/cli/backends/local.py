@@ -42,10 +42,9 @@ class LocalBackend(Backend):
     name = "local"
 
     def sites(self, topo: Topology) -> Sites:
-        from geomx.cli.launch import free_ports
-        from geomx.profiles import CENTRAL_DC
+        from geomx.cli.launch import one_host_sites
 
-        return Sites({site: topo.host for site in (CENTRAL_DC, *topo.dc_names)}, free_ports(3 + topo.dcs, topo.host))
+        return one_host_sites(topo)
 
     def start(self, spec: RoleSpec, env: dict[str, str], log_path: Path,
               on_line: Callable[[str], None] | None) -> LocalRole:
