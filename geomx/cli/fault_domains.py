@@ -65,6 +65,10 @@ class Losses:
                     f"{dcs - len(self.lost_dcs)} of {dcs} DCs (--min-dcs {self.min_dcs})")
         return None
 
+    def rejoined(self, name: str) -> None:
+        """The lost worker ``name`` was started again (geomx.cli.rejoins): its DC counts it once more."""
+        self.lost.pop(name, None)
+
     def __bool__(self) -> bool:
         """Whether anything was lost."""
         return bool(self.lost or self.lost_dcs)

@@ -24,6 +24,7 @@ from typing import TextIO
 
 from geomx.cli.backends import Backend, LocalBackend, RoleHandle, Sites
 from geomx.cli.inject import Injector, parse_faults
+from geomx.cli.rejoins import Rejoins
 from geomx.cli.topology import Topology
 from geomx.config import NodeConfig, env_float, env_int
 from geomx.dropped import FILE as DROPPED_FILE
@@ -58,6 +59,8 @@ class Running:
     log_path: Path
     returncode: int | None = None
     ended_at: float | None = None       # when the launcher saw it end (time.monotonic)
+    rejoined: bool = False              # started again to rejoin the running job (geomx.cli.rejoins)
+    killed_for_rejoin: bool = False     # dropped but still running (frozen): killed so that it can rejoin
 
 
 # Fixed ports (schedulers, emulator) come from below the kernel's ephemeral range (32768-60999 by default):
@@ -202,7 +205,7 @@ class Launcher:
                  out: TextIO | None = None, secure: bool = False, insecure: bool = False,
                  resume: Path | str | None = None, resume_step: int | None = None,
                  inject: list[str] | None = None, inject_seed: int = 0, backend: Backend | None = None,
-                 restart_failed: int = 0) -> None:
+                 restart_failed: int = 0, rejoin_after: float | None = None) -> None:
         if secure and insecure:
             raise ConfigError("--secure and --insecure contradict each other")
         backend = backend or LocalBackend()
@@ -231,6 +234,9 @@ class Launcher:
         if restart_failed < 0:
             raise ConfigError(f"--restart-failed must be >= 0, got {restart_failed}")
         self.restart_failed = restart_failed    # geomx.cli.restarts
+        if rejoin_after is not None and rejoin_after < 0:
+            raise ConfigError(f"--rejoin-after must be >= 0 seconds, got {rejoin_after:g}")
+        self.rejoin_after = rejoin_after        # geomx.cli.rejoins
         self._failed: Running | None = None      # the role whose failure stopped the last attempt
 
     def say(self, text: str) -> None:
@@ -300,6 +306,7 @@ class Launcher:
         env = self._role_env()
         self._drop_grace_s = env_float(env, "GEOMX_HEARTBEAT_TIMEOUT", NodeConfig.heartbeat_timeout) + 3.0
         self._undecided: list[Running] = []
+        self.rejoins = Rejoins(self.rejoin_after) if self.rejoin_after is not None and not flat else None
         self.losses = Losses({s.name: DcRole(s.kind, s.dc) for s in specs if s.dc is not None},
                              min_workers=None if flat else env_int(env, MIN_WORKERS_ENV, "launcher", 1),
                              min_dcs=None if flat else env_int(env, MIN_DCS_ENV, "launcher", 1))
@@ -337,15 +344,18 @@ class Launcher:
                     "backend": self.backend.name, "placement": self.backend.placement()}
         (self.run_dir / "launch.json").write_text(json.dumps(manifest, indent=2))
 
-    def _start(self, spec: RoleSpec) -> None:
-        log_path = self.run_dir / f"{spec.name}.log"
+    def _start(self, spec: RoleSpec, *, env: dict[str, str] | None = None, log_name: str | None = None) -> Running:
+        log_path = self.run_dir / (log_name or f"{spec.name}.log")
         on_line = None
         if spec.echo and not self.quiet:
             prefix = spec.name.replace("-worker-", "/")
 
             def on_line(line: str) -> None:
                 self.say(f"[{prefix}] {line}")
-        self.running.append(Running(spec, self.backend.start(spec, spec.env, log_path, on_line), log_path))
+        running = Running(spec, self.backend.start(spec, spec.env if env is None else env, log_path, on_line),
+                          log_path)
+        self.running.append(running)
+        return running
 
     def _tcp_description(self) -> str:
         tcp = self.topo.tcp
@@ -357,9 +367,9 @@ class Launcher:
 
     def _monitor(self, timeout: float | None) -> int:
         start = time.monotonic()
-        trainers = [r for r in self.running if r.spec.kind in ("worker", "master")]
         trainers_done_at: float | None = None
         while True:
+            trainers = [r for r in self.running if r.spec.kind in ("worker", "master")]
             if self._interrupted is not None:
                 self.say("geomx: interrupted; stopping every process")
                 return 130
@@ -380,6 +390,8 @@ class Launcher:
                     self._undecided.append(r)
                 elif line:
                     self.say(line)
+                if line is not None and line is not _WAIT:
+                    self._maybe_rejoin(r)
             if failed:
                 self._report_failure(min(failed, key=_blame_order), time.monotonic() - start)
                 return 1
@@ -404,6 +416,8 @@ class Launcher:
                 return 124
             if self.injector is not None:
                 self.injector.tick(time.monotonic() - start, self._alive(), self.say)
+            if self.rejoins is not None and trainers_done_at is None:
+                self._tend_rejoins(time.monotonic() - start)
             time.sleep(0.1)
 
     def _verdict(self, r: Running, elapsed_s: float) -> str | None:
@@ -416,9 +430,41 @@ class Launcher:
             return ""
         if not self.losses.may_absorb(r.spec.name):     # a central role, or the flat topology: no fault domain
             return None
+        if r.rejoined:      # a restarted worker that failed (say, refused its place) leaves its DC as it was
+            return self.losses.judge(r.spec.name, f"{_how_it_ended(r.returncode)} at {elapsed_s:.1f} s after it "
+                                                  f"was restarted (see {r.log_path.name})")
         if r.proc.pid in self.drops.refresh() or r.returncode < 0:
             return self.losses.judge(r.spec.name, f"{_how_it_ended(r.returncode)} at {elapsed_s:.1f} s")
         return _WAIT if time.monotonic() - r.ended_at < self._drop_grace_s else None
+
+    def _maybe_rejoin(self, r: Running) -> None:
+        """``r`` ended and the run goes on without it: with --rejoin-after, start it again later if it was a
+        worker its DC lost to a signal or a drop (not one that failed on its own)."""
+        if self.rejoins is None or r.spec.kind != "worker" or r.spec.name not in self.losses.lost:
+            return
+        if r.returncode < 0 or r.proc.pid in self.drops.refresh():
+            self.rejoins.schedule(r.spec.name, time.monotonic())
+
+    def _tend_rejoins(self, elapsed_s: float) -> None:
+        """Kill the dropped workers still running (frozen ones: their place must be free, and they must not run
+        again), and start the workers whose time to rejoin has come."""
+        dropped = self.drops.refresh()
+        for r in self.running:
+            if r.spec.kind == "worker" and r.returncode is None and r.proc.pid in dropped and not r.killed_for_rejoin:
+                r.killed_for_rejoin = True
+                self.say(f"geomx: {r.spec.name} was dropped by its DC but is still there (frozen?); killing it so "
+                         f"that it can be restarted")
+                r.proc.signal(signal.SIGKILL)
+                r.proc.signal(signal.SIGCONT)
+        ended = {r.spec.name: r for r in self.running if r.returncode is not None}
+        for name in self.rejoins.due(time.monotonic(), lambda name: name in ended and ended[name].proc.pid in dropped):
+            old = ended[name]
+            log_name = self.rejoins.log_name(name)
+            self.running.remove(old)
+            new = self._start(old.spec, env=Rejoins.env(old.spec.env), log_name=log_name)
+            new.rejoined = True
+            self.losses.rejoined(name)
+            self.say(f"geomx: restarted {name} at {elapsed_s:.1f} s to rejoin DC {old.spec.dc} (log {log_name})")
 
     def _trainers_done(self, trainers: list[Running], elapsed_s: float) -> bool:
         """Every trainer exited 0 or was lost. A worker still frozen (SIGSTOP) when all the others are done was

@@ -95,7 +95,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return Launcher(topo, command, run_dir=run_dir, quiet=args.quiet, secure=args.secure, insecure=args.insecure,
                     resume=args.resume, resume_step=args.resume_step, inject=args.inject,
                     inject_seed=args.inject_seed, backend=backend,
-                    restart_failed=args.restart_failed).run(timeout=args.timeout)
+                    restart_failed=args.restart_failed, rejoin_after=args.rejoin_after).run(timeout=args.timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="when a role fails in a way no fault domain absorbs, start the whole job again from its last "
                         "checkpoint (--checkpoint-every; afresh without one), at most N times; each failed attempt's "
                         "logs go to <run dir>/attempt-<k>")
+    p.add_argument("--rejoin-after", type=float, metavar="S",
+                   help="start a worker its DC went on without (killed, or dropped when it froze) again S seconds "
+                        "later: it rejoins the running job in its old place, from the current model (needs the "
+                        "servers' optimizer, --update-on server)")
     p.add_argument("--inject-seed", type=int, default=0, help="the seed that picks --inject's random role")
     p.add_argument("--resume-step", type=int, metavar="N",
                    help="with --resume: go back to step N (every worker must have kept its checkpoint)")

@@ -155,6 +155,7 @@ class KVClient:
         self._layout: dict[Any, tuple[tuple, np.dtype]] = {}   # key -> shape, dtype (from its init reply)
         self.info: dict = {}
         self.wire: ClientWire | None = None      # gradient compression, from the servers' info
+        self.joined_at = 0      # rejoined a running job: the rounds already under way, which it takes no part in
         po.add_abort_listener(self._fail_all)
         po.van.receive_into = self.receive_into
 
@@ -328,6 +329,10 @@ class KVClient:
     def _init_result(self, key, msg: Message) -> tuple[np.ndarray, dict]:
         value, info = msg.tensors[0], dict(msg.get(Field.INFO) or {})
         self._layout[key] = (tuple(value.shape), value.dtype)
+        joined_at = msg.get(Field.JOINED_AT)
+        if joined_at:       # our first push of the key counts as round joined_at + 1 (kvserver.reply_init)
+            self._pushes[key] = int(joined_at)
+            self.joined_at = max(self.joined_at, int(joined_at))
         if self.wire is not None:
             self.wire.note_dense(key, value)
         return value, info

@@ -44,7 +44,7 @@ class DCRounds:
 
     def _complete_if_done(self, st, n: int) -> None:
         rnd, held = self.open[(st.key, n)]
-        if not self.server.round_complete(st, rnd):
+        if not self.server.round_complete(st, rnd, n):
             return
         del self.open[(st.key, n)]
         total = self.server.stand_in_for_departed(rnd).astype(st.dtype, copy=False)

@@ -100,7 +100,8 @@ class KeyState:
     * ``overlap``: MixedSync overlap at a local server (wan_overlap.OverlapState);
     * ``hfa``: GeoMX's HFA server logic at a local server (hfa_rounds.HfaKeyState).
 
-    Held requests (``waiting``, ``held_inits``) belong to connections, not to the state: they are not saved.
+    Held requests (``waiting``, ``held_inits``, ``held_joins``) belong to connections, not to the state: they are
+    not saved.
     """
     key: Any
     shape: tuple
@@ -112,6 +113,7 @@ class KeyState:
     rounds: dict[int, Round] = field(default_factory=dict)
     waiting: list[tuple[Message, int]] = field(default_factory=list)  # (pull or pushpull, pushes it follows)
     held_inits: list[Message] = field(default_factory=list)
+    held_joins: list[Message] = field(default_factory=list)   # a rejoined client's init, until its round is applied
     update: OwnedState | None = None
     wire: Any = None                                     # compressed.WireKeyState (its state_dict takes the value)
     upstream: OwnedState | None = None
@@ -120,6 +122,10 @@ class KeyState:
 
     def describe(self) -> str:
         return f"shape {tuple(self.shape)} {self.dtype.name}"
+
+    def rounds_applied(self) -> int:
+        """How many rounds ``value`` reflects (those of a client that took part in all of them)."""
+        return max(self.applied.values(), default=0)
 
     def state_dict(self) -> dict:
         """Everything but held requests; arrays are referenced, not copied (values are never mutated once
@@ -188,6 +194,11 @@ class KVServer:
         # round client id -> the training workers it stands for (NodeInfo.weight), kept once a client is dropped:
         # what a round short of dropped clients is scaled to (stand_in_for_departed)
         self.round_weights: dict[str, int] = {}
+        # rejoin (a restarted client in a dropped one's place): admitted, not yet asked for a key -> the dropped
+        # client it replaces; then -> the rounds already under way when it first asked, which it takes no part in
+        self.joining: dict[str, str] = {}
+        self.joined_at: dict[str, int] = {}
+        self.refilled: set[str] = set()            # dropped clients whose places were taken (weigh no more)
         self._early: list[Message] = []           # requests that overtook our own member table
         self._early_bytes = 0
         po.metrics_fields.append(self.queue_depths)
@@ -203,15 +214,16 @@ class KVServer:
         """The clients whose pushes complete a synchronous round: those still members of their tier."""
         raise NotImplementedError
 
-    def round_complete(self, st: KeyState, rnd: Round) -> bool:
-        """Whether every client still in the tier pushed ``rnd`` (a push that a client dropped since made before
-        it went silent counts)."""
-        return {c.id for c in self.round_clients()}.issubset(rnd.contributors)
+    def round_complete(self, st: KeyState, rnd: Round, number: int) -> bool:
+        """Whether every client still in the tier pushed ``rnd``, round ``number`` (a push that a client dropped
+        since made before it went silent counts; a rejoined client counts from the round after it joined)."""
+        return {c.id for c in self.round_clients() if c.id not in self.joining
+                and number > self.joined_at.get(c.id, 0)}.issubset(rnd.contributors)
 
     def stand_in_for_departed(self, rnd: Round) -> np.ndarray:
         """The round's sum, scaled to the weight of every round client when dropped ones are missing from it:
         the mean over the clients that pushed, each weighed by the workers it stands for, takes their place."""
-        full = sum(self.round_weights.values())
+        full = sum(w for src, w in self.round_weights.items() if src not in self.refilled)
         pushed = sum(self.round_weights.get(src, 1) for src in rnd.contributors)
         return rnd.scale(full / pushed) if 0 < pushed < full else rnd.total
 
@@ -222,8 +234,31 @@ class KVServer:
         for st in self.keys.values():
             st.waiting = [(msg, after) for msg, after in st.waiting if msg.src != member.id]
             for number in sorted(st.rounds):
-                if number in st.rounds and self.round_complete(st, st.rounds[number]):
+                if number in st.rounds and self.round_complete(st, st.rounds[number], number):
                     self.complete_round(st, number)
+
+    def admit_client(self, member: NodeInfo, replaces: str) -> None:
+        """A restarted client takes the place of ``replaces``, a client its tier dropped. It counts in rounds
+        once it asks for its first key (:meth:`start_joiner`): until then its DC goes on without it."""
+        self.clients[member.id] = member
+        self.joining[member.id] = replaces
+        self.round_weights[member.id] = member.weight
+        self.refilled.add(replaces)
+        log.warning("%s: %s takes the place of %s; it counts in rounds from its first init", self.po.cfg.label,
+                    member.label, replaces)
+
+    def start_joiner(self, member: NodeInfo) -> None:
+        """``member``'s first init: it takes part in every round after those already under way (on any key), and
+        starts from the value after them. Only where the model lives on the servers (their optimizer): a worker
+        that updates its own copy has nothing to start from."""
+        under_way = max((n for st in self.keys.values() for n in st.pushes.values()), default=0)
+        if under_way and not self.info.get("server_optimizer"):
+            raise Refused(f"{member.label} cannot rejoin the running job: the workers update their own copies of "
+                          f"the model, so there is no current model to start from; rejoining needs the servers to "
+                          f"run the optimizer (--update-on server)")
+        del self.joining[member.id]
+        self.joined_at[member.id] = under_way
+        log.warning("%s: %s rejoined at round %d", self.po.cfg.label, member.label, under_way)
 
     def on_init(self, msg: Message, client: NodeInfo) -> None:
         raise NotImplementedError
@@ -241,7 +276,7 @@ class KVServer:
         :meth:`Round.add`."""
         rnd = st.rounds.setdefault(number, Round())
         rnd.add(src, value, priority, reusable=reusable)
-        if self.round_complete(st, rnd):
+        if self.round_complete(st, rnd, number):
             self.complete_round(st, number)
 
     def complete_round(self, st: KeyState, number: int) -> None:
@@ -260,7 +295,7 @@ class KVServer:
         each owner keeps (KeyState). The state is the receive thread's alone: call this from a handler, or
         while no request is in flight. Held requests are not part of it (their clients time out or retry)."""
         return {"server": type(self).__name__, "info": dict(self.info), "config": self.config_state(),
-                "keys": [st.state_dict() for st in self.keys.values()]}
+                "keys": [st.state_dict() for st in self.keys.values()], "joined_at": dict(self.joined_at)}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` into a fresh server that has joined its tiers (client ids must be those
@@ -271,6 +306,7 @@ class KVServer:
             raise ConfigError(f"{self.po.cfg.label} already has keys ({', '.join(map(repr, list(self.keys)[:5]))}): "
                               f"load state into a fresh server")
         self.info = dict(state["info"])
+        self.joined_at = {str(c): int(n) for c, n in state.get("joined_at", {}).items()}
         self.load_config_state(state["config"])
         for saved in state["keys"]:
             st = KeyState.from_state_dict(saved)
@@ -324,6 +360,12 @@ class KVServer:
             self.po.refusals.note(msg.src, "%s: %r from unknown sender %r dropped (not a member of any tier this "
                                   "server serves)", self.po.cfg.label, msg.op, msg.src)
             return
+        if msg.op == Op.INIT and msg.src in self.joining:
+            try:
+                self.start_joiner(client)
+            except Refused as exc:
+                self.reply(msg, error=str(exc))
+                return
         handler = {Op.INIT: self.on_init, Op.PUSH: self._on_push, Op.PUSHPULL: self._on_push, Op.PULL: self._on_pull,
                    Op.COMMAND: self.on_command}.get(msg.op)
         if handler is None:
@@ -421,6 +463,10 @@ class KVServer:
             self.wire.on_new_value(st, value)
         for src in contributors:
             st.applied[src] = st.applied.get(src, 0) + 1
+        if st.held_joins:
+            held, st.held_joins = st.held_joins, []
+            for msg in held:
+                self.reply_init(msg, st)
         self.serve_waiting(st)
 
     def serve_waiting(self, st: KeyState) -> None:
@@ -446,10 +492,18 @@ class KVServer:
         self.reply(msg, tensors=tensors, **fields)
 
     def reply_init(self, msg: Message, st: KeyState) -> None:
-        """Answer an init with the key's current value (what the client starts from, sent whole)."""
+        """Answer an init with the key's current value (what the client starts from, sent whole). A rejoined
+        client's waits until the value reflects the rounds it takes no part in; the reply tells it how many."""
+        joined_at = self.joined_at.get(msg.src)
+        if joined_at is not None and msg.src not in st.pushes:
+            if st.rounds_applied() < joined_at:
+                st.held_joins.append(msg)
+                return
+            st.pushes[msg.src] = st.applied[msg.src] = joined_at    # its first push is round joined_at + 1
         if self.wire is not None:
             self.wire.note_dense(st, msg.src, st.value)
-        self.reply(msg, tensors=[st.value], info=self.info)
+        self.reply(msg, tensors=[st.value], info=self.info,
+                   **({Field.JOINED_AT: joined_at} if joined_at else {}))
 
     def fail_waiting(self, st: KeyState, error: str, *, lost: bool = False) -> None:
         """Answer every held request of ``st`` with ``error`` (``lost``: because a peer died)."""

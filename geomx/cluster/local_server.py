@@ -11,7 +11,8 @@ without waiting for the WAN, and GeoMX's HFA server logic (hfa_rounds.py), are r
 A DC is a fault domain: when its scheduler drops a silent worker (``member_left``), the rounds that waited for
 it complete with the workers that pushed, and the DC's sum is scaled to its configured size (the DC's mean
 stands in for the missing gradients), so the global round weighs every DC as before and nothing upstream
-changes.
+changes. A restarted worker may take the dropped one's place (``member_joined``): it starts from the DC's
+current model and counts in the rounds after those under way (kvserver.KVServer.start_joiner).
 """
 from __future__ import annotations
 
@@ -87,6 +88,12 @@ class LocalServer(KVServer):
                     "place", self.po.cfg.dc, left, self.po.cfg.num_workers, member.label)
         self.drop_client(member)
         self.dc_rounds.drop(member.id)
+
+    def on_member_joined(self, tier: Tier, member: NodeInfo, replaces: str) -> None:
+        """A restarted worker took a dropped one's place in this DC: it counts in rounds once it asks for the
+        model (KVServer.start_joiner)."""
+        if tier is self.dc_tier:
+            self.admit_client(member, replaces)
 
     def round_clients(self) -> list[NodeInfo]:
         return self.dc_tier.workers()
@@ -235,6 +242,7 @@ def start_local_server(cfg: NodeConfig, done: threading.Event, *, node_id: str |
     server = LocalServer(po)
     po.on_data = server.dispatch
     po.add_member_left_listener(server.on_member_left)
+    po.add_member_joined_listener(server.on_member_joined)
     po.add_abort_listener(lambda reason: done.set())
     po.add_shutdown_listener(lambda tier: done.set() if tier.name.startswith("dc:") else None)
     po.start()

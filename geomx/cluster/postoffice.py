@@ -33,7 +33,8 @@ _METRICS_PERIOD_S = 1.0
 log = logging.getLogger("geomx.postoffice")
 
 # what a tier's scheduler sends its members; the other control ops go to schedulers only
-FROM_SCHEDULER = {Op.TABLE, Op.REJECT, Op.BARRIER_DONE, Op.HEARTBEAT_ACK, Op.SHUTDOWN, Op.MEMBER_LEFT, Op.ABORT}
+FROM_SCHEDULER = {Op.TABLE, Op.REJECT, Op.BARRIER_DONE, Op.HEARTBEAT_ACK, Op.SHUTDOWN, Op.MEMBER_LEFT,
+                  Op.MEMBER_JOINED, Op.ABORT}
 TIER_ROLES = ("server", "worker")
 
 
@@ -186,6 +187,12 @@ class Tier:
                 raise ValueError(f"member_left names {node!r}, not another member of the tier")
             self.members.remove(gone[0])
             self.po.on_member_left(self, gone[0], reason)
+        elif msg.op == Op.MEMBER_JOINED:
+            joined = NodeInfo.from_wire(msg[Field.MEMBER])
+            if any(m.id == joined.id for m in self.members):
+                raise ValueError(f"member_joined names {joined.id!r}, already a member of the tier")
+            self.members.append(joined)
+            self.po.on_member_joined(self, joined, str(msg[Field.REPLACES]))
 
 
 class Postoffice:
@@ -202,6 +209,7 @@ class Postoffice:
         self._abort_listeners: list[Callable[[str], None]] = []
         self._shutdown_listeners: list[Callable[[Tier], None]] = []
         self._member_left_listeners: list[Callable[[Tier, NodeInfo, str], None]] = []
+        self._member_joined_listeners: list[Callable[[Tier, NodeInfo, str], None]] = []
         self._abort_event = threading.Event()
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
@@ -256,6 +264,16 @@ class Postoffice:
         log.warning("%s: %s left the %s tier: %s", self.cfg.label, member.label, tier.name, reason)
         for fn in self._member_left_listeners:
             fn(tier, member, reason)
+
+    def add_member_joined_listener(self, fn: Callable[[Tier, NodeInfo, str], None]) -> None:
+        """``fn(tier, member, replaced_id)`` on the receive thread when a restarted member takes the place of one
+        the tier's scheduler dropped."""
+        self._member_joined_listeners.append(fn)
+
+    def on_member_joined(self, tier: Tier, member: NodeInfo, replaces: str) -> None:
+        log.warning("%s: %s joined the %s tier", self.cfg.label, member.label, tier.name)
+        for fn in self._member_joined_listeners:
+            fn(tier, member, replaces)
 
     def abort(self, reason: str, *, tell_schedulers: bool = True, fatal: bool = False) -> None:
         """Fail every wait with ``reason``; tell our schedulers so the whole deployment learns of it. ``fatal``:

@@ -20,6 +20,7 @@ op                  direction                  fields
 ``bye``             node -> scheduler          (none): leaving cleanly
 ``shutdown``        scheduler -> servers       (none): every worker left
 ``member_left``     scheduler -> members       node, reason: the tier goes on without a member (a DC's worker, a DC)
+``member_joined``   scheduler -> members       member (its table entry), replaces: it took a dropped member's place
 ``abort``           any -> any                 reason; fatal (a tier failed before it was complete)
 ==================  =========================  =============================================================
 
@@ -33,7 +34,7 @@ Data (a client and a server; requests carry ``req``, the reply echoes it):
 ``dc_pushpull``     worker -> local server     key, value: a DC-only round (HFA)
 ``cmd``             master -> global servers   name (a Command), args
 ``key_owner``       master -> global servers   key, owner (the rank that holds the key)
-``reply``           server -> client           req; error, lost; info; redirect; the value (maybe cm)
+``reply``           server -> client           req; error, lost; info; redirect; joined_at; the value (maybe cm)
 ==================  =========================  =============================================================
 """
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Op:
     BYE = "bye"
     SHUTDOWN = "shutdown"
     MEMBER_LEFT = "member_left"
+    MEMBER_JOINED = "member_joined"
     ABORT = "abort"
     # data
     INIT = "init"
@@ -64,7 +66,8 @@ class Op:
 
 
 CONTROL_OPS = frozenset({Op.REGISTER, Op.TABLE, Op.REJECT, Op.BARRIER, Op.BARRIER_DONE, Op.HEARTBEAT,
-                         Op.HEARTBEAT_ACK, Op.BYE, Op.SHUTDOWN, Op.MEMBER_LEFT, Op.ABORT})
+                         Op.HEARTBEAT_ACK, Op.BYE, Op.SHUTDOWN, Op.MEMBER_LEFT, Op.MEMBER_JOINED,
+                         Op.ABORT})
 
 
 class Field:
@@ -81,6 +84,8 @@ class Field:
     MEMBERS = "members"
     REASON = "reason"
     NODE = "node"
+    MEMBER = "member"
+    REPLACES = "replaces"
     FATAL = "fatal"       # abort: a tier failed before it was complete (no fault domain absorbs it)
     GROUP = "group"
     SEQ = "seq"
@@ -99,6 +104,7 @@ class Field:
     LOST = "lost"
     INFO = "info"
     REDIRECT = "redirect"
+    JOINED_AT = "joined_at"   # init reply to a member that rejoined a running job: the rounds it takes no part in
     CODEC = "cm"          # compressed payload: {"c": codec name, "m": codec meta, "n": sender count}
     COUNT = "n"           # a dense push of a mean: how many workers' sum it stands for
 

@@ -10,6 +10,8 @@ Fault domains (a :class:`DropRule`): a DC's scheduler drops a silent training wo
 long as ``GEOMX_MIN_WORKERS_PER_DC`` of the DC's workers remain; the global scheduler drops a silent local server
 (its whole DC) as long as ``GEOMX_MIN_DCS`` DCs remain. The others hear ``member_left`` (the servers then
 complete their rounds without it, see kvserver.py); the dropped member hears ``abort``, should it run again.
+A restarted member that registers with the running tier takes a dropped one's place and rank; the others hear
+``member_joined``.
 """
 from __future__ import annotations
 
@@ -78,6 +80,7 @@ class Scheduler:
         self._last_seen: dict[str, float] = {}
         self._left: set[str] = set()
         self._departed: dict[str, str] = {}            # node id -> why it was dropped (fault domain)
+        self._refilled: dict[str, str] = {}            # dropped node id -> the restarted member in its place
         self._barriers: dict[tuple[str, int], set[str]] = defaultdict(set)
         self._done = threading.Event()
         self.failure: str | None = None
@@ -176,18 +179,21 @@ class Scheduler:
                                 f"{msg.get(Field.TIER)}: give this role and its scheduler the same GEOMX_DC (or leave "
                                 f"it unset on both)", tier=msg.get(Field.TIER))
             return
-        if self._members:
-            self._reject(entry, f"the {self.tier} tier is already complete")
-            return
         if role not in self.expected or self.expected[role] == 0:
             self._reject(entry, f"the {self.tier} tier has no place for a {role}")
             return
-        for name, want in self.expected.items():
-            got = entry["declared"].get(f"num_{name}s")
-            if got is not None and got != want:
-                self._fail(f"{self._label(entry)} counts {got} {name}s in the {self.tier} tier but its scheduler "
-                           f"expects {want}: inconsistent topology (check DMLC_NUM_* on every role)", entry)
-                return
+        miscount = self._miscounted(entry)
+        if self._members:
+            # a running tier: a restarted member may take a dropped one's place; a misconfigured one is turned
+            # away without disturbing those at work
+            if miscount:
+                self._reject(entry, miscount)
+            else:
+                self._rejoin(entry)
+            return
+        if miscount:
+            self._fail(miscount, entry)
+            return
         same = [e for e in self._pending.values() if e["tier_role"] == role]
         if len(same) >= self.expected[role]:
             self._reject(entry, f"the {self.tier} tier expects only {self.expected[role]} {role}s")
@@ -200,6 +206,43 @@ class Scheduler:
         self._pending[entry["id"]] = entry
         if all(sum(e["tier_role"] == r for e in self._pending.values()) == n for r, n in self.expected.items()):
             self._complete()
+
+    def _miscounted(self, entry: dict) -> str | None:
+        for name, want in self.expected.items():
+            got = entry["declared"].get(f"num_{name}s")
+            if got is not None and got != want:
+                return (f"{self._label(entry)} counts {got} {name}s in the {self.tier} tier but its scheduler "
+                        f"expects {want}: inconsistent topology (check DMLC_NUM_* on every role)")
+        return None
+
+    def _rejoin(self, entry: dict) -> None:
+        """``entry`` registered with the running tier: give it the place (and rank) of a dropped member of its
+        kind, send it the member table and tell the others it joined (the servers count it in from the round it
+        starts at, see kvserver.py)."""
+        vacant = sorted((e for i, e in self._members.items() if i in self._departed and i not in self._refilled
+                         and e["kind"] == entry["kind"] and e["tier_role"] == entry["tier_role"]),
+                        key=lambda e: e["rank"])
+        if entry["rank"] is not None:
+            vacant = [e for e in vacant if e["rank"] == entry["rank"]]
+        if self.drop_rule is None or not vacant:
+            wanted = f" with rank {entry['rank']}" if entry["rank"] is not None else ""
+            self._reject(entry, f"the {self.tier} tier is already complete: no dropped {entry['kind']}{wanted} whose "
+                                f"place {self._label(entry)} could take")
+            return
+        place = vacant[0]
+        entry["rank"] = place["rank"]
+        self._refilled[place["id"]] = entry["id"]
+        self._members[entry["id"]] = entry
+        self._last_seen[entry["id"]] = time.monotonic()
+        live = [e for i, e in self._members.items() if i not in self._departed and i not in self._left]
+        self._send(entry, Op.TABLE, members=[_table_entry(e) for e in live])
+        for e in live:
+            if e is not entry:
+                self._send(e, Op.MEMBER_JOINED, member=_table_entry(entry), replaces=place["id"])
+        log.warning("%s tier: %s rejoined in the place of the dropped %s", self.tier, self._label(entry),
+                    self._label(place))
+        if self._metrics is not None:
+            self._metrics.write("member_joined", node=self._label(entry), replaces=self._label(place))
 
     def _complete(self) -> None:
         for role in self.expected:
@@ -214,10 +257,7 @@ class Scheduler:
             return
         now = time.monotonic()
         self._members = dict(self._pending)
-        # weight: the training workers a member stands for (a local server: its DC's), which weighs its pushes
-        # when a tier goes on without some members (geomx.cluster.global_server)
-        table = [{**{k: e[k] for k in ("id", "kind", "tier_role", "dc", "rank", "addr", "pid")},
-                  "weight": _weight(e["declared"])} for e in self._members.values()]
+        table = [_table_entry(e) for e in self._members.values()]
         for e in self._members.values():
             self._last_seen[e["id"]] = now
             self._send(e, Op.TABLE, members=table)
@@ -363,6 +403,13 @@ class Scheduler:
             self._send(e, Op.MEMBER_LEFT, node=entry["id"], reason=reason)
         self._release_barriers()
         self._shut_down_when_workers_left()
+
+
+def _table_entry(e: dict) -> dict:
+    """What every member learns of ``e``. Weight: the training workers a member stands for (a local server: its
+    DC's), which weighs its pushes when a tier goes on without some members (geomx.cluster.global_server)."""
+    return {**{k: e[k] for k in ("id", "kind", "tier_role", "dc", "rank", "addr", "pid")},
+            "weight": _weight(e["declared"])}
 
 
 def _weight(declared: dict) -> int:

@@ -182,6 +182,13 @@ class KVStore:
         return bool(self._client.info.get("server_optimizer"))
 
     @property
+    def joined_at(self) -> int:
+        """0, or, for a worker restarted into a running job (it took a dropped worker's place), the rounds the
+        job had under way when it joined: it takes no part in them and starts from the model after them. Known
+        after the first init."""
+        return self._client.joined_at
+
+    @property
     def compression(self) -> dict | None:
         """The deployment's gradient compression (the master worker's setting, as sent to the servers), or
         None. Known after the first init."""

@@ -104,15 +104,22 @@ def run_steps(opt, batches: Iterable[Batch], *, total_steps: int, eval_every: in
     computed, so the data order goes on where it stopped), and save every ``checkpoint.every`` steps.
     Returns (steps, evaluation history)."""
     batches = iter(batches)
-    if checkpoint is not None:
-        for _ in range(checkpoint.restore()):
-            next(batches)
+    joined_at = getattr(opt.kv, "joined_at", 0)
+    # a worker restarted into the running job skips the batches of the steps it missed, as a resumed one those
+    # its checkpoint took
+    skipped = opt.steps_taken if joined_at else checkpoint.restore() if checkpoint is not None else 0
+    for _ in range(skipped):
+        next(batches)
     step, started, history = opt.progress, time.perf_counter(), []
+    source = "the running job (restarted)" if joined_at else checkpoint.resume_from if checkpoint else None
+    if joined_at and step >= total_steps:
+        print(f"rejoined at step {step} from {source}: the job trained its {total_steps} steps already", flush=True)
+        return step, history
     if step:
         if step >= total_steps:
-            raise SystemExit(f"resumed at step {step} from {checkpoint.resume_from}, not below --steps "
-                             f"{total_steps}: nothing left to train")
-        print(f"resumed at step {step} from {checkpoint.resume_from}", flush=True)
+            raise SystemExit(f"resumed at step {step} from {source}, not below --steps {total_steps}: nothing "
+                             f"left to train")
+        print(f"{'rejoined' if joined_at else 'resumed'} at step {step} from {source}", flush=True)
     for epoch, epoch_end, compute_loss in batches:
         opt.zero_grad()
         loss = compute_loss()

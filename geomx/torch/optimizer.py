@@ -97,6 +97,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         kvstore.init(names, [p.detach() for _, p in self.params])
         kvstore.pull(names, out=[p.data for _, p in self.params])
         kvstore.waitall()
+        if kvstore.joined_at:
+            # restarted into a running job: the servers' model after the rounds under way is where it starts
+            # (only with the servers' optimizer, which they check), one round per step
+            self.steps_taken = kvstore.joined_at
         self.server_updates = kvstore.server_updates
         if update_on_server and not self.server_updates and kvstore.is_master_worker:
             raise ConfigError("update_on_server=True but the global servers run no optimizer")

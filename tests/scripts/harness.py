@@ -56,14 +56,14 @@ def launch(tmp_path: Path, script: str | Path, *, dcs: int = 2, workers_per_dc=2
            mode: str = "dist_sync", topology: str = "hips", wan: str = "lan", env: dict | None = None,
            timeout: float = 90, name: str = "run", edit_plan=None, watch=None, script_args: tuple[str, ...] = (),
            insecure: bool = False, resume: Path | None = None, inject: list[str] | None = None,
-           **flags) -> tuple[int, Path, str]:
+           launcher_flags: dict | None = None, **flags) -> tuple[int, Path, str]:
     """Run ``script`` (its text, or a path) on a whole deployment; returns (exit code, run dir, output).
 
     ``edit_plan(specs)`` may change the planned processes (e.g. one role's environment) before they start.
     ``watch(launcher, run_dir)`` is called about every 0.1 s while the deployment runs (e.g. to kill a role).
     ``insecure``: no per-run authentication token (tests whose script plays a stranger on the loopback).
     ``resume``: a previous run directory to resume from (``geomx launch --resume``).
-    ``inject``: faults to inject (``geomx launch --inject``).
+    ``inject``: faults to inject (``geomx launch --inject``). ``launcher_flags``: other Launcher arguments.
     The output is the launcher's console (echoed worker output and its failure report).
     """
     path = Path(script) if isinstance(script, Path) else write_script(tmp_path / f"{name}-script", script)
@@ -75,7 +75,7 @@ def launch(tmp_path: Path, script: str | Path, *, dcs: int = 2, workers_per_dc=2
     run_dir.mkdir(parents=True, exist_ok=True)
     out = io.StringIO()
     launcher = launch_mod.Launcher(topo, [sys.executable, str(path), *script_args], run_dir=run_dir, quiet=False,
-                                   out=out, insecure=insecure, resume=resume, inject=inject)
+                                   out=out, insecure=insecure, resume=resume, inject=inject, **(launcher_flags or {}))
     original_plan = launch_mod.plan
     if edit_plan is not None:
         def edited(*args, **kwargs):

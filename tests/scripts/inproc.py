@@ -120,7 +120,8 @@ class FlatCluster(Deployment):
 
 class HipsCluster(Deployment):
     """``dcs`` DCs of ``per_dc`` workers each (a number, or one per DC); ``self.workers[dc]`` are their KVStores,
-    ``self.local[dc]`` their local servers. ``global_server_fields``: NodeConfig fields of the global server
+    ``self.local[dc]`` their local servers; ``restart_worker`` starts a worker again after its DC dropped it.
+    ``global_server_fields``: NodeConfig fields of the global server
     alone (what its environment would set). ``master_mode``: the master worker's kvstore type, if not ``mode``.
     ``reduction``: every kvstore's (the tests here were written for the mean; None: not asked, the sum).
     ``mixedsync``: the MixedSync variant the master worker asks for (dist_async)."""
@@ -131,6 +132,8 @@ class HipsCluster(Deployment):
         super().__init__(van, link)
         sizes = dict(zip(dcs, per_dc if isinstance(per_dc, list | tuple) else [per_dc] * len(dcs), strict=True))
         total = sum(sizes.values())
+        self.worker_configs: dict[tuple[str, int], NodeConfig] = {}
+        self._worker_args = (mode, reduction)
         # fault domains as geomx.node sets them up: a DC goes on without a worker, the global tier without a DC
         gs = self.scheduler("global", CENTRAL_DC, {"server": 1, "worker": len(dcs)}, drop_rule=dc_rule(1))
         cs = self.scheduler("dc:central", CENTRAL_DC, {"server": 1, "worker": 1})
@@ -145,9 +148,9 @@ class HipsCluster(Deployment):
                 self.config(role="server", dc=dc, scheduler=ds, global_scheduler=gs, num_workers=size,
                             num_servers=1, **counts), threading.Event(), node_id=f"server-{dc}"))
             for rank in range(size):
-                makers.append(lambda dc=dc, ds=ds, rank=rank, size=size: KVStore(
-                    self.config(role="worker", dc=dc, scheduler=ds, num_workers=size, num_servers=1, rank=rank,
-                                **counts), mode, reduction=reduction))
+                self.worker_configs[(dc, rank)] = self.config(role="worker", dc=dc, scheduler=ds, num_workers=size,
+                                                              num_servers=1, rank=rank, **counts)
+                makers.append(lambda cfg=self.worker_configs[(dc, rank)]: KVStore(cfg, mode, reduction=reduction))
         makers.append(lambda: KVStore(self.config(role="master", dc=CENTRAL_DC, scheduler=cs, num_workers=1,
                                                   num_servers=1, mixedsync=mixedsync, **counts), master_mode or mode,
                                       reduction=reduction))
@@ -158,3 +161,11 @@ class HipsCluster(Deployment):
         for dc, size in sizes.items():
             self.local[dc] = next(it)
             self.workers[dc] = [next(it) for _ in range(size)]
+
+    def restart_worker(self, dc: str, rank: int) -> KVStore:
+        """A fresh worker process's kvstore for (dc, rank), as one restarted after its DC dropped it: it registers
+        with the running DC tier (rejoin)."""
+        mode, reduction = self._worker_args
+        kv = self.start_nodes([lambda: KVStore(self.worker_configs[(dc, rank)], mode, reduction=reduction)],
+                              lambda node: node.close())[0]
+        return kv

@@ -1,0 +1,142 @@
+"""A restarted worker rejoins its DC in a running job (issue 16): its scheduler gives it the dropped worker's
+place and rank, its local server counts it in from the round after those under way when it asks for the model,
+and it starts from the model after them. In one process (tests/scripts/inproc.py): the real schedulers,
+servers and kvstores."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from geomx.errors import ConfigError, KVError
+from inproc import DEADLINE_S, HipsCluster
+
+ONES = np.ones(4, np.float32)
+
+
+def pushpull_all(workers, grad: float) -> list[np.ndarray]:
+    handles = [kv.pushpull("w", np.full(4, grad, np.float32)) for kv in workers]
+    return [h.wait(DEADLINE_S) for h in handles]
+
+
+def test_a_restarted_worker_takes_the_dropped_ones_place_from_the_model_after_the_round_under_way():
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=2)
+    try:
+        (a0, a1), (b0, b1) = cluster.workers["a"], cluster.workers["b"]
+        cluster.master.set_optimizer("SGD", lr=1.0)         # w -= the round's mean gradient
+        cluster.master.init("w", np.zeros(4, np.float32))
+        for kv in (a0, a1, b0, b1):
+            kv.init("w", np.zeros(4, np.float32))
+        assert all(np.array_equal(w, -ONES) for w in pushpull_all((a0, a1, b0, b1), 1.0))
+        cluster.drop("dc:a", a1.po.node_id)
+        for _ in range(2):      # rounds 2 and 3 without a1: DC a's mean stands in for it
+            assert all(np.array_equal(w, -3 * ONES) or np.array_equal(w, -2 * ONES)
+                       for w in pushpull_all((a0, b0, b1), 1.0))
+        under_way = a0.pushpull("w", np.full(4, 1.0, np.float32))      # round 4: a0 has pushed, DC b not yet
+
+        joined: dict = {}
+        restart = threading.Thread(target=lambda: joined.update(kv=cluster.restart_worker("a", 1)))
+        restart.start()
+        end = time.monotonic() + DEADLINE_S
+        while not cluster.local["a"].joining and not cluster.local["a"].joined_at and time.monotonic() < end:
+            time.sleep(0.01)
+        assert cluster.local["a"].joining or cluster.local["a"].joined_at, "the DC never heard of the rejoin"
+        restart.join(DEADLINE_S)
+        new_a1 = joined["kv"]
+        assert new_a1.rank == 1 and new_a1.po.node_id != a1.po.node_id
+
+        # its model is the one after round 4, which it takes no part in: init waits for DC b's pushes
+        init = threading.Thread(target=new_a1.init, args=("w", np.zeros(4, np.float32)))
+        init.start()
+        time.sleep(0.3)
+        assert init.is_alive(), "the rejoined worker got a model from before the round under way"
+        assert all(np.array_equal(w, -4 * ONES) for w in pushpull_all((b0, b1), 1.0))
+        np.testing.assert_array_equal(under_way.wait(DEADLINE_S), -4 * ONES)
+        init.join(DEADLINE_S)
+        assert new_a1.joined_at == 4
+        np.testing.assert_array_equal(new_a1.pull("w").wait(DEADLINE_S), -4 * ONES)
+
+        # round 5 needs it: the others wait for its push, then everyone reads the same model
+        others = [kv.pushpull("w", np.full(4, 2.0, np.float32)) for kv in (a0, b0, b1)]
+        time.sleep(0.3)
+        assert not any(h.done() for h in others), "round 5 completed without the rejoined worker"
+        mine = new_a1.pushpull("w", np.full(4, 6.0, np.float32))
+        # the mean over all four: (2 + 6 + 2 + 2) / 4 = 3 (nothing scaled: DC a is whole again)
+        for h in [*others, mine]:
+            np.testing.assert_array_equal(h.wait(DEADLINE_S), -7 * ONES)
+
+        # the place is taken: another worker of rank 1 is turned away, naming why
+        with pytest.raises(ConfigError, match="already complete: no dropped worker with rank 1"):
+            cluster.restart_worker("a", 1)
+    finally:
+        cluster.close()
+
+
+def test_a_worker_cannot_rejoin_where_the_workers_keep_the_model_and_the_refusal_says_why():
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=2)
+    try:
+        (a0, a1), (b0, b1) = cluster.workers["a"], cluster.workers["b"]
+        cluster.master.init("w", np.zeros(4, np.float32))
+        for kv in (a0, a1, b0, b1):
+            kv.init("w", np.zeros(4, np.float32))
+        pushpull_all((a0, a1, b0, b1), 1.0)
+        cluster.drop("dc:a", a1.po.node_id)
+        new_a1 = cluster.restart_worker("a", 1)
+        with pytest.raises(KVError, match=r"cannot rejoin the running job.*--update-on server"):
+            new_a1.init("w", np.zeros(4, np.float32))
+        # the DC goes on without it
+        assert all(np.array_equal(w, ONES) for w in pushpull_all((a0, b0, b1), 1.0))
+    finally:
+        cluster.close()
+
+
+# -- under geomx launch: a killed worker restarted by --rejoin-after trains on to the end with the others --------
+
+def test_a_killed_and_a_frozen_worker_restarted_by_the_launcher_rejoin_and_every_worker_ends_on_one_model(tmp_path):
+    import contextlib
+    import json
+    import os
+    import signal
+    from pathlib import Path
+
+    from harness import describe, launch
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "train_cnn.py"
+    state: dict = {}
+
+    def kill_and_freeze_once_training(launcher, run_dir):
+        logs = [run_dir / f"{dc}-worker-{i}.log" for dc in "ab" for i in range(2)]
+        if state or not all(p.exists() and "step 20 " in p.read_text(errors="replace") for p in logs):
+            return
+        roles = {r.spec.name: r.proc for r in launcher.running}
+        roles["a-worker-1"].signal(signal.SIGKILL)
+        roles["b-worker-1"].signal(signal.SIGSTOP)      # dropped by its DC, then killed by the launcher
+        state["frozen"] = roles["b-worker-1"].pid
+
+    # an 80 ms round trip between the DCs: the workers' steps leave the restarted ones time to start
+    try:
+        code, run_dir, output = launch(tmp_path, example, timeout=240, watch=kill_and_freeze_once_training,
+                                       wan="transatlantic", launcher_flags={"rejoin_after": 1.0}, min_workers_per_dc=1,
+                                       script_args=("--update-on", "server", "--steps", "140", "--eval-every", "20"))
+    finally:
+        if "frozen" in state:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(state["frozen"], signal.SIGCONT)
+    assert state, "the workers never trained\n" + describe(code, run_dir, output)
+    assert code == 0, describe(code, run_dir, output)
+    assert "geomx: a-worker-1 was killed by signal 9" in output, output
+    assert "geomx: b-worker-1 was dropped by its DC but is still there (frozen?); killing it" in output, output
+    for dc in "ab":
+        assert f"geomx: restarted {dc}-worker-1" in output, output
+        assert f"to rejoin DC {dc} (log {dc}-worker-1.rejoin-1.log)" in output, output
+        rejoined_log = (run_dir / f"{dc}-worker-1.rejoin-1.log").read_text()
+        joined_at = int(rejoined_log.split("rejoined at step ")[1].split()[0])
+        assert 20 <= joined_at < 140, rejoined_log
+    results = {f"{dc}-{rank}": json.loads((run_dir / f"result-{dc}-{rank}.json").read_text())
+               for dc in "ab" for rank in range(2)}
+    # every worker, the restarted ones too, ends at the last step on the servers' model: one accuracy
+    assert {r["steps"] for r in results.values()} == {140}, results
+    accuracies = {r["final_test_acc"] for r in results.values()}
+    assert len(accuracies) == 1 and accuracies.pop() > 0.85, results
