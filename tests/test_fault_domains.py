@@ -4,13 +4,12 @@ or stopped answering ZeroMQ's heartbeats (it froze) and that has been silent for
 after the heartbeat deadline (3 s here); the servers complete rounds with those that pushed."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import time
 
-from harness import FAST_HEARTBEAT, describe, launch, load_json
+from harness import FAST_HEARTBEAT, describe, launch, launch_faulted, load_json
 
 # each worker pushes (its global index + 1); with the mean reduction a full round reads (1+2+3+4)/4 = 2.5. A DC
 # that lost a worker counts its mean in the missing one's place: without a-worker-1 (2), DC a weighs 1 x 2 and
@@ -60,14 +59,8 @@ def test_a_dc_goes_on_without_a_killed_and_a_frozen_worker_and_counts_its_mean_i
         os.kill(roles["b-worker-1"], signal.SIGSTOP)
         state["frozen"], state["frozen_at"] = roles["b-worker-1"], time.time()
 
-    try:     # the default heartbeats (1 s, deadline 10 s): the connections must give both workers away
-        code, run_dir, output = launch(tmp_path, SURVIVORS_SCRIPT, timeout=90, watch=kill_and_freeze)
-    finally:
-        if "frozen" in state:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(state["frozen"], signal.SIGCONT)
-    assert state, "the workers never trained\n" + describe(code, run_dir, output)
-    assert code == 0, describe(code, run_dir, output)
+    # the default heartbeats (1 s, deadline 10 s): the connections must give both workers away
+    run_dir, output = launch_faulted(tmp_path, SURVIVORS_SCRIPT, state, timeout=90, watch=kill_and_freeze)
     assert "geomx: a-worker-1 was killed by signal 9 at" in output, output
     assert "DC a goes on with 1 of 2 workers (--min-workers-per-dc 1)" in output, output
     assert "geomx: b-worker-1 is frozen (stopped) at" in output, output
@@ -128,9 +121,7 @@ def test_a_round_and_a_dc_only_round_waiting_for_a_dropped_worker_complete_with_
     cluster = HipsCluster(dcs=("a", "b"), per_dc=2)
     try:
         (a0, a1), (b0, b1) = cluster.workers["a"], cluster.workers["b"]
-        cluster.master.init("w", np.zeros(4, np.float32))
-        for kv in (a0, a1, b0, b1):
-            kv.init("w", np.zeros(4, np.float32))
+        cluster.init_everywhere("w", np.zeros(4, np.float32))
         # a1 never pushes: the round waits for it until its DC drops it
         waiting = [kv.pushpull("w", np.full(4, v, np.float32)) for kv, v in ((a0, 1.0), (b0, 3.0), (b1, 4.0))]
         dc_round = a0.pushpull("w", np.full(4, 5.0, np.float32), scope="dc")

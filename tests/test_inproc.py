@@ -292,21 +292,13 @@ def _kvs(cluster: HipsCluster) -> list:
     return [kv for kvs in cluster.workers.values() for kv in kvs]
 
 
-def _init_everywhere(cluster: HipsCluster, key, value: np.ndarray) -> list:
-    cluster.master.init(key, value)
-    kvs = _kvs(cluster)
-    for kv in kvs:
-        kv.init(key, np.zeros_like(value))
-    return kvs
-
-
 def test_a_raw_kvstore_returns_the_sum_of_the_round_as_mxnet_does_and_several_pushes_leave_the_last_round():
     """MXNet's and GeoMX's servers give back the sum of a round's pushes (a ported script divides by it): 2 DCs
     x 2 workers pushing rank + 1 read 1 + 2 + 3 + 4 = 10; three rounds pushed before one pull leave the last
     round's sum, not an accumulation; dist_async without an optimizer relays every DC's sum undivided."""
     cluster = HipsCluster(dcs=("a", "b"), per_dc=2, reduction=None)
     try:
-        kvs = _init_everywhere(cluster, "g", np.zeros((2, 3), np.float32))
+        kvs = cluster.init_everywhere("g", np.zeros((2, 3), np.float32))
         assert [kv.reduction for kv in kvs] == ["sum"] * 4 and cluster.global_server.reduction == "sum"
         results = [h.wait(DEADLINE_S) for h in [kv.pushpull("g", np.full((2, 3), i + 1.0, np.float32))
                                                 for i, kv in enumerate(kvs)]]
@@ -328,7 +320,7 @@ def test_a_server_optimizer_steps_on_the_sum_by_default_and_on_the_mean_when_ask
         cluster = HipsCluster(dcs=("a", "b"), per_dc=1, reduction=reduction)
         try:
             cluster.master.set_optimizer("SGD", lr=0.5)
-            kvs = _init_everywhere(cluster, "w", np.full(3, 10.0, np.float32))
+            kvs = cluster.init_everywhere("w", np.full(3, 10.0, np.float32))
             for h in [kv.push("w", np.full(3, g, np.float32)) for kv, g in zip(kvs, (2.0, 4.0), strict=True)]:
                 h.wait(DEADLINE_S)
             np.testing.assert_array_equal(kvs[0].pull("w").wait(DEADLINE_S),
@@ -358,7 +350,7 @@ def test_the_reduction_is_named_before_the_first_init_and_only_sum_or_mean():
         with pytest.raises(ConfigError, match="reduction='max' is not one of sum, mean"):
             cluster.master.set_reduction("max")
         cluster.master.set_reduction("mean")
-        (kv,) = _init_everywhere(cluster, "w", np.zeros(3, np.float32))
+        (kv,) = cluster.init_everywhere("w", np.zeros(3, np.float32))
         assert kv.reduction == "mean" and cluster.global_server.reduction == "mean"
         with pytest.raises(ConfigError, match=r"set_reduction\('sum'\) must come before the first kv.init"):
             cluster.master.set_reduction("sum")
@@ -389,7 +381,7 @@ def test_geomx_hfa_through_the_raw_kvstore_averages_in_the_dc_then_across_dcs_ev
     w0 = np.full(4, 8.0, np.float32)
     cluster = HipsCluster(dcs=("a", "b"), per_dc=2, reduction=None)
     try:
-        kvs = _init_everywhere(cluster, "w", w0)
+        kvs = cluster.init_everywhere("w", w0)
         assert cluster.global_server.hfa_k2 == 2
 
         def round_(models):
@@ -433,7 +425,7 @@ def test_geomx_hfa_server_logic_takes_no_server_optimizer_and_a_kvstore_asking_f
         cluster.close()
     cluster = HipsCluster(dcs=("a",), per_dc=1, reduction="mean")
     try:
-        (kv,) = _init_everywhere(cluster, "w", np.zeros(3, np.float32))
+        (kv,) = cluster.init_everywhere("w", np.zeros(3, np.float32))
         assert cluster.global_server.hfa_k2 is None
         with pytest.raises(ConfigError, match="MXNET_KVSTORE_USE_HFA='1' asks for hfa.*DistributedOptimizer"):
             kv.push("w", np.ones(3, np.float32))
@@ -447,7 +439,7 @@ def test_mixedsync_overlap_answers_a_dc_with_its_own_round_reduced_as_the_deploy
     the sum of the DC's pushes (the raw kvstore's default) or that sum / all workers (reduction='mean')."""
     cluster = HipsCluster(dcs=("a", "b"), per_dc=1, mode="dist_async", mixedsync="overlap", reduction=reduction)
     try:
-        kvs = _init_everywhere(cluster, "g", np.zeros(3, np.float32))
+        kvs = cluster.init_everywhere("g", np.zeros(3, np.float32))
         assert cluster.local["a"].info["round_policy"] == "overlap"
         got = kvs[0].pushpull("g", np.full(3, 6.0, np.float32)).wait(DEADLINE_S)
         np.testing.assert_array_equal(got, np.full(3, 6.0 if reduction is None else 3.0, np.float32))

@@ -26,9 +26,7 @@ def test_a_restarted_worker_takes_the_dropped_ones_place_from_the_model_after_th
     try:
         (a0, a1), (b0, b1) = cluster.workers["a"], cluster.workers["b"]
         cluster.master.set_optimizer("SGD", lr=1.0)         # w -= the round's mean gradient
-        cluster.master.init("w", np.zeros(4, np.float32))
-        for kv in (a0, a1, b0, b1):
-            kv.init("w", np.zeros(4, np.float32))
+        cluster.init_everywhere("w", np.zeros(4, np.float32))
         assert all(np.array_equal(w, -ONES) for w in pushpull_all((a0, a1, b0, b1), 1.0))
         cluster.drop("dc:a", a1.po.node_id)
         for _ in range(2):      # rounds 2 and 3 without a1: DC a's mean stands in for it
@@ -78,9 +76,7 @@ def test_a_worker_cannot_rejoin_where_the_workers_keep_the_model_and_the_refusal
     cluster = HipsCluster(dcs=("a", "b"), per_dc=2)
     try:
         (a0, a1), (b0, b1) = cluster.workers["a"], cluster.workers["b"]
-        cluster.master.init("w", np.zeros(4, np.float32))
-        for kv in (a0, a1, b0, b1):
-            kv.init("w", np.zeros(4, np.float32))
+        cluster.init_everywhere("w", np.zeros(4, np.float32))
         pushpull_all((a0, a1, b0, b1), 1.0)
         cluster.drop("dc:a", a1.po.node_id)
         new_a1 = cluster.restart_worker("a", 1)
@@ -95,13 +91,11 @@ def test_a_worker_cannot_rejoin_where_the_workers_keep_the_model_and_the_refusal
 # -- under geomx launch: a killed worker restarted by --rejoin-after trains on to the end with the others --------
 
 def test_a_killed_and_a_frozen_worker_restarted_by_the_launcher_rejoin_and_every_worker_ends_on_one_model(tmp_path):
-    import contextlib
     import json
-    import os
     import signal
     from pathlib import Path
 
-    from harness import describe, launch
+    from harness import launch_faulted
 
     example = Path(__file__).resolve().parents[1] / "examples" / "train_cnn.py"
     state: dict = {}
@@ -116,16 +110,9 @@ def test_a_killed_and_a_frozen_worker_restarted_by_the_launcher_rejoin_and_every
         state["frozen"] = roles["b-worker-1"].pid
 
     # an 80 ms round trip between the DCs: the workers' steps leave the restarted ones time to start
-    try:
-        code, run_dir, output = launch(tmp_path, example, timeout=240, watch=kill_and_freeze_once_training,
-                                       wan="transatlantic", launcher_flags={"rejoin_after": 1.0}, min_workers_per_dc=1,
-                                       script_args=("--update-on", "server", "--steps", "140", "--eval-every", "20"))
-    finally:
-        if "frozen" in state:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(state["frozen"], signal.SIGCONT)
-    assert state, "the workers never trained\n" + describe(code, run_dir, output)
-    assert code == 0, describe(code, run_dir, output)
+    run_dir, output = launch_faulted(tmp_path, example, state, timeout=240, watch=kill_and_freeze_once_training,
+                                     wan="transatlantic", launcher_flags={"rejoin_after": 1.0}, min_workers_per_dc=1,
+                                     script_args=("--update-on", "server", "--steps", "140", "--eval-every", "20"))
     assert "geomx: a-worker-1 was killed by signal 9" in output, output
     assert "geomx: b-worker-1 was dropped by its DC but is still there (frozen?); killing it" in output, output
     for dc in "ab":

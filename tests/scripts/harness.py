@@ -110,6 +110,21 @@ def launch(tmp_path: Path, script: str | Path, *, dcs: int = 2, workers_per_dc=2
     return result["code"], run_dir, out.getvalue()
 
 
+def launch_faulted(tmp_path: Path, script: str | Path, state: dict, **kwargs) -> tuple[Path, str]:
+    """:func:`launch` with a ``watch`` that injects faults and records them in ``state`` (``state["frozen"]``: a
+    pid it stopped, continued afterwards whatever happens); the run must have reached the faults and succeeded.
+    Returns (run dir, output)."""
+    try:
+        code, run_dir, output = launch(tmp_path, script, **kwargs)
+    finally:
+        if "frozen" in state:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(state["frozen"], signal.SIGCONT)
+    assert state, "the workers never trained\n" + describe(code, run_dir, output)
+    assert code == 0, describe(code, run_dir, output)
+    return run_dir, output
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)

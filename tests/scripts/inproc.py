@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from geomx.cluster.client import KVClient
 from geomx.cluster.global_server import start_global_server
 from geomx.cluster.local_server import start_local_server
@@ -161,6 +163,15 @@ class HipsCluster(Deployment):
         for dc, size in sizes.items():
             self.local[dc] = next(it)
             self.workers[dc] = [next(it) for _ in range(size)]
+
+    def init_everywhere(self, key, value) -> list[KVStore]:
+        """The master worker's init of ``key`` with ``value``, then every worker's (whose value only gives the
+        layout); returns the workers' kvstores."""
+        self.master.init(key, value)
+        kvs = [kv for workers in self.workers.values() for kv in workers]
+        for kv in kvs:
+            kv.init(key, np.zeros_like(value))
+        return kvs
 
     def restart_worker(self, dc: str, rank: int) -> KVStore:
         """A fresh worker process's kvstore for (dc, rank), as one restarted after its DC dropped it: it registers
