@@ -72,6 +72,35 @@ def test_a_restarted_worker_takes_the_dropped_ones_place_from_the_model_after_th
         cluster.close()
 
 
+def test_a_restarted_dc_rejoins_the_global_rounds_and_its_workers_start_at_the_others_step_and_model():
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=2)
+    try:
+        (a0, a1) = cluster.workers["a"]
+        cluster.master.set_optimizer("SGD", lr=1.0)
+        cluster.init_everywhere("w", np.zeros(4, np.float32))
+        pushpull_all([*cluster.workers["a"], *cluster.workers["b"]], 1.0)
+        cluster.drop("global", "server-b")          # DC b drops out; its old roles stop
+        for _ in range(3):      # rounds 2-4: DC a alone, weighing for both
+            pushpull_all((a0, a1), 1.0)
+
+        cluster.restart_dc("b", "server-b-2")
+        b0, b1 = cluster.workers["b"]
+        for kv in (b0, b1):
+            kv.init("w", np.zeros(4, np.float32))
+            assert kv.joined_at == 4 and kv.rank in (0, 1)
+            np.testing.assert_array_equal(kv.pull("w").wait(DEADLINE_S), -4 * ONES)
+
+        # round 5 needs DC b again: DC a waits for it; then every worker reads (2 + 2 + 6 + 6) / 4 = 4 less
+        theirs = [kv.pushpull("w", np.full(4, 2.0, np.float32)) for kv in (a0, a1)]
+        time.sleep(0.3)
+        assert not any(h.done() for h in theirs), "round 5 completed without the restarted DC"
+        ours = [kv.pushpull("w", np.full(4, 6.0, np.float32)) for kv in (b0, b1)]
+        for h in [*theirs, *ours]:
+            np.testing.assert_array_equal(h.wait(DEADLINE_S), -8 * ONES)
+    finally:
+        cluster.close()
+
+
 def test_a_worker_cannot_rejoin_where_the_workers_keep_the_model_and_the_refusal_says_why():
     cluster = HipsCluster(dcs=("a", "b"), per_dc=2)
     try:
@@ -90,40 +119,59 @@ def test_a_worker_cannot_rejoin_where_the_workers_keep_the_model_and_the_refusal
 
 # -- under geomx launch: a killed worker restarted by --rejoin-after trains on to the end with the others --------
 
-def test_a_killed_and_a_frozen_worker_restarted_by_the_launcher_rejoin_and_every_worker_ends_on_one_model(tmp_path):
+def test_killed_and_frozen_workers_and_a_killed_dc_restarted_by_the_launcher_rejoin_and_end_on_one_model(tmp_path):
     import json
     import signal
     from pathlib import Path
 
-    from harness import launch_faulted
+    from harness import FAST_HEARTBEAT, launch_faulted
 
     example = Path(__file__).resolve().parents[1] / "examples" / "train_cnn.py"
     state: dict = {}
 
-    def kill_and_freeze_once_training(launcher, run_dir):
-        logs = [run_dir / f"{dc}-worker-{i}.log" for dc in "ab" for i in range(2)]
-        if state or not all(p.exists() and "step 20 " in p.read_text(errors="replace") for p in logs):
-            return
+    def logged(path: Path, text: str) -> bool:
+        return path.exists() and text in path.read_text(errors="replace")
+
+    def inject(launcher, run_dir):
         roles = {r.spec.name: r.proc for r in launcher.running}
-        roles["a-worker-1"].signal(signal.SIGKILL)
-        roles["b-worker-1"].signal(signal.SIGSTOP)      # dropped by its DC, then killed by the launcher
-        state["frozen"] = roles["b-worker-1"].pid
+        if not state and all(logged(run_dir / f"{dc}-worker-{i}.log", "step 20 ") for dc in "ab" for i in range(2)):
+            roles["a-worker-1"].signal(signal.SIGKILL)
+            roles["b-worker-1"].signal(signal.SIGSTOP)      # dropped by its DC, then killed by the launcher
+            state["frozen"] = roles["b-worker-1"].pid
+        elif "frozen" in state and "dc" not in state and all(
+                logged(run_dir / f"{dc}-worker-1.rejoin-1.log", "step ") for dc in "ab"):
+            roles["b-server"].signal(signal.SIGKILL)        # the whole DC b drops out, then restarts
+            state["dc"] = True
 
     # an 80 ms round trip between the DCs: the workers' steps leave the restarted ones time to start
-    run_dir, output = launch_faulted(tmp_path, example, state, timeout=240, watch=kill_and_freeze_once_training,
-                                     wan="transatlantic", launcher_flags={"rejoin_after": 1.0}, min_workers_per_dc=1,
-                                     script_args=("--update-on", "server", "--steps", "140", "--eval-every", "20"))
+    run_dir, output = launch_faulted(tmp_path, example, state, timeout=240, watch=inject, wan="transatlantic",
+                                     env=FAST_HEARTBEAT, launcher_flags={"rejoin_after": 1.0}, min_workers_per_dc=1,
+                                     script_args=("--update-on", "server", "--steps", "200", "--eval-every", "20"))
+    assert "dc" in state, output
     assert "geomx: a-worker-1 was killed by signal 9" in output, output
     assert "geomx: b-worker-1 was dropped by its DC but is still there (frozen?); killing it" in output, output
-    for dc in "ab":
-        assert f"geomx: restarted {dc}-worker-1" in output, output
-        assert f"to rejoin DC {dc} (log {dc}-worker-1.rejoin-1.log)" in output, output
-        rejoined_log = (run_dir / f"{dc}-worker-1.rejoin-1.log").read_text()
-        joined_at = int(rejoined_log.split("rejoined at step ")[1].split()[0])
-        assert 20 <= joined_at < 140, rejoined_log
+    assert "geomx: DC b drops out (b-server was killed by signal 9" in output, output
+    assert "geomx: restarted DC b at" in output and "to rejoin the global rounds" in output, output
+    # the global tier dropped DC b at the heartbeat deadline (its link runs through the WAN emulator), went on with
+    # DC a alone, and took the restarted DC back
+    scheduler_log = (run_dir / "global-scheduler.log").read_text()
+    assert "local server of DC b" in scheduler_log and "stopped sending heartbeats" in scheduler_log, scheduler_log
+    assert "it goes on with 1 DC(s)" in scheduler_log and "rejoined in the place of" in scheduler_log, scheduler_log
+    server_log = (run_dir / "global-server-0.log").read_text()
+    assert "goes on with 1 of 2 DCs without DC b" in server_log and "rejoined at round" in server_log, server_log
+    joined = {}
+    for log in ("a-worker-1.rejoin-1.log", "b-worker-1.rejoin-1.log", "b-worker-0.dc-rejoin-1.log",
+                "b-worker-1.dc-rejoin-1.log"):
+        assert f"log {log}" in output or log.endswith("dc-rejoin-1.log"), output
+        text = (run_dir / log).read_text()
+        joined[log] = int(text.split("rejoined at step ")[1].split()[0])
+        assert 20 <= joined[log] < 200, text
+    # DC b's workers rejoined together, after the worker rejoins
+    assert joined["b-worker-0.dc-rejoin-1.log"] == joined["b-worker-1.dc-rejoin-1.log"] > joined[
+        "b-worker-1.rejoin-1.log"], joined
     results = {f"{dc}-{rank}": json.loads((run_dir / f"result-{dc}-{rank}.json").read_text())
                for dc in "ab" for rank in range(2)}
     # every worker, the restarted ones too, ends at the last step on the servers' model: one accuracy
-    assert {r["steps"] for r in results.values()} == {140}, results
+    assert {r["steps"] for r in results.values()} == {200}, results
     accuracies = {r["final_test_acc"] for r in results.values()}
     assert len(accuracies) == 1 and accuracies.pop() > 0.85, results

@@ -65,9 +65,15 @@ class Losses:
                     f"{dcs - len(self.lost_dcs)} of {dcs} DCs (--min-dcs {self.min_dcs})")
         return None
 
-    def rejoined(self, name: str) -> None:
-        """The lost worker ``name`` was started again (geomx.cli.rejoins): its DC counts it once more."""
-        self.lost.pop(name, None)
+    def rejoined(self, what: str, dc: str) -> None:
+        """The lost worker ``what``, or the whole lost DC ``dc``, was started again (geomx.cli.rejoins): the run
+        counts it once more."""
+        if what in self.lost:
+            del self.lost[what]
+            return
+        self.lost_dcs.pop(dc, None)
+        for name in [n for n in self.lost if self.roles[n].dc == dc]:
+            del self.lost[name]
 
     def __bool__(self) -> bool:
         """Whether anything was lost."""

@@ -24,7 +24,7 @@ from typing import TextIO
 
 from geomx.cli.backends import Backend, LocalBackend, RoleHandle, Sites
 from geomx.cli.inject import Injector, parse_faults
-from geomx.cli.rejoins import Rejoins
+from geomx.cli.rejoins import Rejoins, dc_key
 from geomx.cli.topology import Topology
 from geomx.config import NodeConfig, env_float, env_int
 from geomx.dropped import FILE as DROPPED_FILE
@@ -439,32 +439,57 @@ class Launcher:
 
     def _maybe_rejoin(self, r: Running) -> None:
         """``r`` ended and the run goes on without it: with --rejoin-after, start it again later if it was a
-        worker its DC lost to a signal or a drop (not one that failed on its own)."""
-        if self.rejoins is None or r.spec.kind != "worker" or r.spec.name not in self.losses.lost:
+        worker its DC lost, or restart its DC if the DC was lost, to a signal or a drop (not to a role that failed on
+        its own)."""
+        if self.rejoins is None or r.spec.dc is None:
             return
-        if r.returncode < 0 or r.proc.pid in self.drops.refresh():
+        if not (r.returncode < 0 or r.proc.pid in self.drops.refresh()):
+            return
+        if r.spec.kind == "worker" and r.spec.name in self.losses.lost:
             self.rejoins.schedule(r.spec.name, time.monotonic())
+        elif r.spec.dc in self.losses.lost_dcs:
+            self.rejoins.schedule(dc_key(r.spec.dc), time.monotonic())
 
     def _tend_rejoins(self, elapsed_s: float) -> None:
         """Kill the dropped workers still running (frozen ones: their place must be free, and they must not run
         again), and start the workers whose time to rejoin has come."""
         dropped = self.drops.refresh()
         for r in self.running:
-            if r.spec.kind == "worker" and r.returncode is None and r.proc.pid in dropped and not r.killed_for_rejoin:
-                r.killed_for_rejoin = True
-                self.say(f"geomx: {r.spec.name} was dropped by its DC but is still there (frozen?); killing it so "
-                         f"that it can be restarted")
-                r.proc.signal(signal.SIGKILL)
-                r.proc.signal(signal.SIGCONT)
+            if r.returncode is not None or r.killed_for_rejoin:
+                continue
+            if r.spec.kind == "worker" and r.proc.pid in dropped:
+                self._kill_for_rejoin(r, f"{r.spec.name} was dropped by its DC but is still there (frozen?)")
+            elif r.spec.dc in self.losses.lost_dcs and self.rejoins.waiting(dc_key(r.spec.dc)):
+                self._kill_for_rejoin(r, f"{r.spec.name} of the lost DC {r.spec.dc} is still there")
         ended = {r.spec.name: r for r in self.running if r.returncode is not None}
-        for name in self.rejoins.due(time.monotonic(), lambda name: name in ended and ended[name].proc.pid in dropped):
-            old = ended[name]
-            log_name = self.rejoins.log_name(name)
-            self.running.remove(old)
-            new = self._start(old.spec, env=Rejoins.env(old.spec.env), log_name=log_name)
-            new.rejoined = True
-            self.losses.rejoined(name)
-            self.say(f"geomx: restarted {name} at {elapsed_s:.1f} s to rejoin DC {old.spec.dc} (log {log_name})")
+
+        def ready(what: str) -> bool:
+            """A worker's or a DC's place is free: the tier dropped it (and every role of the DC ended). A worker
+            whose whole DC was lost since waits for the DC's restart, which starts it too."""
+            if what in ended:
+                return ended[what].proc.pid in dropped and ended[what].spec.dc not in self.losses.lost_dcs
+            roles = [r for r in self.running if r.spec.dc == what.removeprefix("dc:")]
+            return all(r.returncode is not None for r in roles) and any(
+                r.spec.kind == "server" and r.proc.pid in dropped for r in roles)
+
+        for what in self.rejoins.due(time.monotonic(), ready):
+            old = [ended[what]] if what in ended else [r for r in self.running if dc_key(r.spec.dc or "") == what]
+            for r in old:
+                self.rejoins.cancel(r.spec.name)        # a worker of a restarted DC starts with it
+                log_name = self.rejoins.log_name(what, r.spec.name)
+                self.running.remove(r)
+                self._start(r.spec, env=Rejoins.env(r.spec.env), log_name=log_name).rejoined = True
+            dc = old[0].spec.dc
+            self.losses.rejoined(what, dc)
+            self.say(f"geomx: restarted {what if what in ended else 'DC ' + dc} at {elapsed_s:.1f} s to rejoin "
+                     + (f"DC {dc} (log {log_name})" if what in ended else "the global rounds"))
+
+    def _kill_for_rejoin(self, r: Running, why: str) -> None:
+        """Its place must be free before it is restarted, and it must not run again."""
+        r.killed_for_rejoin = True
+        self.say(f"geomx: {why}; killing it so that it can be restarted")
+        r.proc.signal(signal.SIGKILL)
+        r.proc.signal(signal.SIGCONT)
 
     def _trainers_done(self, trainers: list[Running], elapsed_s: float) -> bool:
         """Every trainer exited 0 or was lost. A worker still frozen (SIGSTOP) when all the others are done was

@@ -1,10 +1,13 @@
-"""``geomx launch --rejoin-after S``: a training worker its DC went on without is started again S seconds after it
-ended, and rejoins the running job in its old place (geomx.cluster.scheduler gives it the dropped worker's rank,
-its local server counts it in from the round after those under way: kvserver.KVServer.start_joiner).
+"""``geomx launch --rejoin-after S``: a training worker its DC went on without, or a DC the others went on
+without, is started again S seconds after it was lost, and rejoins the running job in its old place
+(geomx.cluster.scheduler gives a restarted worker the dropped one's rank and a restarted DC's local server the old
+one's place in the global tier; their servers count them in from the round after those under way:
+kvserver.KVServer.start_joiner).
 
-Which ends are restarted: a worker killed by a signal, or one its scheduler dropped (a frozen one is killed first,
+Which losses are restarted: a role killed by a signal, or one its scheduler dropped (a frozen one is killed first,
 so that its place is free and it cannot run again). A worker that exits with an error on its own (a bug, a
-refusal) is not: it would fail again.
+refusal) is not: it would fail again. A DC restarts whole (its scheduler, local server and workers) once every
+role of it has ended and the global tier has dropped its old local server.
 """
 from __future__ import annotations
 
@@ -18,8 +21,9 @@ NOT_INHERITED = ("GEOMX_RESUME_FROM", "GEOMX_RESUME_STEP")
 @dataclass
 class Rejoins:
     after_s: float
-    pending: dict[str, float] = field(default_factory=dict)     # role name -> when to start it (monotonic)
-    started: dict[str, int] = field(default_factory=dict)       # role name -> restarts so far
+    # what to restart: a worker's role name, or dc_key(DC) for a whole DC
+    pending: dict[str, float] = field(default_factory=dict)     # -> when to start it (monotonic)
+    started: dict[str, int] = field(default_factory=dict)       # -> restarts so far
 
     def schedule(self, name: str, now: float) -> None:
         self.pending.setdefault(name, now + self.after_s)
@@ -33,10 +37,22 @@ class Rejoins:
             self.started[name] = self.started.get(name, 0) + 1
         return names
 
-    def log_name(self, name: str) -> str:
-        """The restarted role's log (its first process's log is kept)."""
-        return f"{name}.rejoin-{self.started[name]}.log"
+    def log_name(self, what: str, role: str) -> str:
+        """The log of ``role``, restarted as (part of) ``what``; the earlier process's log is kept."""
+        kind = "dc-rejoin" if what.startswith("dc:") else "rejoin"
+        return f"{role}.{kind}-{self.started[what]}.log"
+
+    def cancel(self, what: str) -> None:
+        self.pending.pop(what, None)
+
+    def waiting(self, what: str) -> bool:
+        return what in self.pending
 
     @staticmethod
     def env(env: dict[str, str]) -> dict[str, str]:
         return {k: v for k, v in env.items() if k not in NOT_INHERITED}
+
+
+def dc_key(dc: str) -> str:
+    """What a whole DC's restart is filed under (role names never contain a colon)."""
+    return f"dc:{dc}"

@@ -155,7 +155,8 @@ class KVClient:
         self._layout: dict[Any, tuple[tuple, np.dtype]] = {}   # key -> shape, dtype (from its init reply)
         self.info: dict = {}
         self.wire: ClientWire | None = None      # gradient compression, from the servers' info
-        self.joined_at = 0      # rejoined a running job: the rounds already under way, which it takes no part in
+        # rejoined a running job: per key, the rounds already under way, which it takes no part in
+        self.joined: dict[Any, int] = {}
         po.add_abort_listener(self._fail_all)
         po.van.receive_into = self.receive_into
 
@@ -190,6 +191,11 @@ class KVClient:
             raise ConfigError(f"{self.po.cfg.label}: saved compression streams, but this deployment compresses "
                               f"nothing")
         self.wire.load_state_dict(state)
+
+    @property
+    def joined_at(self) -> int:
+        """0, or the rounds the job had under way when this client rejoined it (the most over its keys)."""
+        return max(self.joined.values(), default=0)
 
     # requests ---------------------------------------------------------------------------------------------
     def init(self, key, value: np.ndarray, priority: int = 0) -> Handle:
@@ -331,8 +337,7 @@ class KVClient:
         self._layout[key] = (tuple(value.shape), value.dtype)
         joined_at = msg.get(Field.JOINED_AT)
         if joined_at:       # our first push of the key counts as round joined_at + 1 (kvserver.reply_init)
-            self._pushes[key] = int(joined_at)
-            self.joined_at = max(self.joined_at, int(joined_at))
+            self._pushes[key] = self.joined[key] = int(joined_at)
         if self.wire is not None:
             self.wire.note_dense(key, value)
         return value, info

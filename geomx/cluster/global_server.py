@@ -58,6 +58,12 @@ class GlobalServer(KVServer):
     def round_clients(self) -> list[NodeInfo]:
         return self.global_tier.workers()
 
+    def on_member_joined(self, tier: Tier, member: NodeInfo, replaces: str) -> None:
+        """A dropped DC is back (its restarted local server took the old one's place): it counts in rounds once
+        it asks for the model (KVServer.start_joiner)."""
+        if tier is self.global_tier:
+            self.admit_client(member, replaces)
+
     def on_member_left(self, tier: Tier, member: NodeInfo, reason: str) -> None:
         """A DC dropped out of the global tier (its local server fell silent): rounds go on without it."""
         if tier is not self.global_tier:
@@ -286,6 +292,7 @@ def start_global_server(cfg: NodeConfig, done: threading.Event, *, node_id: str 
     server = GlobalServer(po, cfg.num_all_workers)
     po.on_data = server.handle
     po.add_member_left_listener(server.on_member_left)
+    po.add_member_joined_listener(server.on_member_joined)
     po.add_abort_listener(lambda reason: done.set())
     po.add_shutdown_listener(lambda tier: done.set() if tier.name == "global" else None)
     po.start()

@@ -107,6 +107,7 @@ class KeyState:
     shape: tuple
     dtype: np.dtype
     value: np.ndarray | None = None                      # None until initialized
+    first_round: int = 0        # rounds the job took before this server had the key (a DC that rejoined)
     pushes: dict[str, int] = field(default_factory=dict)   # pushes received, per client
     refused: dict[str, int] = field(default_factory=dict)  # pushes refused (bad shape...), per client
     applied: dict[str, int] = field(default_factory=dict)  # pushes reflected in `value`, per client
@@ -125,12 +126,13 @@ class KeyState:
 
     def rounds_applied(self) -> int:
         """How many rounds ``value`` reflects (those of a client that took part in all of them)."""
-        return max(self.applied.values(), default=0)
+        return max([self.first_round, *self.applied.values()])
 
     def state_dict(self) -> dict:
         """Everything but held requests; arrays are referenced, not copied (values are never mutated once
         set; a file written by geomx.statefile is a copy)."""
         return {"key": self.key, "shape": tuple(self.shape), "dtype": self.dtype.str, "value": self.value,
+                "first_round": self.first_round,
                 "pushes": dict(self.pushes), "refused": dict(self.refused), "applied": dict(self.applied),
                 "rounds": {n: r.state_dict() for n, r in self.rounds.items()},
                 "update": self.update.state_dict() if self.update is not None else None,
@@ -144,7 +146,7 @@ class KeyState:
         """The server's part; the owners load theirs (KVServer.load_state_dict)."""
         value = state["value"]
         return cls(state["key"], tuple(state["shape"]), np.dtype(state["dtype"]),
-                   value=None if value is None else np.array(value),
+                   value=None if value is None else np.array(value), first_round=int(state.get("first_round", 0)),
                    pushes=dict(state["pushes"]), refused=dict(state["refused"]), applied=dict(state["applied"]),
                    rounds={int(n): Round.from_state_dict(r) for n, r in state["rounds"].items()})
 

@@ -134,12 +134,25 @@ class LocalServer(KVServer):
                 self.info.update(info)
                 self._configure_compression()
                 st.value = value
+                self._join_rounds_under_way(st)
                 for msg in held:
                     self.reply_init(msg, st)
                 return
         del self.keys[st.key]   # a later init may try again
         for msg in held:
             self.reply(msg, error=str(h.error))
+
+    def _join_rounds_under_way(self, st: KeyState) -> None:
+        """This DC rejoined a running job (a restarted local server): the global servers count it in from the
+        round after those under way (their init reply said which), so its own rounds of the key continue from
+        there, and its workers start at that step (KVServer.reply_init tells them)."""
+        base = self.upstream.joined.get(st.key, 0)
+        if not base:
+            return
+        st.first_round = base
+        st.upstream = UpstreamRounds(applied_rounds=base)
+        for worker in self.dc_tier.workers():
+            self.joined_at.setdefault(worker.id, base)
 
     # rounds -------------------------------------------------------------------------------------------------
     def _configure_compression(self) -> None:

@@ -111,7 +111,8 @@ def run_steps(opt, batches: Iterable[Batch], *, total_steps: int, eval_every: in
     for _ in range(skipped):
         next(batches)
     step, started, history = opt.progress, time.perf_counter(), []
-    source = "the running job (restarted)" if joined_at else checkpoint.resume_from if checkpoint else None
+    source = (f"the running job (restarted; its model arrived in {opt.rejoin_s:.2f} s)" if joined_at else
+              checkpoint.resume_from if checkpoint else None)
     if joined_at and step >= total_steps:
         print(f"rejoined at step {step} from {source}: the job trained its {total_steps} steps already", flush=True)
         return step, history

@@ -38,6 +38,7 @@ pass before ``step()`` raises an error naming this option (geomx.sync.fsa).
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -94,13 +95,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if update_on_server and kvstore.is_master_worker:
             kvstore.set_optimizer(optimizer)
         names = [n for n, _ in self.params]
+        started = time.perf_counter()
         kvstore.init(names, [p.detach() for _, p in self.params])
         kvstore.pull(names, out=[p.data for _, p in self.params])
         kvstore.waitall()
+        self.rejoin_s: float | None = None      # restarted into a running job: how long getting its model took
         if kvstore.joined_at:
             # restarted into a running job: the servers' model after the rounds under way is where it starts
             # (only with the servers' optimizer, which they check), one round per step
             self.steps_taken = kvstore.joined_at
+            self.rejoin_s = time.perf_counter() - started
         self.server_updates = kvstore.server_updates
         if update_on_server and not self.server_updates and kvstore.is_master_worker:
             raise ConfigError("update_on_server=True but the global servers run no optimizer")

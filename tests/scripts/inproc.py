@@ -144,25 +144,41 @@ class HipsCluster(Deployment):
             self.config(role="global_server", dc=CENTRAL_DC, scheduler=cs, global_scheduler=gs, num_workers=1,
                         num_servers=1, **counts, **(global_server_fields or {})), threading.Event(),
             node_id="global_server-0")]
+        self._global = (gs, counts)
         for dc, size in sizes.items():
-            ds = self.scheduler(f"dc:{dc}", dc, {"server": 1, "worker": size}, drop_rule=worker_rule(1))
-            makers.append(lambda dc=dc, ds=ds, size=size: start_local_server(
-                self.config(role="server", dc=dc, scheduler=ds, global_scheduler=gs, num_workers=size,
-                            num_servers=1, **counts), threading.Event(), node_id=f"server-{dc}"))
-            for rank in range(size):
-                self.worker_configs[(dc, rank)] = self.config(role="worker", dc=dc, scheduler=ds, num_workers=size,
-                                                              num_servers=1, rank=rank, **counts)
-                makers.append(lambda cfg=self.worker_configs[(dc, rank)]: KVStore(cfg, mode, reduction=reduction))
+            makers += self._dc_makers(dc, size, f"server-{dc}")
         makers.append(lambda: KVStore(self.config(role="master", dc=CENTRAL_DC, scheduler=cs, num_workers=1,
                                                   num_servers=1, mixedsync=mixedsync, **counts), master_mode or mode,
                                       reduction=reduction))
-        nodes = self.start_nodes(makers, lambda node: node.close() if isinstance(node, KVStore) else node.po.close())
+        nodes = self.start_nodes(makers, _close)
         self.global_server, self.master = nodes[0], nodes[-1]
         self.local, self.workers = {}, {}
         it = iter(nodes[1:-1])
         for dc, size in sizes.items():
             self.local[dc] = next(it)
             self.workers[dc] = [next(it) for _ in range(size)]
+
+    def _dc_makers(self, dc: str, size: int, server_id: str) -> list[Callable[[], object]]:
+        """Start DC ``dc``'s scheduler; the makers of its local server and its ``size`` workers."""
+        gs, counts = self._global
+        mode, reduction = self._worker_args
+        ds = self.scheduler(f"dc:{dc}", dc, {"server": 1, "worker": size}, drop_rule=worker_rule(1))
+        makers: list = [lambda: start_local_server(
+            self.config(role="server", dc=dc, scheduler=ds, global_scheduler=gs, num_workers=size, num_servers=1,
+                        **counts), threading.Event(), node_id=server_id)]
+        for rank in range(size):
+            cfg = self.worker_configs[(dc, rank)] = self.config(role="worker", dc=dc, scheduler=ds, num_workers=size,
+                                                                num_servers=1, rank=rank, **counts)
+            makers.append(lambda cfg=cfg: KVStore(cfg, mode, reduction=reduction))
+        return makers
+
+    def restart_dc(self, dc: str, server_id: str) -> None:
+        """DC ``dc`` started afresh after the global tier dropped it (a new scheduler, local server ``server_id``
+        and workers), as ``geomx launch --rejoin-after`` restarts a lost DC; ``self.local``/``self.workers`` name
+        the new ones."""
+        size = len(self.workers[dc])
+        nodes = self.start_nodes(self._dc_makers(dc, size, server_id), _close)
+        self.local[dc], self.workers[dc] = nodes[0], nodes[1:]
 
     def init_everywhere(self, key, value) -> list[KVStore]:
         """The master worker's init of ``key`` with ``value``, then every worker's (whose value only gives the
@@ -177,6 +193,13 @@ class HipsCluster(Deployment):
         """A fresh worker process's kvstore for (dc, rank), as one restarted after its DC dropped it: it registers
         with the running DC tier (rejoin)."""
         mode, reduction = self._worker_args
-        kv = self.start_nodes([lambda: KVStore(self.worker_configs[(dc, rank)], mode, reduction=reduction)],
-                              lambda node: node.close())[0]
-        return kv
+        return self.start_nodes([lambda: KVStore(self.worker_configs[(dc, rank)], mode, reduction=reduction)],
+                                _close)[0]
+
+
+def _close(node) -> None:
+    """Stop a node of a HipsCluster: a kvstore leaves its tiers, a server closes its postoffice."""
+    if isinstance(node, KVStore):
+        node.close()
+    else:
+        node.po.close()
