@@ -68,6 +68,7 @@ class NodeConfig:
     min_dcs: int = 1                       # the global scheduler drops a silent DC while this many remain
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
+    heartbeat_measured: bool = False    # GEOMX_HEARTBEAT_TIMEOUT=auto: schedulers measure each member's deadline
     connect_timeout: float = 120.0
     op_timeout: float = 300.0
     partition_bytes: int = DEFAULT_PARTITION_BYTES   # tensors above this travel in parts (0: never)
@@ -201,8 +202,13 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
         cfg.size_lower_bound = env_size_bound(env)
     cfg.min_workers_per_dc = env_int(env, "GEOMX_MIN_WORKERS_PER_DC", role, 1)
     cfg.min_dcs = env_int(env, "GEOMX_MIN_DCS", role, 1)
+    cfg.heartbeat_measured = (env.get("GEOMX_HEARTBEAT_TIMEOUT") or "").strip() == "auto"
+    if cfg.heartbeat_measured:      # geomx.cluster.liveness: the fixed timeout stays the members' and the cap
+        from geomx.cluster.liveness import AUTO_INTERVAL_S
+        cfg.heartbeat_interval = AUTO_INTERVAL_S
+    else:
+        cfg.heartbeat_timeout = env_float(env, "GEOMX_HEARTBEAT_TIMEOUT", cfg.heartbeat_timeout)
     cfg.heartbeat_interval = env_float(env, "GEOMX_HEARTBEAT_INTERVAL", cfg.heartbeat_interval)
-    cfg.heartbeat_timeout = env_float(env, "GEOMX_HEARTBEAT_TIMEOUT", cfg.heartbeat_timeout)
     cfg.connect_timeout = env_float(env, "GEOMX_CONNECT_TIMEOUT", cfg.connect_timeout)
     cfg.op_timeout = env_float(env, "GEOMX_TIMEOUT", cfg.op_timeout)
     cfg.partition_bytes = _partition_bytes(env.get("GEOMX_PARTITION_BYTES"))

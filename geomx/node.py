@@ -41,6 +41,7 @@ def run_scheduler(cfg: NodeConfig) -> int:
             drop_rule = worker_rule(cfg.min_workers_per_dc)
     scheduler = Scheduler(tier=tier, dc=cfg.dc, expected=expected, host=host, port=port, emulator=cfg.emulator,
                           heartbeat_timeout=cfg.heartbeat_timeout, connect_timeout=cfg.connect_timeout,
+                          measured_liveness=cfg.heartbeat_measured,
                           bind_host=cfg.bind_host, security=cfg.security, drop_rule=drop_rule, run_dir=cfg.run_dir,
                           metrics=metrics.open_process_writer(cfg.run_dir, cfg.role, cfg.dc))
     return scheduler.serve()

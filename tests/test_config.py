@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from geomx.config import config_from_env
+from geomx.config import NodeConfig, config_from_env
 from geomx.errors import ConfigError, KVError
 from geomx.kvstore.partition import check_user_key, plan_parts
 from harness import REPO, node_env
@@ -40,6 +40,15 @@ def global_server_env(**over) -> dict:
 
 
 # -- environment variables ------------------------------------------------------------------------------
+
+def test_auto_heartbeat_timeout_measures_deadlines_and_heartbeats_every_quarter_second_unless_told():
+    cfg = config_from_env(worker_env(GEOMX_HEARTBEAT_TIMEOUT="auto"))
+    assert cfg.heartbeat_measured and cfg.heartbeat_interval == 0.25
+    assert cfg.heartbeat_timeout == NodeConfig.heartbeat_timeout        # the members' own limit, and the cap
+    assert config_from_env(worker_env(GEOMX_HEARTBEAT_TIMEOUT="auto", GEOMX_HEARTBEAT_INTERVAL="0.5")
+                           ).heartbeat_interval == 0.5
+    assert not config_from_env(worker_env(GEOMX_HEARTBEAT_TIMEOUT="3")).heartbeat_measured
+
 
 def test_complete_worker_environment_gives_the_documented_node_config():
     cfg = config_from_env(worker_env(GEOMX_RANK="1", GEOMX_MODE="dist_async", GEOMX_HEARTBEAT_TIMEOUT="3"))

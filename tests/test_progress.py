@@ -37,3 +37,16 @@ def test_watcher_reports_steps_loss_and_accuracy_per_dc_and_link_throughput(tmp_
     watcher.poll()
     assert sorted(watcher.by_dc()["a"]["steps"]) == [5, 6] and watcher.by_dc()["a"]["loss"] in (0.05, 0.1)
 
+
+
+def test_a_worker_that_stopped_stepping_long_before_its_dcs_others_no_longer_counts_in_the_dcs_steps(tmp_path):
+    (tmp_path / METRICS_DIR).mkdir()
+    # worker pid 1 was killed at step 40; pid 3 took its place and steps with pid 2
+    for pid, records in ((1, [(10.0, 40)]), (2, [(10.0, 40), (60.0, 90)]), (3, [(58.0, 88)])):
+        lines = [{"t": 0, "kind": "start", "role": "worker", "dc": "a", "pid": pid}]
+        lines += [{"t": t, "kind": "step", "step": step, "loss": 1.0} for t, step in records]
+        (tmp_path / METRICS_DIR / f"worker-a-{pid}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    watcher = RunWatcher(tmp_path)
+    watcher.poll()
+    assert sorted(watcher.by_dc()["a"]["steps"]) == [88, 90]
+    assert "DC a: step 88-90" in status_line(watcher)

@@ -15,6 +15,9 @@ from typing import TextIO
 from geomx.metrics import METRICS_DIR, parse_record
 
 
+GONE_AFTER_S = 20.0
+
+
 class RunWatcher:
     """Reads new metrics lines incrementally (keeps one offset per file)."""
 
@@ -38,13 +41,21 @@ class RunWatcher:
                     self._dc_of[f] = rec.get("dc", "?")
                 elif rec.get("kind") == "step":
                     state = self.workers.setdefault(f, {})
-                    state["step"], state["loss"] = rec["step"], rec.get("loss")
+                    state["step"], state["loss"], state["t"] = rec["step"], rec.get("loss"), rec.get("t", 0.0)
                     if rec.get("test_acc") is not None:
                         state["test_acc"] = rec["test_acc"]
 
     def by_dc(self) -> dict[str, dict]:
+        # a worker that stopped stepping long after its DC's others stepped is gone (killed, and maybe restarted
+        # under a new process): its last step is not the DC's
+        newest: dict[str, float] = {}
+        for f, state in self.workers.items():
+            dc = self._dc_of.get(f, "?")
+            newest[dc] = max(newest.get(dc, 0.0), state.get("t", 0.0))
         out: dict[str, dict] = {}
         for f, state in self.workers.items():
+            if state.get("t", 0.0) < newest[self._dc_of.get(f, "?")] - GONE_AFTER_S:
+                continue
             dc = out.setdefault(self._dc_of.get(f, "?"), {"steps": [], "loss": None, "test_acc": None})
             dc["steps"].append(state.get("step", 0))
             dc["loss"] = state.get("loss") if state.get("loss") is not None else dc["loss"]

@@ -22,6 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from geomx import dropped
+from geomx.cluster.liveness import FixedDeadline, MeasuredDeadline
 from geomx.cluster.postoffice import describe_node
 from geomx.transport.message import Message
 from geomx.transport.refusals import RefusalLog
@@ -66,11 +67,13 @@ class Scheduler:
                  emulator: str | None = None, heartbeat_timeout: float = 10.0, connect_timeout: float = 120.0,
                  bind_host: str | None = None, security=None, metrics=None, van: str = "zmq",
                  van_options: dict | None = None, drop_rule: DropRule | None = None,
-                 run_dir: str | None = None) -> None:
+                 run_dir: str | None = None, measured_liveness: bool = False) -> None:
         self.tier, self.dc, self.expected = tier, dc, dict(expected)
         self.drop_rule = drop_rule          # None: every member is needed (a silent one aborts the tier)
         self.run_dir = run_dir              # where dropped members are recorded for the launcher (geomx.dropped)
         self.heartbeat_timeout, self.connect_timeout = heartbeat_timeout, connect_timeout
+        # how long a member may be silent (geomx.cluster.liveness): fixed, or measured from its heartbeats
+        self.liveness = MeasuredDeadline(heartbeat_timeout) if measured_liveness else FixedDeadline(heartbeat_timeout)
         self.van = Van.create(van, node_id=new_node_id(f"scheduler-{tier}"), dc=dc, on_message=self._on_message,
                               host=host, port=port, emulator=emulator, bind_host=bind_host, security=security,
                               liveness_probe=True, **(van_options or {}))
@@ -282,7 +285,8 @@ class Scheduler:
         entry = self._members.get(msg.src)
         if entry is None:       # registered, table not sent yet
             return
-        self._last_seen[msg.src] = time.monotonic()
+        self._last_seen[msg.src] = now = time.monotonic()
+        self.liveness.heard(msg.src, now)
         self._send(entry, Op.HEARTBEAT_ACK)
 
     def _barrier(self, msg: Message) -> None:
@@ -360,9 +364,11 @@ class Scheduler:
                 if down is not None and now - down > GONE_S and now - seen > GONE_S:
                     reason = (f"{self._label(entry)} lost its connection {now - down:.1f} s ago and has been "
                               f"silent since (its process ended, or it froze)")
-                elif now - seen > self.heartbeat_timeout:
+                elif now - max(seen, self.van.last_stall_end) > self.liveness.deadline(node_id):
+                    # (a stall of our own receive thread left its heartbeats unread: no evidence against it)
                     reason = (f"{self._label(entry)} stopped sending heartbeats {now - seen:.1f} s ago (it died, "
-                              f"is frozen or its host is unreachable)")
+                              f"is frozen or its host is unreachable; deadline {self.liveness.deadline(node_id):.2f} "
+                              f"s, {self.liveness.describe()})")
                 else:
                     continue
                 problem = self._cannot_drop(entry)

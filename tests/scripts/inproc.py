@@ -33,20 +33,26 @@ DEADLINE_S = 60.0     # deadlines only: a loaded 2-core machine may be slow, nev
 
 
 class Deployment:
-    def __init__(self, van: str = "inproc", link: Callable | None = None) -> None:
+    def __init__(self, van: str = "inproc", link: Callable | None = None, heartbeat_interval: float = 1.0,
+                 measured_liveness: bool = False) -> None:
+        """``heartbeat_interval``: every member's; ``measured_liveness``: the schedulers' deadlines measured from
+        the heartbeats (geomx.cluster.liveness), else 60 s."""
         self.van = van
+        self.heartbeat_interval, self.measured_liveness = heartbeat_interval, measured_liveness
         self.hub = Hub(link=link) if van == "inproc" else None
         self._stops: list[Callable[[], None]] = [self.hub.close] if self.hub else []
         self.schedulers: dict[str, Scheduler] = {}
 
     def config(self, **fields) -> NodeConfig:
         return NodeConfig(van=self.van, van_options={"hub": self.hub} if self.hub else {}, heartbeat_timeout=60.0,
-                          op_timeout=DEADLINE_S, connect_timeout=DEADLINE_S, **fields)
+                          heartbeat_interval=self.heartbeat_interval, op_timeout=DEADLINE_S,
+                          connect_timeout=DEADLINE_S, **fields)
 
     def scheduler(self, tier: str, dc: str, expected: dict, drop_rule=None) -> tuple[str, int]:
         """Start a tier's scheduler; its (host, port) for the members' configurations."""
         sched = Scheduler(tier=tier, dc=dc, expected=expected, port=0, heartbeat_timeout=60.0,
                           connect_timeout=DEADLINE_S, van=self.van, drop_rule=drop_rule,
+                          measured_liveness=self.measured_liveness,
                           van_options={"hub": self.hub} if self.hub else None)
         self.schedulers[tier] = sched
         threading.Thread(target=sched.serve, name=f"scheduler-{tier}", daemon=True).start()
@@ -126,12 +132,13 @@ class HipsCluster(Deployment):
     ``global_server_fields``: NodeConfig fields of the global server
     alone (what its environment would set). ``master_mode``: the master worker's kvstore type, if not ``mode``.
     ``reduction``: every kvstore's (the tests here were written for the mean; None: not asked, the sum).
-    ``mixedsync``: the MixedSync variant the master worker asks for (dist_async)."""
+    ``mixedsync``: the MixedSync variant the master worker asks for (dist_async). ``liveness``: see Deployment."""
 
     def __init__(self, dcs=("a", "b"), per_dc: int | list[int] = 2, mode: str = "dist_sync", van: str = "inproc",
                  link: Callable | None = None, global_server_fields: dict | None = None,
-                 master_mode: str | None = None, reduction: str | None = "mean", mixedsync: str = "wait") -> None:
-        super().__init__(van, link)
+                 master_mode: str | None = None, reduction: str | None = "mean", mixedsync: str = "wait",
+                 **liveness) -> None:
+        super().__init__(van, link, **liveness)
         sizes = dict(zip(dcs, per_dc if isinstance(per_dc, list | tuple) else [per_dc] * len(dcs), strict=True))
         total = sum(sizes.values())
         self.worker_configs: dict[tuple[str, int], NodeConfig] = {}

@@ -1,0 +1,58 @@
+"""How long a scheduler waits for a member's next heartbeat before it counts the member as gone.
+
+``FixedDeadline`` (the default): ``GEOMX_HEARTBEAT_TIMEOUT`` seconds, whatever the link. ``MeasuredDeadline``
+(``GEOMX_HEARTBEAT_TIMEOUT=auto``): each member's own deadline, from the gaps between the heartbeats the scheduler
+actually received from it: the largest of 3 x the median gap, the median + 8 x the median absolute deviation, and
+1.5 x the longest of the recent gaps (a heartbeat that waited behind a gradient on a slow WAN link), at least
+``FLOOR_S`` and at most the fixed timeout, which also holds until ``MIN_GAPS`` gaps were measured. Members then
+heartbeat every 0.25 s (unless ``GEOMX_HEARTBEAT_INTERVAL`` says otherwise), so a dead member behind a WAN is
+found within about a second, and one whose heartbeats come unevenly gets more time.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+AUTO_INTERVAL_S = 0.25      # members' heartbeat interval under MeasuredDeadline (unless set)
+FLOOR_S = 0.75
+MIN_GAPS = 8
+WINDOW = 64
+
+
+class FixedDeadline:
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+
+    def heard(self, member: str, now: float) -> None:
+        pass
+
+    def deadline(self, member: str) -> float:
+        return self.timeout
+
+    def describe(self) -> str:
+        return f"{self.timeout:g} s (GEOMX_HEARTBEAT_TIMEOUT)"
+
+
+class MeasuredDeadline:
+    def __init__(self, cap: float) -> None:
+        self.cap = cap
+        self._last: dict[str, float] = {}
+        self._gaps: dict[str, deque[float]] = {}
+
+    def heard(self, member: str, now: float) -> None:
+        last = self._last.get(member)
+        self._last[member] = now
+        if last is not None:
+            self._gaps.setdefault(member, deque(maxlen=WINDOW)).append(now - last)
+
+    def deadline(self, member: str) -> float:
+        gaps = self._gaps.get(member)
+        if gaps is None or len(gaps) < MIN_GAPS:
+            return self.cap
+        median = statistics.median(gaps)
+        spread = statistics.median(abs(g - median) for g in gaps)
+        measured = max(3 * median, median + 8 * spread, 1.5 * max(gaps))
+        return min(self.cap, max(FLOOR_S, measured))
+
+    def describe(self) -> str:
+        return f"measured from each member's heartbeats (GEOMX_HEARTBEAT_TIMEOUT=auto, at most {self.cap:g} s)"
