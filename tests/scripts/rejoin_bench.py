@@ -8,6 +8,7 @@ train the same steps, every one of which ends up in the final model).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import sys
@@ -29,6 +30,20 @@ def summary(run: Path) -> dict:
     return {"train_s": max(r["t"] for r in steps) - started, "worker_steps": len(steps),
             "steps": max(r["step"] for r in steps), "final_val_loss": sorted(losses), "model_bytes": model,
             "started": started}
+
+
+def stalls(run: Path) -> tuple[float, float]:
+    """(the median time between global steps, the time beyond 2 x that median the job spent between steps): when
+    any worker first logged each step; a step that waited for a failure's detection or a rejoin stands out."""
+    first: dict[int, float] = {}
+    for _, recs in records(run):
+        for r in recs:
+            if r["kind"] == "step":
+                first[r["step"]] = min(first.get(r["step"], r["t"]), r["t"])
+    times = [first[s] for s in sorted(first)]
+    gaps = sorted(b - a for a, b in itertools.pairwise(times))
+    median = gaps[len(gaps) // 2]
+    return median, sum(g - 2 * median for g in gaps if g > 2 * median)
 
 
 def role_of(member: str) -> str:
@@ -70,6 +85,9 @@ def main(out: Path) -> None:
     print(f"useful work {free['train_s'] / faulted['train_s']:.3f}; worker-steps "
           f"{faulted['worker_steps'] / (free['worker_steps'] * faulted['train_s'] / free['train_s']):.3f} of the "
           f"failure-free run's in the same time; final loss {gap:+.2%}")
+    for name in ("rj-free", "rj-faults"):
+        median, lost = stalls(out / name)
+        print(f"{name}: median {median:.2f} s between steps; {lost:.1f} s spent beyond 2 x that between steps")
     output = (out / "rj-faults.out").read_text()
     for f in faults(out / "rj-faults", output, faulted["started"]):
         print(f"kill of {f['role']} at {f['at_s']:.1f} s: dropped after "
