@@ -101,6 +101,27 @@ def test_a_restarted_dc_rejoins_the_global_rounds_and_its_workers_start_at_the_o
         cluster.close()
 
 
+def test_a_rejoining_worker_checks_the_model_it_receives_against_its_servers_digest(monkeypatch):
+    import geomx.cluster.kvserver as kvserver
+    from geomx.cluster.digest import value_digest
+
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=2)
+    try:
+        (a0, a1), (b0, b1) = cluster.workers["a"], cluster.workers["b"]
+        cluster.master.set_optimizer("SGD", lr=1.0)
+        cluster.init_everywhere("w", np.zeros(4, np.float32))
+        pushpull_all((a0, a1, b0, b1), 1.0)
+        cluster.drop("dc:a", a1.po.node_id)
+        # the digest travels with the value; a value changed on the way no longer matches it
+        monkeypatch.setattr(kvserver, "value_digest", lambda value: value_digest(value + 1))
+        new_a1 = cluster.restart_worker("a", 1)
+        with pytest.raises(KVError, match=r"received to rejoin the running job at round 1 does not match its "
+                                          r"server's digest"):
+            new_a1.init("w", np.zeros(4, np.float32))
+    finally:
+        cluster.close()
+
+
 def test_a_worker_cannot_rejoin_where_the_workers_keep_the_model_and_the_refusal_says_why():
     cluster = HipsCluster(dcs=("a", "b"), per_dc=2)
     try:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from geomx.cluster.compressed import CODEC_FIELD, ClientWire, dense_push
+from geomx.cluster.digest import value_digest
 from geomx.cluster.protocol import Field, Op
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
 from geomx.compression import CompressionPolicy
@@ -337,6 +338,9 @@ class KVClient:
         self._layout[key] = (tuple(value.shape), value.dtype)
         joined_at = msg.get(Field.JOINED_AT)
         if joined_at:       # our first push of the key counts as round joined_at + 1 (kvserver.reply_init)
+            if value_digest(value) != msg.get(Field.DIGEST):
+                raise KVError(f"key {key!r}: the value {self.po.cfg.label} received to rejoin the running job at "
+                              f"round {joined_at} does not match its server's digest (corrupted on the way)")
             self._pushes[key] = self.joined[key] = int(joined_at)
         if self.wire is not None:
             self.wire.note_dense(key, value)

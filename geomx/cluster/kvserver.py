@@ -17,6 +17,7 @@ import numpy as np
 
 from geomx import statefile
 from geomx.cluster.compressed import ServerWire, WireError, scale_dense
+from geomx.cluster.digest import value_digest
 from geomx.cluster.postoffice import NodeInfo, Postoffice
 from geomx.cluster.protocol import Field, Op
 from geomx.errors import ConfigError, GeomxError
@@ -504,8 +505,8 @@ class KVServer:
             st.pushes[msg.src] = st.applied[msg.src] = joined_at    # its first push is round joined_at + 1
         if self.wire is not None:
             self.wire.note_dense(st, msg.src, st.value)
-        self.reply(msg, tensors=[st.value], info=self.info,
-                   **({Field.JOINED_AT: joined_at} if joined_at else {}))
+        rejoin = {Field.JOINED_AT: joined_at, Field.DIGEST: value_digest(st.value)} if joined_at else {}
+        self.reply(msg, tensors=[st.value], info=self.info, **rejoin)
 
     def fail_waiting(self, st: KeyState, error: str, *, lost: bool = False) -> None:
         """Answer every held request of ``st`` with ``error`` (``lost``: because a peer died)."""

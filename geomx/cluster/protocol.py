@@ -34,7 +34,7 @@ Data (a client and a server; requests carry ``req``, the reply echoes it):
 ``dc_pushpull``     worker -> local server     key, value: a DC-only round (HFA)
 ``cmd``             master -> global servers   name (a Command), args
 ``key_owner``       master -> global servers   key, owner (the rank that holds the key)
-``reply``           server -> client           req; error, lost; info; redirect; joined_at; the value (maybe cm)
+``reply``           server -> client           req; error, lost; info; redirect; joined_at, digest; the value
 ==================  =========================  =============================================================
 """
 from __future__ import annotations
@@ -105,6 +105,7 @@ class Field:
     INFO = "info"
     REDIRECT = "redirect"
     JOINED_AT = "joined_at"   # init reply to a member that rejoined a running job: the rounds it takes no part in
+    DIGEST = "digest"         # ... and the digest of the value it starts from (geomx.cluster.digest)
     CODEC = "cm"          # compressed payload: {"c": codec name, "m": codec meta, "n": sender count}
     COUNT = "n"           # a dense push of a mean: how many workers' sum it stands for
 
