@@ -445,3 +445,33 @@ def test_mixedsync_overlap_answers_a_dc_with_its_own_round_reduced_as_the_deploy
         np.testing.assert_array_equal(got, np.full(3, 6.0 if reduction is None else 3.0, np.float32))
     finally:
         cluster.close()
+
+
+def test_a_high_priority_round_overtakes_a_large_one_pushed_before_it_at_every_hop():
+    """Issue 15 (P3's scheduled wire), end to end: each worker pushes a 2 MB key at priority 0, then a tiny key at
+    priority 10. The tiny one passes the large one on the worker's queue, at the local server (its WAN push takes
+    the round's priority), on each WAN link (at the next 64 KiB chunk) and in the global server's reply: it is
+    answered long before the large one, whose transfer alone takes 0.84 s each way at 20 Mbit/s."""
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=1, link=lambda src, dst: EmulatedLink(
+        name=f"{src}->{dst}", rate_bps=20e6, one_way_delay_s=0.01))
+    try:
+        big, small = np.zeros(512 * 1024, np.float32), np.zeros(16, np.float32)
+        for key, value in (("big", big), ("small", small)):
+            cluster.init_everywhere(key, value)
+        done: dict[tuple[str, str], float] = {}
+        start = time.monotonic()
+        for dc in ("a", "b"):
+            (kv,) = cluster.workers[dc]
+            for key, value, priority in (("big", big + 1, 0), ("small", small + 1, 10)):
+                kv.pushpull(key, value, priority=priority).add_done_callback(
+                    lambda h, k=(dc, key): done.setdefault(k, time.monotonic() - start))
+        end = time.monotonic() + DEADLINE_S
+        while len(done) < 4 and time.monotonic() < end:
+            time.sleep(0.01)
+    finally:
+        cluster.close()
+    assert len(done) == 4, done
+    print({f"{dc}/{key}": f"{t:.2f} s" for (dc, key), t in sorted(done.items())})
+    for dc in ("a", "b"):
+        assert done[(dc, "big")] >= 1.6, done           # up and down the 20 Mbit/s links
+        assert done[(dc, "small")] < done[(dc, "big")] / 3, done
