@@ -130,3 +130,33 @@ def test_a_global_round_waiting_for_a_dropped_dc_completes_as_the_mean_over_the_
             np.testing.assert_allclose(h.wait(DEADLINE_S), np.full(3, 5 / 3, np.float32), rtol=1e-6)
     finally:
         cluster.close()
+
+
+def test_a_round_that_waits_far_longer_than_rounds_take_names_the_live_member_whose_push_it_lacks(
+        caplog, monkeypatch):
+    """Issue 16, no hang without a named cause: a worker that is alive (its heartbeats go on) but never pushes is
+    not dropped; the round it holds up is named in its server's log, with the worker."""
+    import logging
+
+    import numpy as np
+
+    import geomx.cluster.stuck_rounds as stuck_rounds
+    from inproc import DEADLINE_S, HipsCluster
+
+    monkeypatch.setattr(stuck_rounds, "FLOOR_S", 0.5)
+    caplog.set_level(logging.WARNING, logger="geomx.kvserver")
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=2, heartbeat_interval=0.1)
+    try:
+        (a0, a1), (b0, b1) = cluster.workers["a"], cluster.workers["b"]
+        cluster.init_everywhere("w", np.zeros(4, np.float32))
+        waiting = [kv.pushpull("w", np.ones(4, np.float32)) for kv in (a0, b0, b1)]
+        end = time.monotonic() + DEADLINE_S
+        while "for the push of worker 1 of DC a" not in caplog.text and time.monotonic() < end:
+            time.sleep(0.05)
+        assert "server of DC a: round 1 of key 'w' has waited" in caplog.text, caplog.text
+        assert not any(h.done() for h in waiting)
+        a1.pushpull("w", np.ones(4, np.float32)).wait(DEADLINE_S)        # it pushes at last: the round goes on
+        for h in waiting:
+            np.testing.assert_array_equal(h.wait(DEADLINE_S), np.ones(4, np.float32))
+    finally:
+        cluster.close()

@@ -10,6 +10,7 @@ their order even when priorities reorder them on the way.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -20,6 +21,7 @@ from geomx.cluster.compressed import ServerWire, WireError, scale_dense
 from geomx.cluster.digest import value_digest
 from geomx.cluster.postoffice import NodeInfo, Postoffice
 from geomx.cluster.protocol import Field, Op
+from geomx.cluster.stuck_rounds import StuckRounds
 from geomx.errors import ConfigError, GeomxError
 from geomx.transport.message import WIRE_DTYPES, Message
 
@@ -47,6 +49,7 @@ class Round:
     contributors: list[str] = field(default_factory=list)
     priority: int = 0
     owned: bool = False         # total may be summed into in place (not saved: a restored total is a copy)
+    opened: float = field(default_factory=time.monotonic)   # its first push (not saved: restored rounds restart)
 
     def add(self, src: str, value: np.ndarray, priority: int, *, reusable: bool = False) -> None:
         """``reusable``: ``value`` is a received buffer nobody else holds (Message.private), which may become
@@ -205,6 +208,8 @@ class KVServer:
         self._early: list[Message] = []           # requests that overtook our own member table
         self._early_bytes = 0
         po.metrics_fields.append(self.queue_depths)
+        self.stuck_rounds = StuckRounds(self)     # names what a round that waits far too long is waiting for
+        po.add_periodic_check(self.stuck_rounds.check)
 
     def queue_depths(self) -> dict:
         """For the metrics: requests held until their round completes, and rounds still collecting pushes."""
@@ -220,8 +225,12 @@ class KVServer:
     def round_complete(self, st: KeyState, rnd: Round, number: int) -> bool:
         """Whether every client still in the tier pushed ``rnd``, round ``number`` (a push that a client dropped
         since made before it went silent counts; a rejoined client counts from the round after it joined)."""
-        return {c.id for c in self.round_clients() if c.id not in self.joining
-                and number > self.joined_at.get(c.id, 0)}.issubset(rnd.contributors)
+        return not self.round_waits_for(rnd, number)
+
+    def round_waits_for(self, rnd: Round, number: int) -> list[NodeInfo]:
+        """The clients whose push round ``number`` still lacks."""
+        return [c for c in self.round_clients() if c.id not in self.joining
+                and number > self.joined_at.get(c.id, 0) and c.id not in rnd.contributors]
 
     def stand_in_for_departed(self, rnd: Round) -> np.ndarray:
         """The round's sum, scaled to the weight of every round client when dropped ones are missing from it:
@@ -284,6 +293,7 @@ class KVServer:
 
     def complete_round(self, st: KeyState, number: int) -> None:
         rnd = st.rounds.pop(number)
+        self.stuck_rounds.completed(rnd)
         try:
             self.on_round(st, number, rnd)
         except GeomxError as exc:   # the round cannot go on: its waiting clients hear why now, not at a deadline

@@ -210,6 +210,7 @@ class Postoffice:
         self._shutdown_listeners: list[Callable[[Tier], None]] = []
         self._member_left_listeners: list[Callable[[Tier, NodeInfo, str], None]] = []
         self._member_joined_listeners: list[Callable[[Tier, NodeInfo, str], None]] = []
+        self._periodic_checks: list[Callable[[], None]] = []
         self._abort_event = threading.Event()
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
@@ -264,6 +265,11 @@ class Postoffice:
         log.warning("%s: %s left the %s tier: %s", self.cfg.label, member.label, tier.name, reason)
         for fn in self._member_left_listeners:
             fn(tier, member, reason)
+
+    def add_periodic_check(self, fn: Callable[[], None]) -> None:
+        """``fn()`` about every heartbeat interval on the heartbeat thread (it must only read what the receive
+        thread owns, and be quick)."""
+        self._periodic_checks.append(fn)
 
     def add_member_joined_listener(self, fn: Callable[[Tier, NodeInfo, str], None]) -> None:
         """``fn(tier, member, replaced_id)`` on the receive thread when a restarted member takes the place of one
@@ -368,3 +374,8 @@ class Postoffice:
                     self.abort(f"the {tier.name} scheduler at {tier.scheduler_addr} stopped answering heartbeats "
                                f"for {now - heard:.1f} s ({self.cfg.label} gives up)")
                     return
+            for check in self._periodic_checks:
+                try:
+                    check()
+                except Exception:  # a check's bug must not stop the heartbeats
+                    log.exception("%s: periodic check failed", self.cfg.label)
