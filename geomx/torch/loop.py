@@ -116,7 +116,7 @@ def run_steps(opt, batches: Iterable[Batch], *, total_steps: int, eval_every: in
     if joined_at and step >= total_steps:
         print(f"rejoined at step {step} from {source}: the job trained its {total_steps} steps already", flush=True)
         return step, history
-    if step:
+    if step and source is not None:
         if step >= total_steps:
             raise SystemExit(f"resumed at step {step} from {source}, not below --steps {total_steps}: nothing "
                              f"left to train")
