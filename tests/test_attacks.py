@@ -187,7 +187,7 @@ def test_a_server_still_waiting_for_its_member_table_holds_at_most_256_mib_of_ea
     from geomx.cluster.kvserver import KVServer
 
     po = SimpleNamespace(metrics_fields=[], refusals=RefusalLog(logging.getLogger("test")),
-                         cfg=SimpleNamespace(label="server of DC a"))
+                         cfg=SimpleNamespace(label="server of DC a"), add_periodic_check=lambda check: None)
     server = KVServer(po)
     big = np.broadcast_to(np.zeros(1, np.uint8), (64 << 20,))          # 64 MiB as far as nbytes goes, no memory
     for _ in range(6):

@@ -91,6 +91,9 @@ def test_the_master_worker_reads_whole_values_while_workers_get_the_rounds_compr
         node_id = "server"
         van = Van()
 
+        def add_periodic_check(self, check):
+            pass
+
     server = KVServer(Po())
     server.clients = {"w": NodeInfo("w", "local_server", "worker", "a", 0, "tcp://w"),
                       "m": NodeInfo("m", "master", "worker", "central", 0, "tcp://m")}

@@ -24,7 +24,7 @@ from typing import TextIO
 
 from geomx.cli.backends import Backend, LocalBackend, RoleHandle, Sites
 from geomx.cli.inject import Injector, parse_faults
-from geomx.cli.rejoins import Rejoins, dc_key
+from geomx.cli.rejoins import Rejoins
 from geomx.cli.topology import Topology
 from geomx.config import NodeConfig, env_float, env_int
 from geomx.dropped import FILE as DROPPED_FILE
@@ -60,7 +60,6 @@ class Running:
     returncode: int | None = None
     ended_at: float | None = None       # when the launcher saw it end (time.monotonic)
     rejoined: bool = False              # started again to rejoin the running job (geomx.cli.rejoins)
-    killed_for_rejoin: bool = False     # dropped but still running (frozen): killed so that it can rejoin
 
 
 # Fixed ports (schedulers, emulator) come from below the kernel's ephemeral range (32768-60999 by default):
@@ -392,8 +391,8 @@ class Launcher:
                     self._undecided.append(r)
                 elif line:
                     self.say(line)
-                if line is not None and line is not _WAIT:
-                    self._maybe_rejoin(r)
+                if line is not None and line is not _WAIT and self.rejoins is not None:
+                    self.rejoins.note_loss(r, self.losses, self.drops.refresh())
             if failed:
                 self._report_failure(min(failed, key=_blame_order), time.monotonic() - start)
                 return 1
@@ -419,7 +418,8 @@ class Launcher:
             if self.injector is not None:
                 self.injector.tick(time.monotonic() - start, self._alive(), self.say)
             if self.rejoins is not None and trainers_done_at is None:
-                self._tend_rejoins(time.monotonic() - start)
+                self.rejoins.tend(self.running, self.losses, self.drops.refresh(), self._restart_role, self.say,
+                                  time.monotonic() - start)
             time.sleep(0.1)
 
     def _verdict(self, r: Running, elapsed_s: float) -> str | None:
@@ -439,59 +439,10 @@ class Launcher:
             return self.losses.judge(r.spec.name, f"{_how_it_ended(r.returncode)} at {elapsed_s:.1f} s")
         return _WAIT if time.monotonic() - r.ended_at < self._drop_grace_s else None
 
-    def _maybe_rejoin(self, r: Running) -> None:
-        """``r`` ended and the run goes on without it: with --rejoin-after, start it again later if it was a
-        worker its DC lost, or restart its DC if the DC was lost, to a signal or a drop (not to a role that failed on
-        its own)."""
-        if self.rejoins is None or r.spec.dc is None:
-            return
-        if not (r.returncode < 0 or r.proc.pid in self.drops.refresh()):
-            return
-        if r.spec.kind == "worker" and r.spec.name in self.losses.lost:
-            self.rejoins.schedule(r.spec.name, time.monotonic())
-        elif r.spec.dc in self.losses.lost_dcs:
-            self.rejoins.schedule(dc_key(r.spec.dc), time.monotonic())
-
-    def _tend_rejoins(self, elapsed_s: float) -> None:
-        """Kill the dropped workers still running (frozen ones: their place must be free, and they must not run
-        again), and start the workers whose time to rejoin has come."""
-        dropped = self.drops.refresh()
-        for r in self.running:
-            if r.returncode is not None or r.killed_for_rejoin:
-                continue
-            if r.spec.kind == "worker" and r.proc.pid in dropped:
-                self._kill_for_rejoin(r, f"{r.spec.name} was dropped by its DC but is still there (frozen?)")
-            elif r.spec.dc in self.losses.lost_dcs and self.rejoins.waiting(dc_key(r.spec.dc)):
-                self._kill_for_rejoin(r, f"{r.spec.name} of the lost DC {r.spec.dc} is still there")
-        ended = {r.spec.name: r for r in self.running if r.returncode is not None}
-
-        def ready(what: str) -> bool:
-            """A worker's or a DC's place is free: the tier dropped it (and every role of the DC ended). A worker
-            whose whole DC was lost since waits for the DC's restart, which starts it too."""
-            if what in ended:
-                return ended[what].proc.pid in dropped and ended[what].spec.dc not in self.losses.lost_dcs
-            roles = [r for r in self.running if r.spec.dc == what.removeprefix("dc:")]
-            return all(r.returncode is not None for r in roles) and any(
-                r.spec.kind == "server" and r.proc.pid in dropped for r in roles)
-
-        for what in self.rejoins.due(time.monotonic(), ready):
-            old = [ended[what]] if what in ended else [r for r in self.running if dc_key(r.spec.dc or "") == what]
-            for r in old:
-                self.rejoins.cancel(r.spec.name)        # a worker of a restarted DC starts with it
-                log_name = self.rejoins.log_name(what, r.spec.name)
-                self.running.remove(r)
-                self._start(r.spec, env=Rejoins.env(r.spec.env), log_name=log_name).rejoined = True
-            dc = old[0].spec.dc
-            self.losses.rejoined(what, dc)
-            self.say(f"geomx: restarted {what if what in ended else 'DC ' + dc} at {elapsed_s:.1f} s to rejoin "
-                     + (f"DC {dc} (log {log_name})" if what in ended else "the global rounds"))
-
-    def _kill_for_rejoin(self, r: Running, why: str) -> None:
-        """Its place must be free before it is restarted, and it must not run again."""
-        r.killed_for_rejoin = True
-        self.say(f"geomx: {why}; killing it so that it can be restarted")
-        r.proc.signal(signal.SIGKILL)
-        r.proc.signal(signal.SIGCONT)
+    def _restart_role(self, old: Running, log_name: str) -> None:
+        """Start ``old``'s role again to rejoin the running job (geomx.cli.rejoins), in its place in the list."""
+        self.running.remove(old)
+        self._start(old.spec, env=Rejoins.env(old.spec.env), log_name=log_name).rejoined = True
 
     def _trainers_done(self, trainers: list[Running], elapsed_s: float) -> bool:
         """Every trainer exited 0 or was lost. A worker still frozen (SIGSTOP) when all the others are done was
