@@ -132,6 +132,15 @@ def env_float(env: Mapping[str, str], name: str, default: float) -> float:
         raise ConfigError(f"{name}={raw!r} is not a number") from None
 
 
+def env_heartbeat_timeout(env: Mapping[str, str]) -> tuple[float, bool]:
+    """(the fixed heartbeat timeout, whether schedulers measure each member's deadline instead):
+    ``GEOMX_HEARTBEAT_TIMEOUT`` is seconds, or ``auto`` (geomx.cluster.liveness; the default timeout then stays
+    the members' own limit and the measured deadlines' cap)."""
+    if (env.get("GEOMX_HEARTBEAT_TIMEOUT") or "").strip() == "auto":
+        return NodeConfig.heartbeat_timeout, True
+    return env_float(env, "GEOMX_HEARTBEAT_TIMEOUT", NodeConfig.heartbeat_timeout), False
+
+
 def _addr(env: Mapping[str, str], uri: str, port: str, role: str) -> tuple[str, int]:
     return _need(env, uri, role), env_int(env, port, role)
 
@@ -202,12 +211,10 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
         cfg.size_lower_bound = env_size_bound(env)
     cfg.min_workers_per_dc = env_int(env, "GEOMX_MIN_WORKERS_PER_DC", role, 1)
     cfg.min_dcs = env_int(env, "GEOMX_MIN_DCS", role, 1)
-    cfg.heartbeat_measured = (env.get("GEOMX_HEARTBEAT_TIMEOUT") or "").strip() == "auto"
-    if cfg.heartbeat_measured:      # geomx.cluster.liveness: the fixed timeout stays the members' and the cap
+    cfg.heartbeat_timeout, cfg.heartbeat_measured = env_heartbeat_timeout(env)
+    if cfg.heartbeat_measured:
         from geomx.cluster.liveness import AUTO_INTERVAL_S
         cfg.heartbeat_interval = AUTO_INTERVAL_S
-    else:
-        cfg.heartbeat_timeout = env_float(env, "GEOMX_HEARTBEAT_TIMEOUT", cfg.heartbeat_timeout)
     cfg.heartbeat_interval = env_float(env, "GEOMX_HEARTBEAT_INTERVAL", cfg.heartbeat_interval)
     cfg.connect_timeout = env_float(env, "GEOMX_CONNECT_TIMEOUT", cfg.connect_timeout)
     cfg.op_timeout = env_float(env, "GEOMX_TIMEOUT", cfg.op_timeout)

@@ -26,7 +26,7 @@ from geomx.cli.backends import Backend, LocalBackend, RoleHandle, Sites
 from geomx.cli.inject import Injector, parse_faults
 from geomx.cli.rejoins import Rejoins
 from geomx.cli.topology import Topology
-from geomx.config import NodeConfig, env_float, env_int
+from geomx.config import env_heartbeat_timeout, env_int
 from geomx.dropped import FILE as DROPPED_FILE
 from geomx.dropped import DropLog
 from geomx.errors import ConfigError
@@ -303,9 +303,7 @@ class Launcher:
         # a role that exits with an error is a fault its deployment absorbs only if its scheduler drops it within
         # the heartbeat deadline (and a little): until then it is undecided
         env = self._role_env()
-        heartbeat_timeout = env.get("GEOMX_HEARTBEAT_TIMEOUT", "").strip()
-        self._drop_grace_s = (NodeConfig.heartbeat_timeout if heartbeat_timeout in ("", "auto") else
-                              env_float(env, "GEOMX_HEARTBEAT_TIMEOUT", NodeConfig.heartbeat_timeout)) + 3.0
+        self._drop_grace_s = env_heartbeat_timeout(env)[0] + 3.0
         self._undecided: list[Running] = []
         self.rejoins = Rejoins(self.rejoin_after) if self.rejoin_after is not None and not flat else None
         self.losses = Losses({s.name: DcRole(s.kind, s.dc) for s in specs if s.dc is not None},

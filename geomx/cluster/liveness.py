@@ -19,6 +19,13 @@ MIN_GAPS = 8
 WINDOW = 64
 
 
+def median_spread(values) -> tuple[float, float]:
+    """The median of ``values`` and their median absolute deviation from it (what measured limits are built
+    from here and in geomx.cluster.stuck_rounds)."""
+    median = statistics.median(values)
+    return median, statistics.median(abs(v - median) for v in values)
+
+
 class FixedDeadline:
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
@@ -49,8 +56,7 @@ class MeasuredDeadline:
         gaps = self._gaps.get(member)
         if gaps is None or len(gaps) < MIN_GAPS:
             return self.cap
-        median = statistics.median(gaps)
-        spread = statistics.median(abs(g - median) for g in gaps)
+        median, spread = median_spread(gaps)
         measured = max(3 * median, median + 8 * spread, 1.5 * max(gaps))
         return min(self.cap, max(FLOOR_S, measured))
 

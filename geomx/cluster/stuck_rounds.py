@@ -14,6 +14,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+from geomx.cluster.liveness import median_spread
+
 if TYPE_CHECKING:
     from geomx.cluster.kvserver import KVServer, Round
 
@@ -34,8 +36,7 @@ class StuckRounds:
     def limit(self) -> float:
         if len(self.durations) < 2:
             return FLOOR_S
-        median = statistics.median(self.durations)
-        spread = statistics.median(abs(d - median) for d in self.durations)
+        median, spread = median_spread(self.durations)
         return max(FLOOR_S, median + 8 * spread)
 
     def check(self) -> None:
