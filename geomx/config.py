@@ -37,6 +37,7 @@ TOPOLOGIES = ("hips", "flat")
 # a part costs a message each way (about half a millisecond of CPU on a small host), so parts are large:
 # 16 MiB tensors travel whole, bigger ones still pipeline (4 parts at 64 MiB)
 DEFAULT_PARTITION_BYTES = 16 * 1024 * 1024
+FIXED_DEADLINE_INTERVAL_S = 1.0       # members' heartbeat interval under a fixed GEOMX_HEARTBEAT_TIMEOUT
 
 
 @dataclass
@@ -66,9 +67,9 @@ class NodeConfig:
     optimizer_modules: tuple[str, ...] = ()   # GEOMX_OPTIMIZER_MODULES: user optimizer modules servers may import
     min_workers_per_dc: int = 1            # a DC scheduler drops silent workers while this many remain
     min_dcs: int = 1                       # the global scheduler drops a silent DC while this many remain
-    heartbeat_interval: float = 1.0
-    heartbeat_timeout: float = 10.0
-    heartbeat_measured: bool = False    # GEOMX_HEARTBEAT_TIMEOUT=auto: schedulers measure each member's deadline
+    heartbeat_interval: float = 0.25       # 1 s under a fixed GEOMX_HEARTBEAT_TIMEOUT
+    heartbeat_timeout: float = 10.0        # the members' own limit, and the cap of measured deadlines
+    heartbeat_measured: bool = True        # schedulers measure each member's deadline (unless given seconds)
     connect_timeout: float = 120.0
     op_timeout: float = 300.0
     partition_bytes: int = DEFAULT_PARTITION_BYTES   # tensors above this travel in parts (0: never)
@@ -133,10 +134,10 @@ def env_float(env: Mapping[str, str], name: str, default: float) -> float:
 
 
 def env_heartbeat_timeout(env: Mapping[str, str]) -> tuple[float, bool]:
-    """(the fixed heartbeat timeout, whether schedulers measure each member's deadline instead):
-    ``GEOMX_HEARTBEAT_TIMEOUT`` is seconds, or ``auto`` (geomx.cluster.liveness; the default timeout then stays
-    the members' own limit and the measured deadlines' cap)."""
-    if (env.get("GEOMX_HEARTBEAT_TIMEOUT") or "").strip() == "auto":
+    """(the heartbeat timeout, whether schedulers measure each member's deadline): unset or ``auto`` (the default,
+    geomx.cluster.liveness) measures, the default timeout staying the members' own limit and the measured
+    deadlines' cap; seconds fix every deadline at that many."""
+    if (env.get("GEOMX_HEARTBEAT_TIMEOUT") or "auto").strip() == "auto":
         return NodeConfig.heartbeat_timeout, True
     return env_float(env, "GEOMX_HEARTBEAT_TIMEOUT", NodeConfig.heartbeat_timeout), False
 
@@ -212,10 +213,9 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
     cfg.min_workers_per_dc = env_int(env, "GEOMX_MIN_WORKERS_PER_DC", role, 1)
     cfg.min_dcs = env_int(env, "GEOMX_MIN_DCS", role, 1)
     cfg.heartbeat_timeout, cfg.heartbeat_measured = env_heartbeat_timeout(env)
-    if cfg.heartbeat_measured:
-        from geomx.cluster.liveness import AUTO_INTERVAL_S
-        cfg.heartbeat_interval = AUTO_INTERVAL_S
-    cfg.heartbeat_interval = env_float(env, "GEOMX_HEARTBEAT_INTERVAL", cfg.heartbeat_interval)
+    # measured deadlines need frequent heartbeats; a fixed deadline of seconds does with one a second
+    default_interval = NodeConfig.heartbeat_interval if cfg.heartbeat_measured else FIXED_DEADLINE_INTERVAL_S
+    cfg.heartbeat_interval = env_float(env, "GEOMX_HEARTBEAT_INTERVAL", default_interval)
     cfg.connect_timeout = env_float(env, "GEOMX_CONNECT_TIMEOUT", cfg.connect_timeout)
     cfg.op_timeout = env_float(env, "GEOMX_TIMEOUT", cfg.op_timeout)
     cfg.partition_bytes = _partition_bytes(env.get("GEOMX_PARTITION_BYTES"))

@@ -41,13 +41,16 @@ def global_server_env(**over) -> dict:
 
 # -- environment variables ------------------------------------------------------------------------------
 
-def test_auto_heartbeat_timeout_measures_deadlines_and_heartbeats_every_quarter_second_unless_told():
-    cfg = config_from_env(worker_env(GEOMX_HEARTBEAT_TIMEOUT="auto"))
-    assert cfg.heartbeat_measured and cfg.heartbeat_interval == 0.25
-    assert cfg.heartbeat_timeout == NodeConfig.heartbeat_timeout        # the members' own limit, and the cap
-    assert config_from_env(worker_env(GEOMX_HEARTBEAT_TIMEOUT="auto", GEOMX_HEARTBEAT_INTERVAL="0.5")
-                           ).heartbeat_interval == 0.5
-    assert not config_from_env(worker_env(GEOMX_HEARTBEAT_TIMEOUT="3")).heartbeat_measured
+def test_heartbeat_deadlines_are_measured_by_default_with_quarter_second_heartbeats_and_fixed_when_given_seconds():
+    for env in (worker_env(), worker_env(GEOMX_HEARTBEAT_TIMEOUT="auto")):
+        cfg = config_from_env(env)
+        assert cfg.heartbeat_measured and cfg.heartbeat_interval == 0.25
+        assert cfg.heartbeat_timeout == NodeConfig.heartbeat_timeout    # the members' own limit, and the cap
+    assert config_from_env(worker_env(GEOMX_HEARTBEAT_INTERVAL="0.5")).heartbeat_interval == 0.5
+    fixed = config_from_env(worker_env(GEOMX_HEARTBEAT_TIMEOUT="3"))
+    assert not fixed.heartbeat_measured and (fixed.heartbeat_timeout, fixed.heartbeat_interval) == (3.0, 1.0)
+    with pytest.raises(ConfigError, match="GEOMX_HEARTBEAT_TIMEOUT='soon' is not a number"):
+        config_from_env(worker_env(GEOMX_HEARTBEAT_TIMEOUT="soon"))
 
 
 def test_complete_worker_environment_gives_the_documented_node_config():

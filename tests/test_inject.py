@@ -91,24 +91,27 @@ if not kv.is_master_worker:
 
 
 def test_a_deployment_survives_a_worker_frozen_for_a_second_by_launch_inject(tmp_path):
-    """A freeze shorter than the heartbeat timeout (10 s): the other worker waits in its rounds, training goes
-    on when the frozen one resumes, and the launcher reports what it injected."""
+    """A freeze shorter than a fixed heartbeat deadline (10 s; the measured default drops a worker frozen for a
+    second, see tests/test_faults.py): the other worker waits in its rounds, training goes on when the frozen one
+    resumes, and the launcher reports what it injected."""
     code, run_dir, output = launch(tmp_path, SHORT_TRAINING, dcs=1, workers_per_dc=2, topology="flat", timeout=90,
-                                   inject=["stop:a-worker-1@3+1"])
+                                   env={"GEOMX_HEARTBEAT_TIMEOUT": "10"}, inject=["stop:a-worker-1@3+1"])
     check_ok((code, run_dir, output))
     assert "geomx: injected stop of a-worker-1 at 3." in output and "undid the stop of a-worker-1" in output
 
 
 def test_a_deployment_survives_a_wan_partition_and_a_slowed_dc_and_its_links_show_both(tmp_path):
     """partition:b@4+1.5: the WAN emulator cuts both links of DC b from 4 s to 5.5 s; slow:a@7+2=4kbit: DC a's
-    links carry 4 kbit/s (500 bytes/s) from 7 s to 9 s. Rounds wait through both (shorter than every deadline),
-    then go on; the links' per-second series show nothing delivered on b's links in second 4 (4.0-5.0 s) and at
+    links carry 4 kbit/s (500 bytes/s) from 7 s to 9 s. Under a fixed 10 s heartbeat deadline (a deployment that
+    would rather wait out short cuts than drop a DC, as the measured default does: tests/test_rejoin.py), rounds
+    wait through both, then go on; the links' per-second series show nothing delivered on b's links in second 4 (4.0-5.0 s) and at
     most 500 bytes (plus what was on the wire when it began: a message or two) on a's in second 7, where they carry
     ~1,700 normally (192-374 measured);
     the launcher says when each began and ended."""
     import json
 
     code, run_dir, output = launch(tmp_path, SHORT_TRAINING, dcs=2, workers_per_dc=1, wan="regional", timeout=90,
+                                   env={"GEOMX_HEARTBEAT_TIMEOUT": "10"},
                                    inject=["partition:b@4+1.5", "slow:a@7+2=4kbit"])
     check_ok((code, run_dir, output))
     assert "geomx: the WAN emulator cuts every link of DC b (partition) at 4 s for 1.5 s" in output, output

@@ -3,7 +3,7 @@
 # servers' AdamW over the transpacific WAN, 2 DCs x 2 workers, failure-free, then with a random worker killed every
 # 60 s and DC b's local server killed at 90 s, each restarted 30 s later (--rejoin-after 30). Prints each run's exit
 # code and wall time; the runs' logs and results are in $OUT/rj-free and $OUT/rj-faults (rejoin_bench.py reads them).
-# The roles inherit GEOMX_ variables: GEOMX_HEARTBEAT_TIMEOUT=auto measures each member's heartbeat deadline.
+# The roles inherit GEOMX_ variables: GEOMX_HEARTBEAT_TIMEOUT=10 gives the fixed-deadline column (measured is the default).
 cd "$(dirname "$0")/../.." || exit 1
 G=.venv/bin/geomx
 STEPS=${STEPS:-250}
