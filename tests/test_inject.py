@@ -104,10 +104,9 @@ def test_a_deployment_survives_a_wan_partition_and_a_slowed_dc_and_its_links_sho
     """partition:b@4+1.5: the WAN emulator cuts both links of DC b from 4 s to 5.5 s; slow:a@7+2=4kbit: DC a's
     links carry 4 kbit/s (500 bytes/s) from 7 s to 9 s. Under a fixed 10 s heartbeat deadline (a deployment that
     would rather wait out short cuts than drop a DC, as the measured default does: tests/test_rejoin.py), rounds
-    wait through both, then go on; the links' per-second series show nothing delivered on b's links in second 4 (4.0-5.0 s) and at
-    most 500 bytes (plus what was on the wire when it began: a message or two) on a's in second 7, where they carry
-    ~1,700 normally (192-374 measured);
-    the launcher says when each began and ended."""
+    wait through both, then go on; the links' per-second series show nothing delivered on b's links in second 4
+    (4.0-5.0 s) and at most 500 bytes (plus what was on the wire when it began: a message or two) on a's in
+    second 7, where they carry ~1,700 normally (192-374 measured); the launcher says when each began and ended."""
     import json
 
     code, run_dir, output = launch(tmp_path, SHORT_TRAINING, dcs=2, workers_per_dc=1, wan="regional", timeout=90,

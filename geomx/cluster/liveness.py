@@ -1,14 +1,15 @@
 """How long a scheduler waits for a member's next heartbeat before it counts the member as gone.
 
-``MeasuredDeadline`` (the default; ``GEOMX_HEARTBEAT_TIMEOUT`` unset or ``auto``): each member's own deadline, from the gaps between the heartbeats the scheduler
-actually received from it: the largest of 3 x the median gap, the median + 8 x the median absolute deviation, and
-1.5 x the longest of the recent gaps (a heartbeat that waited behind a gradient on a slow WAN link), at least
-``FLOOR_S`` and at most the fixed timeout, which also holds until ``MIN_GAPS`` gaps were measured. Members then
-heartbeat every 0.25 s (``NodeConfig.heartbeat_interval``, unless ``GEOMX_HEARTBEAT_INTERVAL`` says otherwise),
-so a dead member behind a WAN is found within about a second, and one whose heartbeats come unevenly gets more
-time. A silence longer than that (a WAN cut for a few seconds) is not waited out: the member is dropped, and
-rejoins once restarted (``geomx launch --rejoin-after``). ``FixedDeadline`` (``GEOMX_HEARTBEAT_TIMEOUT`` given in
-seconds): that many seconds, whatever the link, for deployments that would rather wait out such cuts.
+``MeasuredDeadline`` (the default; ``GEOMX_HEARTBEAT_TIMEOUT`` unset or ``auto``): each member's own deadline,
+from the gaps between the heartbeats the scheduler actually received from it: the largest of 3 x the median gap,
+the median + 8 x the median absolute deviation, and 1.5 x the longest of the recent gaps (a heartbeat that waited
+behind a gradient on a slow WAN link), at least ``FLOOR_S`` and at most the fixed timeout, which also holds until
+``MIN_GAPS`` gaps were measured. Members then heartbeat every 0.25 s (``NodeConfig.heartbeat_interval``, unless
+``GEOMX_HEARTBEAT_INTERVAL`` says otherwise), so a dead member behind a WAN is found within about a second, and
+one whose heartbeats come unevenly gets more time. A silence longer than that (a WAN cut for a few seconds) is not
+waited out: the member is dropped, and rejoins once restarted (``geomx launch --rejoin-after``). ``FixedDeadline``
+(``GEOMX_HEARTBEAT_TIMEOUT`` given in seconds): that many seconds, whatever the link, for deployments that would
+rather wait out such cuts.
 """
 from __future__ import annotations
 
