@@ -1,5 +1,6 @@
-"""GEOMX_HEARTBEAT_TIMEOUT=auto (issue 16, no timeout tuning): a scheduler measures how long each member may be
-silent from the gaps between its heartbeats (geomx.cluster.liveness.MeasuredDeadline) instead of a fixed 10 s."""
+"""Measured heartbeat deadlines, the default (issue 16, no timeout tuning): a scheduler measures how long each
+member may be silent from the gaps between its heartbeats (geomx.cluster.liveness.MeasuredDeadline) instead of a
+fixed 10 s, and gives a member whose process is seen to run (busy, not frozen) the full 10 s."""
 from __future__ import annotations
 
 import time
@@ -32,6 +33,41 @@ def test_uneven_heartbeats_get_more_time_and_never_more_than_the_fixed_timeout()
     assert d.deadline("m") == pytest.approx(0.9)
     heartbeats(d, [0.25] * 8 + [30.0], member="slow")
     assert d.deadline("slow") == 10.0
+    assert d.deadline("m", running=True) == 10.0        # its ZeroMQ answers: busy, not gone
+
+
+BUSY_SCRIPT = """
+import ctypes
+import time
+import numpy as np
+import geomx
+
+kv = geomx.kvstore.create(reduction="mean")
+kv.init("w", np.zeros(10, np.float32))
+if not kv.is_master_worker:
+    started = time.monotonic()
+    for step in range(80):
+        if step == 40 and kv.rank == 1:
+            print(f"busy after {time.monotonic() - started:.1f} s", flush=True)   # its deadline measured by then
+            # libc's sleep called holding Python's lock: no thread of this process runs Python for 3 s, its
+            # heartbeats included; its ZeroMQ threads still answer
+            ctypes.PyDLL(None).sleep(3)
+        assert (kv.pushpull("w", np.ones(10, np.float32)).wait() == 1).all()
+        time.sleep(0.1)
+    print("done", kv.rank, flush=True)
+"""
+
+
+def test_a_worker_too_busy_to_heartbeat_for_3_s_is_not_dropped_because_its_zeromq_still_answers(tmp_path):
+    """A worker stuck 3 s in one call that holds Python's lock sends no heartbeat, far past its measured deadline
+    (about 0.75 s); its DC's scheduler probes its connection, sees its ZeroMQ answer, and gives it the full 10 s:
+    both workers take every round together and nobody is dropped."""
+    from harness import check_ok, launch
+
+    code, run_dir, output = launch(tmp_path, BUSY_SCRIPT, dcs=1, workers_per_dc=2, timeout=90)
+    check_ok((code, run_dir, output))
+    assert "done 0" in output and "done 1" in output, output
+    assert not (run_dir / "dropped.jsonl").exists() or not (run_dir / "dropped.jsonl").read_text(), output
 
 
 def test_a_worker_whose_heartbeats_stop_is_dropped_within_about_a_second_with_measured_deadlines():

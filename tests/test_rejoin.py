@@ -305,3 +305,23 @@ def test_a_dc_cut_off_by_a_partition_longer_than_its_measured_deadline_is_droppe
     finals = [json.loads((run_dir / f"final-{dc}-0.json").read_text()) for dc in "ab"]
     assert {f["steps"] for f in finals} == {STEPS}, finals
     assert len({f["w"] for f in finals}) == 1 and abs(finals[0]["w"] + 0.01 * STEPS) < 1e-3, finals
+
+
+def test_a_frozen_local_server_takes_its_dc_out_and_the_launcher_restarts_the_dc_which_rejoins(tmp_path):
+    """stop:b-server (SIGSTOP, 60 s): DC b's local server is alive but silent. The global tier drops DC b at its
+    measured deadline and DC a trains on; the launcher kills what is left of DC b (the frozen server, whose place
+    must be free) and restarts the DC, whose worker rejoins; both DCs' workers end on the same weights."""
+    import json
+
+    from harness import launch
+
+    code, run_dir, output = launch(tmp_path, REJOIN_SCRIPT, dcs=2, workers_per_dc=1, wan="regional", timeout=120,
+                                   inject=["stop:b-server@3+60"], launcher_flags={"rejoin_after": 0.5},
+                                   min_workers_per_dc=1)
+    assert code == 0, output
+    assert "geomx: DC b drops out (" in output and "geomx: restarted DC b at" in output, output
+    text = (run_dir / "b-worker-0.dc-rejoin-1.log").read_text()
+    assert 0 < int(text.split("rejoined at step ")[1].split()[0]) < STEPS, text
+    finals = [json.loads((run_dir / f"final-{dc}-0.json").read_text()) for dc in "ab"]
+    assert {f["steps"] for f in finals} == {STEPS}, finals
+    assert len({f["w"] for f in finals}) == 1 and abs(finals[0]["w"] + 0.01 * STEPS) < 1e-3, finals

@@ -380,6 +380,7 @@ class Launcher:
                         r.ended_at = time.monotonic()
                         ended.append(r)
             failed, self._undecided = [], []
+            self._lose_dcs_dropped_while_running(time.monotonic() - start)
             # a DC's scheduler or server first: when one of them ended, the DC drops out whole, its workers with it
             for r in sorted(undecided + ended, key=lambda r: r.spec.kind == "worker"):
                 line = self._verdict(r, time.monotonic() - start)
@@ -436,6 +437,22 @@ class Launcher:
         if r.proc.pid in self.drops.refresh() or r.returncode < 0:
             return self.losses.judge(r.spec.name, f"{_how_it_ended(r.returncode)} at {elapsed_s:.1f} s")
         return _WAIT if time.monotonic() - r.ended_at < self._drop_grace_s else None
+
+    def _lose_dcs_dropped_while_running(self, elapsed_s: float) -> None:
+        """A DC's local server its tier dropped while its process still runs (frozen, or cut off behind the WAN)
+        loses its DC as an ended one would: what the DC's other roles do next is then absorbed, and
+        --rejoin-after restarts the DC (killing what is left of it first)."""
+        dropped = self.drops.refresh()
+        for r in self.running:
+            if r.returncode is not None or r.spec.kind == "worker" or r.proc.pid not in dropped \
+                    or not self.losses.may_absorb(r.spec.name) or self.losses.absorbed(r.spec.name):
+                continue
+            line = self.losses.judge(r.spec.name, f"was dropped by its tier at {elapsed_s:.1f} s and is still running "
+                                                  "(frozen or cut off)")
+            if line:
+                self.say(line)
+            if line is not None and self.rejoins is not None:
+                self.rejoins.note_loss(r, self.losses, dropped)
 
     def _restart_role(self, old: Running, log_name: str) -> None:
         """Start ``old``'s role again to rejoin the running job (geomx.cli.rejoins), in its place in the list."""

@@ -57,9 +57,11 @@ class Rejoins:
         return what in self.pending
 
     def note_loss(self, r: Running, losses: Losses, dropped: set[int]) -> None:
-        """``r`` ended and the run goes on without it: start it again later if it was a worker its DC lost, or
-        restart its DC if the DC was lost, to a signal or a drop (not to a role that failed on its own)."""
-        if r.spec.dc is None or not (r.returncode < 0 or r.proc.pid in dropped):
+        """The run goes on without ``r`` (it ended, or its tier dropped it while it still runs): start it again
+        later if it was a worker its DC lost, or restart its DC if the DC was lost, to a signal or a drop (not to a
+        role that failed on its own)."""
+        killed = r.returncode is not None and r.returncode < 0
+        if r.spec.dc is None or not (killed or r.proc.pid in dropped):
             return
         if r.spec.kind == "worker" and r.spec.name in losses.lost:
             self.schedule(r.spec.name, time.monotonic())

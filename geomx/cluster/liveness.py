@@ -6,10 +6,15 @@ the median + 8 x the median absolute deviation, and 1.5 x the longest of the rec
 behind a gradient on a slow WAN link), at least ``FLOOR_S`` and at most the fixed timeout, which also holds until
 ``MIN_GAPS`` gaps were measured. Members then heartbeat every 0.25 s (``NodeConfig.heartbeat_interval``, unless
 ``GEOMX_HEARTBEAT_INTERVAL`` says otherwise), so a dead member behind a WAN is found within about a second, and
-one whose heartbeats come unevenly gets more time. A silence longer than that (a WAN cut for a few seconds) is not
-waited out: the member is dropped, and rejoins once restarted (``geomx launch --rejoin-after``). ``FixedDeadline``
-(``GEOMX_HEARTBEAT_TIMEOUT`` given in seconds): that many seconds, whatever the link, for deployments that would
-rather wait out such cuts.
+one whose heartbeats come unevenly gets more time. A silence longer than that (a WAN cut for a few seconds) is
+not waited out: the member is dropped, and rejoins once restarted (``geomx launch --rejoin-after``).
+
+A member whose process is seen to run (a direct connection whose ZeroMQ answers the scheduler's probes: a peer
+on the scheduler's own side of the WAN) gets the cap instead: its silence is a busy process's (a long call that
+holds Python's lock, a loaded host), and a frozen one stops answering within ``connection_watch.PROBE_TIMEOUT_S``.
+
+``FixedDeadline`` (``GEOMX_HEARTBEAT_TIMEOUT`` given in seconds): that many seconds, whatever the link, for
+deployments that would rather wait out such cuts.
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ class FixedDeadline:
     def heard(self, member: str, now: float) -> None:
         pass
 
-    def deadline(self, member: str) -> float:
+    def deadline(self, member: str, *, running: bool = False) -> float:
         return self.timeout
 
     def describe(self) -> str:
@@ -54,9 +59,11 @@ class MeasuredDeadline:
         if last is not None:
             self._gaps.setdefault(member, deque(maxlen=WINDOW)).append(now - last)
 
-    def deadline(self, member: str) -> float:
+    def deadline(self, member: str, *, running: bool = False) -> float:
+        """``running``: the member's process is known to run (its ZeroMQ answers the scheduler's probes), so its
+        silence is a busy process's (a long call holding Python's lock), not a death: it gets the cap."""
         gaps = self._gaps.get(member)
-        if gaps is None or len(gaps) < MIN_GAPS:
+        if running or gaps is None or len(gaps) < MIN_GAPS:
             return self.cap
         median, spread = median_spread(gaps)
         measured = max(3 * median, median + 8 * spread, 1.5 * max(gaps))

@@ -364,8 +364,10 @@ class Scheduler:
                 if down is not None and now - down > GONE_S and now - seen > GONE_S:
                     reason = (f"{self._label(entry)} lost its connection {now - down:.1f} s ago and has been "
                               f"silent since (its process ended, or it froze)")
-                elif now - max(seen, self.van.last_stall_end) > (deadline := self.liveness.deadline(node_id)):
-                    # (a stall of our own receive thread left its heartbeats unread: no evidence against it)
+                elif now - max(seen, self.van.last_stall_end) > (
+                        deadline := self.liveness.deadline(node_id, running=self.van.answering(entry["addr"]))):
+                    # (a stall of our own receive thread left its heartbeats unread: no evidence against it; a
+                    # member whose ZeroMQ still answers runs, and may be busy: it gets the longest deadline)
                     reason = (f"{self._label(entry)} stopped sending heartbeats {now - seen:.1f} s ago (it died, "
                               f"is frozen or its host is unreachable; deadline {deadline:.2f} s, "
                               f"{self.liveness.describe()})")

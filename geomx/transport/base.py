@@ -123,6 +123,12 @@ class Van(ABC):
         while it is up or where this van cannot tell: liveness checks then rely on heartbeats alone."""
         return None
 
+    def answering(self, addr: str) -> bool:
+        """Whether the process at ``addr`` is running, though perhaps too busy to heartbeat: this node's direct,
+        probed connection to it is up and its ZeroMQ answers (geomx.transport.connection_watch). False where this
+        van cannot tell (not probed, behind the WAN emulator, in memory)."""
+        return False
+
     def deliver(self, msg: Message) -> None:
         """Hand one received message to ``on_message`` (on the receive thread), timing it for the heartbeat
         check; a handler's exception is logged, never fatal."""

@@ -10,6 +10,8 @@ That thread is not Python's, so a peer busy holding the GIL still answers; only 
 unreachable host does not. A connection counts as up again only once ZeroMQ's handshake succeeds (a frozen
 peer's kernel still accepts the TCP reconnection, its ZeroMQ never greets). Only direct connections tell: a
 peer in another DC behind the WAN emulator is reached through the emulator's socket, which stays up.
+The same answers tell a busy peer from a frozen one (``answering``): a probed connection that is up belongs to a
+process that runs, even while it is too busy to send heartbeats of its own.
 
 ZeroMQ sockets are not thread-safe: the van's sending side creates each monitor socket (a PAIR) next to the
 DEALER it watches and hands it over under a lock; from then on only the watch thread touches it.
@@ -43,6 +45,8 @@ class ConnectionWatch:
         self._lock = threading.Lock()
         self._handed_over: list[tuple[zmq.Socket, str]] = []
         self._down: dict[str, float] = {}           # peer address -> when its connection went down (monotonic)
+        self._probed: set[str] = set()              # peer addresses whose connections ZeroMQ heartbeats
+        self._answering: set[str] = set()           # probed peers greeted and not disconnected since
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"van-watch-{name}", daemon=True)
 
@@ -54,8 +58,11 @@ class ConnectionWatch:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
-    def watch(self, sock: zmq.Socket, addr: str) -> None:
-        """Watch the connection of ``sock`` (a DEALER connected to ``addr``); call on the thread that owns it."""
+    def watch(self, sock: zmq.Socket, addr: str, *, probed: bool = False) -> None:
+        """Watch the connection of ``sock`` (a DEALER connected to ``addr``, heartbeated by ZeroMQ if ``probed``);
+        call on the thread that owns it."""
+        if probed:
+            self._probed.add(addr)
         # a name of our own: pyzmq's default names the endpoint after the socket's file descriptor, which a new
         # socket reuses while ZeroMQ may still hold the closed one's endpoint
         try:
@@ -69,6 +76,10 @@ class ConnectionWatch:
     def down_since(self, addr: str) -> float | None:
         """When the connection to ``addr`` went down (time.monotonic), None while it is up or never watched."""
         return self._down.get(addr)
+
+    def answering(self, addr: str) -> bool:
+        """Whether ``addr``'s ZeroMQ answers this node's probes: its connection is probed, greeted and up."""
+        return addr in self._answering
 
     def _loop(self) -> None:
         poller, monitors = zmq.Poller(), {}
@@ -97,10 +108,13 @@ class ConnectionWatch:
             return
         addr = monitors[monitor]
         if event["event"] == zmq.EVENT_DISCONNECTED:
+            self._answering.discard(addr)
             self._down.setdefault(addr, time.monotonic())
             log.debug("connection to %s closed", addr)
         elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._down.pop(addr, None)
+            if addr in self._probed:
+                self._answering.add(addr)
         elif event["event"] == zmq.EVENT_MONITOR_STOPPED:      # its DEALER was closed
             poller.unregister(monitor)
             del monitors[monitor]

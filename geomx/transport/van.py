@@ -277,6 +277,9 @@ class ZmqVan(Van):
     def down_since(self, addr: str) -> float | None:
         return self._watch.down_since(addr)
 
+    def answering(self, addr: str) -> bool:
+        return self._watch.answering(addr)
+
     # -- threads -----------------------------------------------------------------------------------------
 
     def _receive_loop(self) -> None:
@@ -442,5 +445,5 @@ class ZmqVan(Van):
         if probe:
             heartbeat(sock)
         sock.connect(addr)
-        self._watch.watch(sock, addr)
+        self._watch.watch(sock, addr, probed=probe)
         return sock

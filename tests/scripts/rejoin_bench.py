@@ -1,9 +1,9 @@
 """Summarise tests/scripts/rejoin_bench.sh's two runs (issue 16, docs/benchmarks.md): python rejoin_bench.py OUT.
 
 Per run: the time to the last step (from the launcher's start to the last worker's last step record), the final
-validation loss, the worker-steps (every worker process's step records); for the faulted run, each injected kill,
-how long its tier took to drop it, and each restarted worker's rejoin (its model's arrival, and from its process'
-start to its first step's readiness). Useful work = the failure-free run's time / the faulted run's time (both
+validation loss, the worker-steps (every worker process's step records); for the faulted run, each injected kill
+or freeze, how long its tier took to drop it, and each restarted worker's rejoin (its model's arrival, and from its
+process' start to its first step's readiness). Useful work = the failure-free run's time / the faulted run's time (both
 train the same steps, every one of which ends up in the final model).
 """
 from __future__ import annotations
@@ -57,11 +57,12 @@ def role_of(member: str) -> str:
 def faults(run: Path, output: str, started: float) -> list[dict]:
     drops = [json.loads(line) for line in (run / "dropped.jsonl").read_text().splitlines()]
     out = []
-    for role, at in re.findall(r"geomx: injected kill of (\S+) at ([\d.]+) s", output):
+    for action, role, at in re.findall(r"geomx: injected (kill|stop) of (\S+) at ([\d.]+) s", output):
         at = float(at)
         dropped = [d["time"] - started - at for d in drops if role_of(d["member"]) == role and
                    d["time"] - started >= at]
-        out.append({"role": role, "at_s": at, "dropped_after_s": min(dropped) if dropped else None})
+        out.append({"action": action, "role": role, "at_s": at,
+                    "dropped_after_s": min(dropped) if dropped else None})
     return out
 
 
@@ -90,7 +91,7 @@ def main(out: Path) -> None:
         print(f"{name}: median {median:.2f} s between steps; {lost:.1f} s spent beyond 2 x that between steps")
     output = (out / "rj-faults.out").read_text()
     for f in faults(out / "rj-faults", output, faulted["started"]):
-        print(f"kill of {f['role']} at {f['at_s']:.1f} s: dropped after "
+        print(f"{f['action']} of {f['role']} at {f['at_s']:.1f} s: dropped after "
               + (f"{f['dropped_after_s']:.2f} s" if f["dropped_after_s"] is not None else "(never)"))
     for r in rejoins(out / "rj-faults"):
         print(f"{r['log']}: rejoined at step {r['step']}, model arrived in {r['model_s']:.2f} s "
