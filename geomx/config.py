@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from collections.abc import Mapping
 
 from geomx.errors import ConfigError
@@ -61,6 +62,7 @@ class NodeConfig:
     emulator: str | None = None            # tcp:// address of the WAN emulator, if any
     run_dir: str | None = None
     checkpoint_every: int = 0              # global servers with an optimizer: checkpoint every N rounds
+    checkpoint_dir: str | None = None      # GEOMX_CHECKPOINT_DIR, else <run dir>/checkpoints (checkpoint_directory)
     resume_from: str | None = None         # a previous run's checkpoint directory (geomx launch --resume)
     resume_step: int | None = None         # the step (= round) to resume at
     size_lower_bound: int | None = None    # MXNET_KVSTORE_SIZE_LOWER_BOUND here (global servers: theirs wins)
@@ -131,6 +133,14 @@ def env_float(env: Mapping[str, str], name: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a number") from None
+
+
+def checkpoint_directory(cfg: NodeConfig) -> Path | None:
+    """Where this node writes its checkpoints: ``GEOMX_CHECKPOINT_DIR`` (``geomx launch --checkpoint-dir``, e.g.
+    storage every host mounts), else the run directory's ``checkpoints``; None with neither."""
+    if cfg.checkpoint_dir:
+        return Path(cfg.checkpoint_dir)
+    return Path(cfg.run_dir) / "checkpoints" if cfg.run_dir else None
 
 
 def env_heartbeat_timeout(env: Mapping[str, str]) -> tuple[float, bool]:
@@ -204,6 +214,7 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
             "checks only who sent each message", role)
     cfg.run_dir = env.get("GEOMX_RUN_DIR") or None
     cfg.checkpoint_every = env_int(env, "GEOMX_CHECKPOINT_EVERY", role, 0)
+    cfg.checkpoint_dir = env.get("GEOMX_CHECKPOINT_DIR") or None
     cfg.resume_from = env.get("GEOMX_RESUME_FROM") or None
     cfg.resume_step = env_int(env, "GEOMX_RESUME_STEP", role) if env.get("GEOMX_RESUME_STEP") else None
     cfg.optimizer_modules = tuple(m.strip() for m in (env.get("GEOMX_OPTIMIZER_MODULES") or "").split(",")

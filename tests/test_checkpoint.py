@@ -81,9 +81,11 @@ DEPLOYMENTS = {"server": dict(dcs=1, workers_per_dc=1, topology="flat"),
                "worker": dict(dcs=2, workers_per_dc=1, topology="hips", sync={"algorithm": "diloco", "k1": 2})}
 
 
-def _train(run_dir: Path, steps: int, update_on: str, **resume) -> str:
+def _train(run_dir: Path, steps: int, update_on: str, checkpoint_dir: Path | None = None, **resume) -> str:
     topo = load_topology(wan="lan", **DEPLOYMENTS[update_on])
     topo.env["GEOMX_CHECKPOINT_EVERY"] = "3"          # what geomx launch --checkpoint-every 3 sets for every role
+    if checkpoint_dir is not None:
+        topo.env["GEOMX_CHECKPOINT_DIR"] = str(checkpoint_dir)     # geomx launch --checkpoint-dir
     out = io.StringIO()
     launcher = Launcher(topo, [sys.executable, str(EXAMPLE), "--steps", str(steps), "--update-on", update_on],
                         run_dir=run_dir, out=out, **resume)
@@ -96,11 +98,14 @@ def test_a_job_resumed_from_a_checkpoint_ends_on_the_uninterrupted_jobs_model_bi
     order carry over: new processes resumed from the step-3 checkpoint (mid-round for DiLoCo, k1=2) and trained
     to step 6 give the very model that the job that went on from step 3 gave. (The resumed processes share
     nothing with the first run but its checkpoint files, so whether that run stopped at step 3 or went on makes
-    no difference.) The global server's checkpoints (--update-on server) are resumed by --restart-failed below."""
-    _train(tmp_path / "straight", 6, "worker")
+    no difference.) The first run writes them where --checkpoint-dir says, outside its run directory, and
+    --resume finds them there through its manifest. The global server's checkpoints (--update-on server) are
+    resumed by --restart-failed below."""
+    _train(tmp_path / "straight", 6, "worker", checkpoint_dir=tmp_path / "shared")
+    assert not (tmp_path / "straight" / "checkpoints").exists()
     resumed_out = _train(tmp_path / "resumed", 6, "worker", resume=tmp_path / "straight", resume_step=3)
     assert "resumed at step 3" in resumed_out
-    checkpoints = {run: tmp_path / run / "checkpoints" for run in ("straight", "resumed")}
+    checkpoints = {"straight": tmp_path / "shared", "resumed": tmp_path / "resumed" / "checkpoints"}
     assert sorted(steps_saved(checkpoints["resumed"])[0]) == [6]               # it trained steps 4-6 only
     _same_final_models(checkpoints, 6, 2)
     for worker in range(2):

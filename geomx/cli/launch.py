@@ -183,6 +183,16 @@ def clear_previous_run(run_dir: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def checkpoints_of(run_dir: Path) -> Path:
+    """Where the run in ``run_dir`` wrote its checkpoints: what its manifest says (``--checkpoint-dir``), else
+    the run directory's ``checkpoints``."""
+    try:
+        recorded = json.loads((run_dir / "launch.json").read_text()).get("checkpoint_dir")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    return Path(recorded) if isinstance(recorded, str) and recorded else run_dir / "checkpoints"
+
+
 def resume_directory(previous_run: Path, run_dir: Path, workers: int, step: int | None = None) -> tuple[Path, int]:
     """The checkpoint directory of ``previous_run`` that ``--resume`` reads and the step to resume at (``step``,
     else the latest), checked before anything starts: every worker of the saved run must have a checkpoint of
@@ -192,9 +202,9 @@ def resume_directory(previous_run: Path, run_dir: Path, workers: int, step: int 
     if previous_run.resolve() == run_dir.resolve():
         raise ConfigError(f"--resume {previous_run}: give the resumed run its own --run-dir (its checkpoints would "
                           f"replace the ones it resumes from)")
-    directory = (previous_run / "checkpoints").resolve()
+    directory = checkpoints_of(previous_run).resolve()
     if not directory.is_dir():
-        raise ConfigError(f"--resume {previous_run}: it has no checkpoints directory (was it run with "
+        raise ConfigError(f"--resume {previous_run}: it has no checkpoints directory ({directory}; was it run with "
                           f"--checkpoint-every?)")
     return directory, common_step(directory, workers, step)
 
@@ -223,6 +233,9 @@ class Launcher:
         self.auth_token = secrets.token_urlsafe(32) if not secure and not insecure else None
         self.insecure = insecure
         self.topo, self.command, self.run_dir, self.quiet = topo, command, Path(run_dir), quiet
+        # every role writes its checkpoints here (GEOMX_CHECKPOINT_DIR: --checkpoint-dir, else the run directory's)
+        self.checkpoint_dir = Path(topo.env.get("GEOMX_CHECKPOINT_DIR") or self.run_dir / "checkpoints").resolve()
+        topo.env["GEOMX_CHECKPOINT_DIR"] = str(self.checkpoint_dir)
         self.out = out or sys.stdout
         self.running: list[Running] = []
         self._print_lock = threading.Lock()
@@ -272,7 +285,7 @@ class Launcher:
         from geomx.cli.restarts import archive_attempt, restart_step
 
         archived = archive_attempt(self.run_dir, attempt, [r.spec.name for r in self.running])
-        directory = self.run_dir / "checkpoints"
+        directory = self.checkpoint_dir
         step = restart_step(directory, self.topo.num_all_workers, self.topo.global_servers)
         if step is not None:
             self.topo.env.update({"GEOMX_RESUME_FROM": str(directory.resolve()), "GEOMX_RESUME_STEP": str(step)})
@@ -340,7 +353,8 @@ class Launcher:
                             "rtt_s": p.rtt_s, "jitter_s": p.jitter_s},
                     "command": self.command, "roles": [s.name for s in specs], "started": self._started,
                     "slowdown": {f"{dc}:{r}": f for (dc, r), f in sorted(self.topo.slowdown.items())},
-                    "backend": self.backend.name, "placement": self.backend.placement()}
+                    "backend": self.backend.name, "placement": self.backend.placement(),
+                    "checkpoint_dir": str(self.checkpoint_dir)}
         (self.run_dir / "launch.json").write_text(json.dumps(manifest, indent=2))
 
     def _start(self, spec: RoleSpec, *, env: dict[str, str] | None = None, log_name: str | None = None) -> Running:

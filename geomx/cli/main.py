@@ -79,6 +79,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if args.checkpoint_every < 1:
             raise GeomxError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
         topo.env["GEOMX_CHECKPOINT_EVERY"] = str(args.checkpoint_every)
+    if args.checkpoint_dir is not None:
+        directory = Path(args.checkpoint_dir).expanduser().resolve()
+        if directory.exists() and not directory.is_dir():
+            raise GeomxError(f"--checkpoint-dir {args.checkpoint_dir}: {directory} exists and is not a directory")
+        topo.env["GEOMX_CHECKPOINT_DIR"] = str(directory)
     if args.min_workers_per_dc is not None:
         smallest = min(topo.workers_per_dc)
         if not 1 <= args.min_workers_per_dc <= smallest:
@@ -122,7 +127,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="no authentication at all (every process logs it); message senders are still checked")
     p.add_argument("--checkpoint-every", type=int, metavar="N",
                    help="every N steps each worker checkpoints its model and optimizer into <run dir>/checkpoints "
-                        "(GEOMX_CHECKPOINT_EVERY; read by scripts built on geomx.torch.loop)")
+                        "(GEOMX_CHECKPOINT_EVERY; read by scripts built on geomx.torch.loop), and global servers "
+                        "that run the optimizer their state every N rounds")
+    p.add_argument("--checkpoint-dir", metavar="PATH",
+                   help="write checkpoints here instead of <run dir>/checkpoints, e.g. storage every host mounts "
+                        "(GEOMX_CHECKPOINT_DIR; --resume and --restart-failed find it in the run's launch.json)")
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="resume the job whose run directory this was, from the latest step every worker "
                         "checkpointed (run it with its own --run-dir)")

@@ -22,7 +22,7 @@ from geomx.cluster.server_checkpoint import ServerCheckpoints
 from geomx.cluster.protocol import Command, Field, Op
 from geomx.compat import conflict
 from geomx.compression import CompressionPolicy
-from geomx.config import MIXEDSYNC, MODES, REDUCTIONS, NodeConfig, round_divisor
+from geomx.config import MIXEDSYNC, MODES, REDUCTIONS, NodeConfig, checkpoint_directory, round_divisor
 from geomx.errors import ConfigError
 from geomx.profiles import CENTRAL_DC
 from geomx.transport.message import Message
@@ -168,7 +168,7 @@ class GlobalServer(KVServer):
             # the model lives here: checkpoint it, and resume from a checkpoint (server_checkpoint.py)
             self.checkpoints = ServerCheckpoints(
                 rank=self.rank, every=cfg.checkpoint_every,
-                directory=Path(cfg.run_dir) / "checkpoints" if cfg.run_dir else None,
+                directory=checkpoint_directory(cfg),
                 resume_from=Path(cfg.resume_from) if cfg.resume_from else None, resume_round=cfg.resume_step)
 
     # saved state ----------------------------------------------------------------------------------------------

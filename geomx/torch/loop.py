@@ -26,6 +26,7 @@ import torch
 
 import geomx.kvstore
 from geomx import metrics
+from geomx.config import checkpoint_directory
 from geomx.torch.checkpoint import Checkpointer
 
 # one batch: (epoch, last batch of its epoch?, a callable computing the batch's loss)
@@ -80,8 +81,9 @@ def checkpointer(args: argparse.Namespace, kv, opt, model: torch.nn.Module, **st
     """The worker's :class:`Checkpointer` when ``--checkpoint-every`` is set or the run resumes
     (``GEOMX_RESUME_FROM``, set by ``geomx launch --resume``): the model, ``opt`` and ``stateful`` (a schedule).
     With ``--update-on server`` the global servers checkpoint and resume the weights and the optimizer
-    (geomx.cluster.server_checkpoint); the worker's file keeps its step and data position. The run directory and
-    what to resume are the deployment's configuration (``kv.cfg``, read from the environment once)."""
+    (geomx.cluster.server_checkpoint); the worker's file keeps its step and data position. Where checkpoints go
+    and what to resume are the deployment's configuration (``kv.cfg``, read from the environment once:
+    geomx.config.checkpoint_directory)."""
     cfg = kv.cfg
     if not args.checkpoint_every and not cfg.resume_from:
         return None
@@ -89,7 +91,7 @@ def checkpointer(args: argparse.Namespace, kv, opt, model: torch.nn.Module, **st
         raise SystemExit(f"--checkpoint-every {args.checkpoint_every} with --update-on server: the model lives on the "
                          f"global servers, which checkpoint it too; give the interval to every role with geomx "
                          f"launch --checkpoint-every {args.checkpoint_every} (GEOMX_CHECKPOINT_EVERY)")
-    return Checkpointer(Path(cfg.run_dir or ".") / "checkpoints", worker=worker_index(args),
+    return Checkpointer(checkpoint_directory(cfg) or Path("checkpoints"), worker=worker_index(args),
                         workers=kv.num_all_workers, every=args.checkpoint_every, resume_from=cfg.resume_from,
                         resume_step=cfg.resume_step, model=model, optimizer=opt, **stateful)
 
