@@ -108,7 +108,7 @@ def timing_attempts(measure, attempts: int = 3):
 
 
 class RecordingScheduler:
-    """Stands in for a DeliveryScheduler: records each delivery's virtual time and delivers at once."""
+    """Stands in for the delivery scheduler: records each delivery's virtual time and delivers at once."""
 
     def __init__(self) -> None:
         self.times: list[float] = []

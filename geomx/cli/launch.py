@@ -31,7 +31,7 @@ from geomx.dropped import FILE as DROPPED_FILE
 from geomx.dropped import DropLog
 from geomx.errors import ConfigError
 from geomx.metrics import METRICS_DIR
-from geomx.netem import link_matrix
+from geomx.netem import link_matrix, node_links
 from geomx.netem import outages as outage_plan
 from geomx.netem.emulator import STATS_FILE
 from geomx.cli.fault_domains import MIN_DCS_ENV, MIN_WORKERS_ENV, DcRole, Losses
@@ -87,7 +87,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 def one_host_sites(topo: Topology, ports: list[int] | None = None) -> Sites:
     """Every site at ``topo.host``, on ``ports`` or free ones there (the local backend's placement)."""
     return Sites({site: topo.host for site in (CENTRAL_DC, *topo.dc_names)},
-                 ports or free_ports(3 + topo.dcs, topo.host))
+                 ports or free_ports(topo.fixed_ports, topo.host))
 
 
 def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | None = None,
@@ -100,7 +100,10 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
     n_dcs, G, N = topo.dcs, topo.global_servers, topo.num_all_workers
     flat = topo.topology == "flat"
     ports = sites.ports
-    p_global, p_central, p_emu, dc_ports = ports[0], ports[1], ports[2], ports[3:]
+    p_global, p_central, p_emu, dc_ports = ports[0], ports[1], ports[2], ports[3:3 + n_dcs]
+    # global servers on lines of their own bind fixed ports: the emulator knows their lines by address
+    gs_ports = ports[3 + n_dcs:3 + n_dcs + G] if topo.global_server_link_bps else []
+    node_lines = {f"tcp://{h}:{port}": topo.global_server_link_bps for port in gs_ports}
     global_workers = N if flat else n_dcs
     security = {"GEOMX_SECRET": secret} if secret else {"GEOMX_AUTH_TOKEN": auth_token} if auth_token else {}
     base = {**security, "PYTHONUNBUFFERED": "1", "GEOMX_RUN_DIR": str(run_dir),
@@ -120,6 +123,7 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
             "GEOMX_EMULATOR_HOSTS": ",".join(sorted(set(sites.hosts.values()))),
             **({link_matrix.ENV: link_matrix.to_env(topo.wan_links)} if topo.wan_links else {}),
             **topo.tcp.to_env(),
+            **({node_links.ENV: node_links.to_env(node_lines)} if node_lines else {}),
             **({"GEOMX_WAN_PROFILE": p.name} if p.name != "custom" else
                {"GEOMX_WAN_RATE": str(p.uplink_bps), "GEOMX_WAN_RTT": str(p.rtt_s),
                 "GEOMX_WAN_JITTER": str(p.jitter_s)})}, pinned=True))
@@ -135,7 +139,8 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
     for i in range(G):
         specs.append(RoleSpec(f"global-server-{i}", "server", node, {
             **base, **glob, **central, "DMLC_ROLE_GLOBAL": "global_server", "DMLC_ROLE": "server",
-            "DMLC_NUM_ALL_WORKER": str(N), "GEOMX_RANK": str(i)}))
+            "DMLC_NUM_ALL_WORKER": str(N), "GEOMX_RANK": str(i), **({"PORT": str(gs_ports[i])} if gs_ports else {})},
+            pinned=bool(gs_ports)))
     specs.append(RoleSpec("master", "master", list(command), {
         **base, **central, "DMLC_ROLE": "worker", "DMLC_ROLE_MASTER_WORKER": "1", "DMLC_NUM_ALL_WORKER": str(N)},
         echo=True))

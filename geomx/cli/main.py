@@ -42,6 +42,13 @@ def _add_topology_flags(p: argparse.ArgumentParser) -> None:
                    help="parallel TCP streams per emulated link (default 1; with --wan-loss/--wan-window)")
     p.add_argument("--wan-window", type=int, metavar="BYTES", help="per-stream TCP window: caps a stream at "
                                                                   "window / RTT (default: no cap)")
+    p.add_argument("--wan-slow-start", action="store_true", default=None,
+                   help="a link idle for longer than its retransmission timeout (RTT + 200 ms) starts again from the "
+                        "streams' initial windows (10 segments) and doubles its rate every RTT, as Linux does by "
+                        "default (tcp_slow_start_after_idle)")
+    p.add_argument("--global-server-link", metavar="RATE",
+                   help="put each global server on a line of its own of this rate (e.g. 1gbit), both directions, "
+                        "which every DC's traffic to it shares: the in-cast that several global servers relieve")
     p.add_argument("--wan-link", action="append", metavar="LINK=RATE/RTT[/LOSS]",
                    help="one link's own rate and RTT, and loss (repeatable): b=50mbit/250ms (both directions between "
                         "DC b and the central party), a->central=1gbit/20ms (one direction), b=50mbit/250ms/0.1%%")
@@ -60,7 +67,8 @@ def topology_from_args(args: argparse.Namespace):
                          sync_delay=args.dga_delay,
                          sync_steps=args.esync_steps,
                          slowdown=args.slowdown, wan_links=args.wan_link, wan_loss=args.wan_loss,
-                         wan_streams=args.wan_streams, wan_window=args.wan_window)
+                         wan_streams=args.wan_streams, wan_window=args.wan_window,
+                         wan_slow_start=args.wan_slow_start, global_server_link=args.global_server_link)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ Read from a TOML file and/or command-line flags (flags win). Example topo.toml:
     wan = "transpacific"         # a profile name, or a table: wan = { rate = "100mbit", rtt = "180ms" }
     slowdown = ["b=3", "a:1=2"]  # DC[:RANK]=FACTOR: those workers compute FACTOR times slower
     sync = "hfa"                 # or a table: sync = { algorithm = "hfa", k1 = 20, k2 = 10 } (geomx.sync)
+    global_server_link = "1gbit" # each global server on a line of its own (geomx.netem.node_links)
 """
 from __future__ import annotations
 
@@ -41,7 +42,15 @@ class Topology:
     env: dict[str, str] = field(default_factory=dict)   # extra variables for every role
     slowdown: dict[tuple[str, int], float] = field(default_factory=dict)   # (dc, rank) -> factor
     wan_links: dict = field(default_factory=dict)   # (src, dst) -> link_matrix.LinkSpec: per-link overrides
-    tcp: TcpPath = field(default_factory=TcpPath)   # loss, streams, window: every link's TCP ceiling
+    tcp: TcpPath = field(default_factory=TcpPath)   # loss, streams, window, slow start: every link's TCP
+    global_server_link_bps: float | None = None     # each global server's own line (node link), if any
+
+    @property
+    def fixed_ports(self) -> int:
+        """How many ports the deployment's listening roles bind at fixed numbers (geomx.cli.backends.Sites): the
+        global and central schedulers, the WAN emulator, each DC's scheduler, and each global server whose node
+        link the emulator knows by its address."""
+        return 3 + self.dcs + (self.global_servers if self.global_server_link_bps else 0)
 
     @property
     def slowest_link_bps(self) -> float:
@@ -109,8 +118,8 @@ def load_topology(path: str | None = None, **flags) -> Topology:
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"topology file {path} is not valid TOML: {exc}") from None
         known = {"dcs", "workers_per_dc", "global_servers", "mode", "mixedsync", "topology", "wan", "env", "host",
-                 "slowdown", "wan_links", "wan_loss", "wan_streams", "wan_window",
-                 "sync"}
+                 "slowdown", "wan_links", "wan_loss", "wan_streams", "wan_window", "wan_slow_start",
+                 "global_server_link", "sync"}
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"topology file {path}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
@@ -142,12 +151,22 @@ def load_topology(path: str | None = None, **flags) -> Topology:
         if not topo.profile.emulated:
             raise ConfigError(f"wan_links{where} need an emulated WAN (--wan {topo.profile.name} has none)")
         topo.wan_links = parse_link_overrides(data["wan_links"], topo.dc_names, where)
-    if any(data.get(k) is not None for k in ("wan_loss", "wan_streams", "wan_window")):
+    if any(data.get(k) is not None for k in ("wan_loss", "wan_streams", "wan_window", "wan_slow_start")):
         if not topo.profile.emulated:
-            raise ConfigError(f"wan_loss/wan_streams/wan_window{where} need an emulated WAN (--wan "
+            raise ConfigError(f"wan_loss/wan_streams/wan_window/wan_slow_start{where} need an emulated WAN (--wan "
                               f"{topo.profile.name} has none)")
         topo.tcp = tcp_path(loss=data.get("wan_loss"), streams=data.get("wan_streams"),
-                            window=data.get("wan_window"), where=where)
+                            window=data.get("wan_window"), slow_start=data.get("wan_slow_start"), where=where)
+    if data.get("global_server_link") is not None:
+        if not topo.profile.emulated:
+            raise ConfigError(f"global_server_link{where} (--global-server-link) needs an emulated WAN (--wan "
+                              f"{topo.profile.name} has none)")
+        try:
+            topo.global_server_link_bps = parse_rate(str(data["global_server_link"]))
+        except ConfigError as exc:
+            raise ConfigError(f"global_server_link{where} (--global-server-link): {exc}") from None
+        if not topo.global_server_link_bps > 0:
+            raise ConfigError(f"global_server_link{where} (--global-server-link) must be > 0 bit/s")
     sync = data.get("sync")
     if sync is not None and not isinstance(sync, (str, dict)):
         raise ConfigError(f"sync{where} must be an algorithm name or a table, got {sync!r}")

@@ -1,16 +1,23 @@
 """The WAN emulator: one process that every cross-DC message passes through when emulation is on.
 
 A van that sends to a node of another DC connects a DEALER to the emulator's ROUTER and sends
-``[route, *frames]``, ``route`` being a msgpack map ``{"dst": "tcp://host:port", "src_dc", "dst_dc",
-"prio"}`` and ``frames`` the original message. The emulator queues the message on the
+``[route, *frames]``, ``route`` being a msgpack map ``{"dst": "tcp://host:port", "src": its own address,
+"src_dc", "dst_dc", "prio"}`` and ``frames`` the original message. The emulator queues the message on the
 :class:`~geomx.netem.link.EmulatedLink` of ``(src_dc, dst_dc)`` (created on first use with the profile's rate,
 one-way delay and jitter) and, once it has crossed the link, forwards exactly ``frames`` (the same zmq frames,
 not copied) to ``dst`` through a DEALER of its own. Because all flows between two DCs cross one link object,
-they really share its rate.
+they really share its rate. Where the sender or the receiver has a node link of its own
+(geomx.netem.node_links), the message crosses that too, in tandem: the sender's egress line, the DC pair's
+link, the receiver's ingress line.
 
-Threads, each owning its sockets (ZeroMQ sockets are not thread-safe): the receive loop (the ROUTER), one
-scheduler per link, and one delivery thread (the forwarding DEALERs). Links count the bytes they forward
-(header + tensor frames, not the route frame): the ground truth for every WAN-traffic figure. With a
+One thread does the work and owns every socket (ZeroMQ sockets are not thread-safe): it receives (the ROUTER),
+queues each message on its links, pumps the :class:`~geomx.netem.link.LinkEngine` that serializes every link's
+chunks, and forwards what is due (the DEALERs), waiting in one poll for whichever comes first: a message, or
+the engine's next chunk or delivery. No hand-off between threads, no lock taken twice per message: the
+emulator's own CPU per forwarded MB is the copies in and out of the kernel and little more.
+
+Links count the bytes they forward (header + tensor frames, not the route frame): the ground truth for every
+WAN-traffic figure. With a
 ``run_dir`` the counters are written to ``run_dir/wan_links.json`` every 0.5 s and at stop.
 """
 from __future__ import annotations
@@ -31,13 +38,14 @@ import zmq
 from geomx.errors import ConfigError
 from geomx.netem import link_matrix
 from geomx.netem import outages as outage_plan
-from geomx.netem.link import DeliveryScheduler, EmulatedLink
+from geomx.netem import node_links as node_link_plan
+from geomx.netem.link import NODE_EGRESS, NODE_INGRESS, EmulatedLink, LinkEngine
 from geomx.netem.tcp_model import TcpPath, tcp_path_from_env
 from geomx.transport.security import Curve, Plain, Sealed, link_security
 from geomx.profiles import WanProfile, custom_profile, get_profile, parse_duration, parse_rate
 from geomx.transport.message import payload_nbytes
 from geomx.transport.refusals import RefusalLog
-from geomx.transport.van import is_tcp_address, receive_multipart
+from geomx.transport.van import is_tcp_address
 import contextlib
 
 log = logging.getLogger("geomx.netem")
@@ -49,6 +57,8 @@ MAX_LINKS = 256
 MAX_DESTINATIONS = 1024
 STATS_FILE = "wan_links.json"
 _STATS_PERIOD_S = 0.5
+_POLL_S = 0.1           # the loop looks at its stop flag at least this often
+_BATCH = 64             # messages received per pass before the engine is pumped again
 
 
 class WanEmulator:
@@ -62,7 +72,8 @@ class WanEmulator:
                  security: Sealed | Curve | Plain | None = None, dcs: Iterable[str] | None = None,
                  hosts: Iterable[str] | None = None,
                  links: dict[tuple[str, str], link_matrix.LinkSpec] | None = None,
-                 outages: outage_plan.Outages | None = None, tcp: TcpPath | None = None) -> None:
+                 outages: outage_plan.Outages | None = None, tcp: TcpPath | None = None,
+                 node_links: dict[str, float] | None = None) -> None:
         """``dcs``: the DCs of the deployment (the central party included); a route naming another is dropped.
         ``hosts``: the hosts messages may be relayed to (default: this host and the loopback); the emulator
         never forwards anywhere else, so it cannot be used to reach a third party. ``links``: per-link rate
@@ -75,6 +86,8 @@ class WanEmulator:
         self.link_overrides = dict(links or {})
         self.outages = dict(outages or {})
         self.tcp = tcp or TcpPath()
+        self.node_rates = dict(node_links or {})
+        self._node_links: dict[tuple[str, int], EmulatedLink] = {}   # (address, stage) -> its line
         self.dcs = frozenset(dcs) if dcs is not None else None
         self.hosts = frozenset(hosts) if hosts is not None else frozenset({host, "127.0.0.1", "localhost"})
         self.refusals = RefusalLog(log)
@@ -91,7 +104,7 @@ class WanEmulator:
         self._links: dict[tuple[str, str], EmulatedLink] = {}
         self._links_lock = threading.Lock()
         self._router: zmq.Socket | None = None
-        self._delivery: DeliveryScheduler | None = None
+        self._engine: LinkEngine | None = None
         self._forward_sockets: dict[str, zmq.Socket] = {}   # owned by the delivery thread
         self._threads: list[threading.Thread] = []
         self._running = False
@@ -132,9 +145,9 @@ class WanEmulator:
         self._router = router
         self._epoch = time.monotonic()
         self._t0_unix = time.time()
-        self._delivery = DeliveryScheduler(name="wan-delivery", on_exit=self._close_forward_sockets)
+        self._engine = LinkEngine(driven=True)
         self._running = True
-        targets = [(self._receive_loop, "wan-recv")]
+        targets = [(self._loop, "wan-emulator")]
         if self.run_dir:
             targets.append((self._stats_loop, "wan-stats"))
         for target, name in targets:
@@ -151,14 +164,14 @@ class WanEmulator:
         for t in self._threads:
             t.join(timeout)
         with self._links_lock:
-            links = list(self._links.values())
+            links = [*self._links.values(), *self._node_links.values()]
         for link in links:
             link.close(timeout)
-        self._delivery.close(timeout)
+        self._engine.close(timeout)
         if self.run_dir:
             self._write_stats()
         if self._own_context:
-            if any(t.is_alive() for t in self._threads) or self._delivery.alive:
+            if any(t.is_alive() for t in self._threads):
                 log.warning("WAN emulator threads did not stop within %.1f s; leaving its zmq context open", timeout)
             else:
                 self._ctx.term()    # all sockets are closed: returns once lingering frames have left
@@ -166,14 +179,17 @@ class WanEmulator:
     def stats(self) -> dict:
         with self._links_lock:
             items = list(self._links.items())
+            nodes = sorted(self._node_links.items())
         links = {}
         for (src, dst), link in sorted(items):
             snap = link.snapshot()
             del snap["name"]
             links[f"{src}->{dst}"] = {"src_dc": src, "dst_dc": dst, **snap}
+        node_links = {link.name: {"address": addr, "direction": "in" if stage == NODE_INGRESS else "out",
+                                  **link.snapshot()} for (addr, stage), link in nodes}
         return {"profile": self.profile.name, "address": self.address, "t0_unix": self._t0_unix,
                 "elapsed_s": time.monotonic() - self._epoch, "dropped_messages": self.dropped_messages,
-                "links": links}
+                "links": links, "node_links": node_links}
 
     def link(self, src_dc: str, dst_dc: str) -> EmulatedLink:
         """The link src_dc -> dst_dc, created on first use; ValueError for DCs outside the configuration."""
@@ -192,25 +208,63 @@ class WanEmulator:
                     rate_bps=spec.rate_bps if spec else self.profile.rate_for(src_dc, dst_dc),
                     one_way_delay_s=spec.rtt_s / 2 if spec else self.profile.one_way_delay_s,
                     jitter_s=self.profile.jitter_s,
-                    chunk_bytes=self.chunk_bytes, seed=self.seed, scheduler=self._delivery, epoch=self._epoch,
+                    chunk_bytes=self.chunk_bytes, seed=self.seed, engine=self._engine, epoch=self._epoch,
                     outages=outage_plan.for_link(self.outages, src_dc, dst_dc),
                     tcp=spec.tcp(self.tcp) if spec else self.tcp)
             return link
 
+    def node_link(self, addr: str, stage: int) -> EmulatedLink | None:
+        """The line of the node at ``addr`` in one direction (``NODE_INGRESS`` or ``NODE_EGRESS``), created on
+        first use; None where the node has none."""
+        rate = self.node_rates.get(addr)
+        if rate is None:
+            return None
+        with self._links_lock:
+            link = self._node_links.get((addr, stage))
+            if link is None:
+                link = self._node_links[(addr, stage)] = EmulatedLink(
+                    name=f"{addr.removeprefix('tcp://')} {'in' if stage == NODE_INGRESS else 'out'}", rate_bps=rate,
+                    one_way_delay_s=0.0, chunk_bytes=self.chunk_bytes, engine=self._engine, epoch=self._epoch,
+                    stage=stage)
+            return link
+
     # -- threads -----------------------------------------------------------------------------------------
 
-    def _receive_loop(self) -> None:
+    def _loop(self) -> None:
+        router = self._router
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        wake = 0.0
         try:
-            for frames in receive_multipart(self._router, lambda: self._running):
-                try:
-                    self._route(frames)
-                except Exception as exc:    # malformed input is dropped, never fatal
-                    self.dropped_messages += 1
-                    peer = bytes(frames[0].bytes[:32])
-                    self.refusals.note(peer, "WAN emulator dropped a message from %r: %s", peer, exc)
+            while self._running:
+                now = time.monotonic()
+                if now >= wake:
+                    wake = self._engine.pump(now)
+                left = min(wake - time.monotonic(), _POLL_S)
+                # zmq's poll counts whole milliseconds: under one, take what has arrived, then sleep the rest
+                if poller.poll(int(left * 1000) if left >= 0.001 else 0):
+                    for _ in range(_BATCH):
+                        try:
+                            frames = router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._route_safely(frames)
+                    wake = 0.0              # what arrived may start on its line now
+                elif 0 < left < 0.001:
+                    time.sleep(left)
         finally:
+            router.close(linger=0)
+            self._close_forward_sockets()
             if self._security is not None:
                 self._security.release(self._ctx)   # the router is closed: its connection checker can stop
+
+    def _route_safely(self, frames: list) -> None:
+        try:
+            self._route(frames)
+        except Exception as exc:    # malformed input is dropped, never fatal
+            self.dropped_messages += 1
+            peer = bytes(frames[0].bytes[:32])
+            self.refusals.note(peer, "WAN emulator dropped a message from %r: %s", peer, exc)
 
     def _route(self, frames: list) -> None:
         if len(frames) < 3:
@@ -232,10 +286,14 @@ class WanEmulator:
         if not isinstance(prio, int) or isinstance(prio, bool):
             raise ValueError(f"route priority is not an int: {prio!r}")
         payload = frames[2:]
-        self.link(src_dc, dst_dc).enqueue(payload_nbytes(payload), prio, lambda: self._forward(dst, payload))
+        src = route.get("src")
+        path = [self.node_link(src, NODE_EGRESS) if isinstance(src, str) else None, self.link(src_dc, dst_dc),
+                self.node_link(dst, NODE_INGRESS)]
+        first, *then = [link for link in path if link is not None]
+        first.enqueue(payload_nbytes(payload), prio, lambda: self._forward(dst, payload), then=tuple(then))
 
     def _forward(self, dst: str, frames: list) -> None:
-        """Delivery thread only: send the original frames to the destination's ROUTER."""
+        """The emulator's thread only (a delivery): send the original frames to the destination's ROUTER."""
         sock = self._forward_sockets.get(dst)
         if sock is None:
             if len(self._forward_sockets) >= MAX_DESTINATIONS:
@@ -332,7 +390,9 @@ def run_from_env(env: Mapping[str, str] | None = None) -> int:
     dropped), GEOMX_EMULATOR_HOSTS (optional: the hosts it may relay to; default its own host and loopback),
     GEOMX_WAN_LINKS (optional: per-link rate and RTT, geomx.netem.link_matrix),
     GEOMX_WAN_OUTAGES (optional: partitions that heal, by DC, geomx.netem.outages),
-    GEOMX_WAN_LOSS / GEOMX_WAN_STREAMS / GEOMX_WAN_WINDOW (optional: the TCP ceiling, geomx.netem.tcp_model).
+    GEOMX_WAN_LOSS / GEOMX_WAN_STREAMS / GEOMX_WAN_WINDOW / GEOMX_WAN_SLOW_START (optional: the TCP ceiling and
+    slow start after idle, geomx.netem.tcp_model), GEOMX_WAN_NODE_LINKS (optional: nodes with a line of their own,
+    geomx.netem.node_links).
     """
     env = os.environ if env is None else env
     profile = profile_from_env(env)
@@ -354,7 +414,7 @@ def run_from_env(env: Mapping[str, str] | None = None) -> int:
                            security=link_security(env), dcs=dcs, hosts=hosts,
                            links=link_matrix.from_env(env.get(link_matrix.ENV), dcs),
                            outages=outage_plan.from_env(env.get(outage_plan.ENV), dcs),
-                           tcp=tcp_path_from_env(env))
+                           tcp=tcp_path_from_env(env), node_links=node_link_plan.parse(env.get(node_link_plan.ENV)))
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}

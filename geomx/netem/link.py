@@ -1,36 +1,45 @@
-"""One emulated WAN link (a directed DC pair) and the thread that delivers its messages.
+"""Emulated WAN links and the one thread that drives all of an emulator's links.
 
 The model of a link is one serial line of ``rate_bps`` followed by a propagation delay:
 
-* Messages wait in a queue ordered by (priority desc, arrival asc). A scheduler thread serializes the message
-  at the head of the queue one chunk (``chunk_bytes``) at a time, so a higher-priority message that arrives
-  while a bulk message is half sent overtakes it at the next chunk boundary; equal priorities stay FIFO.
-* Serialization runs on a virtual clock: a chunk occupies the line from ``max(busy_until, arrival)`` for
-  ``chunk * 8 / rate_bps`` seconds (``arrival``: when its message was enqueued). The thread sleeps only
-  while the virtual clock is more than ``LOOKAHEAD_S`` ahead of real time, and a thread that wakes late
-  (coarse sleeps, a busy machine) back-dates the chunks it commits instead of leaving the line idle, so
-  goodput stays at the rate and deliveries keep their virtual times (a late one is made at once). The choice
-  of the next chunk is made at most ``LOOKAHEAD_S`` before that chunk starts.
+* Messages wait in a queue ordered by (priority desc, arrival asc). The line serializes one chunk at a time, so
+  a higher-priority message that arrives while a bulk message is half sent overtakes it at the next chunk
+  boundary; equal priorities stay FIFO. A chunk is ``chunk_bytes`` or, on a fast line, what the line carries in
+  ``CHUNK_SECONDS`` (so overtaking waits at most that long, and a fast line costs no more chunks per second
+  than a slow one).
+* Serialization runs on a virtual clock: a chunk occupies the line from ``max(busy_until, ready)`` for its bytes
+  at the line's rate (``ready``: when its message was enqueued, or reached this link). The engine commits
+  chunks only while the virtual clock is at most ``LOOKAHEAD_S`` ahead of real time, several per wake-up, and an
+  engine that wakes late (coarse sleeps, a busy machine) back-dates the chunks it commits instead of leaving
+  the line idle, so goodput stays at the rate and deliveries keep their virtual times (a late one is made at
+  once).
 * A message whose last chunk ends at ``tx_end`` is delivered at ``tx_end + one_way_delay + jitter``, jitter
-  drawn from a seeded normal distribution (std ``jitter_s``, clipped to +-2 std), but never before the
-  previous delivery on the same link: a TCP connection does not reorder.
-* Deliveries are made by a :class:`DeliveryScheduler`: one time-ordered heap and one thread that may be
-  shared by every link of an emulator; it calls each message's ``deliver()`` at its time.
-
-* Outages (``outages``: (start, end) in seconds since ``epoch``) model a partition that heals: the line
-  carries nothing while one lasts, and a delivery that would fall inside one is made when it ends (what was on
-  the wire is retransmitted once the path is back, as TCP does for a partition shorter than its timeouts).
+  drawn from a seeded normal distribution (std ``jitter_s``, clipped to +-2 std), but never before the previous
+  delivery on the same link: a TCP connection does not reorder.
+* Outages (``outages``: (start, end) in seconds since ``epoch``) model a partition that heals: the line carries
+  nothing while one lasts, and a delivery that would fall inside one is made when it ends (what was on the wire
+  is retransmitted once the path is back, as TCP does for a partition shorter than its timeouts).
   (start, end, rate) slows the line instead: a chunk that starts in that window is serialized at that rate.
-
 * ``tcp`` (a :class:`geomx.netem.tcp_model.TcpPath`): loss and the streams' window cap the line's rate at what
-  that many TCP streams move over the link's RTT; the line then serializes at that goodput.
+  that many TCP streams move over the link's RTT; the line then serializes at that goodput. With
+  ``slow_start`` a line idle for longer than the retransmission timeout restarts from the streams' initial
+  windows and doubles its rate every RTT back to that goodput (Linux's ``tcp_slow_start_after_idle``).
 
-Not modelled: the time course of congestion control (slow start, the sawtooth), retransmitted bytes, per-packet
-header overhead.
+Links in tandem (``enqueue(..., then=[links])``): a message crosses each link in turn, chunk by chunk: a chunk
+that leaves one link (plus that link's delay) is ready on the next, so a message streams through a WAN link
+into a node's own link (``geomx.netem.node_links``) the way packets do, and several DCs' traffic into one node
+shares that node's line. Every link of a path must be driven by the same :class:`LinkEngine`.
+
+One :class:`LinkEngine` thread serializes the chunks of every link attached to it (node egress links first, then
+WAN links, then node ingress links, so a chunk handed on is seen in the same pass) and calls each message's
+``deliver()`` at its time. A link made without an engine owns one.
+
+Not modelled: the sawtooth of congestion avoidance (loss is a mean rate, Mathis), retransmitted bytes,
+per-packet header overhead.
 """
 from __future__ import annotations
 
-import functools
+import collections
 import heapq
 import itertools
 import logging
@@ -45,82 +54,169 @@ from geomx.netem.tcp_model import TcpPath
 
 log = logging.getLogger("geomx.netem")
 
-LOOKAHEAD_S = 0.002     # how far the virtual clock may run ahead of real time before the scheduler sleeps
+LOOKAHEAD_S = 0.002     # how far the virtual clock may run ahead of real time before the engine sleeps
+CHUNK_SECONDS = 0.0005  # on a fast line a chunk is what it carries in this long (at least chunk_bytes)
 _IDLE_WAIT_S = 0.5      # every wait has a timeout, so a lost notify or a close is noticed
 
+# the stages of a path, in the order the engine serves them within one pass
+NODE_EGRESS, WAN, NODE_INGRESS = 0, 1, 2
 
-class DeliveryScheduler:
-    """Calls ``fn()`` at monotonic time ``at`` for every ``schedule(at, fn)``, in (time, arrival) order.
+_arrivals = itertools.count()   # messages in the order they were enqueued, on any link: FIFO among equals
 
-    One daemon thread runs all callbacks, so a callback may use sockets that only this thread owns;
-    ``on_exit`` runs in that thread when it stops (the place to close those sockets).
+
+class LinkEngine:
+    """Serializes the chunks of every attached link and calls deliveries at their times.
+
+    Driven by its own thread, or (``driven=True``) by a caller's event loop that calls :meth:`pump` whenever the
+    time it returned has come or a message was enqueued: the WAN emulator does, so that receiving, serializing
+    and forwarding take one thread and no hand-offs. ``schedule(at, fn)`` calls ``fn()`` at monotonic time
+    ``at``, in (time, arrival) order, on the thread that pumps, so a callback may use sockets that only that
+    thread owns; ``on_exit`` runs in the engine's own thread when it stops (the place to close those sockets).
     """
 
-    def __init__(self, *, name: str = "wan-delivery", on_exit: Callable[[], None] | None = None) -> None:
-        self._heap: list = []
-        self._seq = itertools.count()       # ties on time keep arrival order
-        self._cv = threading.Condition()
+    def __init__(self, *, name: str = "wan-engine", on_exit: Callable[[], None] | None = None,
+                 driven: bool = False) -> None:
+        self.cv = threading.Condition()       # guards the engine and the state of every attached link
+        self._links: list[EmulatedLink] = []
+        self._deliveries: list = []            # heap of (at, seq, fn)
+        self._seq = itertools.count()          # ties on time keep arrival order
         self._closed = False
+        self._kicked = False                   # something was enqueued or scheduled since the last pump
         self._on_exit = on_exit
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._thread = None if driven else threading.Thread(target=self._run, name=name, daemon=True)
+        if self._thread is not None:
+            self._thread.start()
+
+    def attach(self, link: EmulatedLink) -> None:
+        with self.cv:
+            self._links.append(link)
+            self._links.sort(key=lambda lk: lk.stage)
+
+    def detach(self, link: EmulatedLink) -> None:
+        with self.cv:
+            if link in self._links:
+                self._links.remove(link)
 
     def schedule(self, at: float, fn: Callable[[], None]) -> None:
-        with self._cv:
-            heapq.heappush(self._heap, (at, next(self._seq), fn))
-            if self._heap[0][2] is fn:      # new earliest deadline: wake the thread to re-arm its wait
-                self._cv.notify()
+        with self.cv:
+            self._push(at, fn)
+            self.kick()
+
+    def kick(self) -> None:
+        """(With the lock held.) Wake the engine's thread: there is new work."""
+        self._kicked = True
+        self.cv.notify()
+
+    def _push(self, at: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._deliveries, (at, next(self._seq), fn))
 
     @property
     def pending(self) -> int:
-        return len(self._heap)
+        return len(self._deliveries)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive()
 
     def close(self, timeout: float = 2.0) -> None:
-        """Stop the thread; deliveries not yet due are dropped."""
-        with self._cv:
+        """Stop the engine (its thread, if it has one); deliveries not yet due are dropped."""
+        with self.cv:
             self._closed = True
-            self._cv.notify_all()
-        if self._thread is not threading.current_thread():
+            self.cv.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+    def pump(self, now: float | None = None) -> float:
+        """Commit the chunks whose line time starts within ``LOOKAHEAD_S``, make the deliveries that are due;
+        returns the monotonic time at which to pump again (sooner if a message is enqueued)."""
+        now = time.monotonic() if now is None else now
+        handed: list = []
+        with self.cv:
+            self._kicked = False
+            wake = now + _IDLE_WAIT_S
+            for link in self._links:      # in stage order: a chunk handed on is served in the same pass
+                at = link._commit(now + LOOKAHEAD_S, handed)
+                if at is not None:        # the committed work runs LOOKAHEAD_S ahead: come back halfway
+                    wake = min(wake, at - LOOKAHEAD_S / 2)
+            foreign = []
+            for target, at, fn in handed:
+                if target is self:
+                    self._push(at, fn)
+                else:
+                    foreign.append((target, at, fn))
+            due = []
+            while self._deliveries and self._deliveries[0][0] <= now:
+                due.append(heapq.heappop(self._deliveries)[2])
+            if self._deliveries:
+                wake = min(wake, self._deliveries[0][0])
+        for target, at, fn in foreign:     # a delivery scheduler of another kind (a test's recorder)
+            target.schedule(at, fn)
+        for fn in due:
+            try:
+                fn()
+            except Exception:   # one bad delivery must not stop all links
+                log.exception("WAN emulator failed to deliver a message")
+        return wake
 
     def _run(self) -> None:
         try:
+            wake = time.monotonic()
             while True:
-                with self._cv:
-                    while True:
-                        if self._closed:
-                            return
-                        wait = self._heap[0][0] - time.monotonic() if self._heap else _IDLE_WAIT_S
-                        if wait <= 0:
+                with self.cv:
+                    while not self._closed and not self._kicked:
+                        left = wake - time.monotonic()
+                        if left <= 0:
                             break
-                        self._cv.wait(min(wait, _IDLE_WAIT_S))
-                    _, _, fn = heapq.heappop(self._heap)
-                try:
-                    fn()
-                except Exception:   # one bad delivery must not stop all links
-                    log.exception("WAN emulator failed to deliver a message")
+                        self.cv.wait(left)
+                    if self._closed:
+                        return
+                wake = self.pump()
         finally:
             if self._on_exit is not None:
                 try:
                     self._on_exit()
                 except Exception:
-                    log.exception("WAN emulator delivery thread failed to clean up")
+                    log.exception("WAN emulator engine failed to clean up")
+
+
+class _Transit:
+    """One message on its way along its links, with its leg on each."""
+    __slots__ = ("nbytes", "priority", "deliver", "path", "jitter", "seq", "legs")
+
+    def __init__(self, nbytes: int, priority: int, deliver: Callable[[], None], path: tuple, jitter: float,
+                 seq: int) -> None:
+        self.nbytes, self.priority, self.deliver, self.path, self.jitter, self.seq = (
+            nbytes, priority, deliver, path, jitter, seq)
+        self.legs = [_Leg(self, hop) for hop in range(len(path))]
+
+
+class _Leg:
+    """A message's bytes on one link: how many are left to serialize, and those that reached it (ready time,
+    bytes) and wait for the line."""
+    __slots__ = ("transit", "hop", "left", "pieces")
+
+    def __init__(self, transit: _Transit, hop: int) -> None:
+        self.transit, self.hop, self.left = transit, hop, transit.nbytes
+        self.pieces: collections.deque = collections.deque()
+
+    @property
+    def key(self) -> tuple:
+        return (-self.transit.priority, self.transit.seq)
 
 
 class EmulatedLink:
-    """One directed WAN link; see the module docstring for the model.
+    """One directed WAN link (or a node's own link); see the module docstring for the model.
 
-    ``scheduler``: the :class:`DeliveryScheduler` that performs deliveries (the link makes and owns one if
-    None). ``epoch``: monotonic time of second 0 of the throughput series (links of one emulator share it).
+    ``engine``: the :class:`LinkEngine` that serializes this link (the link makes and owns one if None);
+    ``scheduler``: what calls deliveries at their times (default: the engine; anything with
+    ``schedule(at, fn)``). ``epoch``: monotonic time of second 0 of the throughput series (links of one emulator
+    share it). ``stage``: where the link sits on a path (NODE_EGRESS, WAN, NODE_INGRESS).
     """
 
     def __init__(self, *, name: str, rate_bps: float, one_way_delay_s: float, jitter_s: float = 0.0,
-                 chunk_bytes: int = 65536, seed: int = 0, scheduler: DeliveryScheduler | None = None,
-                 epoch: float | None = None, outages: Iterable[tuple] = (), tcp: TcpPath | None = None) -> None:
+                 chunk_bytes: int = 65536, seed: int = 0, scheduler=None, engine: LinkEngine | None = None,
+                 epoch: float | None = None, outages: Iterable[tuple] = (), tcp: TcpPath | None = None,
+                 stage: int = WAN) -> None:
         if not rate_bps or rate_bps <= 0:
             raise ConfigError(f"link {name}: rate must be > 0 bit/s, got {rate_bps}")
         if one_way_delay_s < 0 or jitter_s < 0:
@@ -128,16 +224,20 @@ class EmulatedLink:
         if chunk_bytes <= 0:
             raise ConfigError(f"link {name}: chunk_bytes must be > 0, got {chunk_bytes}")
         self.name = name
+        self.stage = stage
         self.line_rate_bps = float(rate_bps)
         self.one_way_delay_s = float(one_way_delay_s)
+        self.rtt_s = 2 * self.one_way_delay_s
         self.tcp = tcp or TcpPath()
         # the rate the line serializes at: its own, or what the TCP streams can move over its RTT
-        self.rate_bps = self.tcp.goodput_bps(self.line_rate_bps, 2 * self.one_way_delay_s)
+        self.rate_bps = self.tcp.goodput_bps(self.line_rate_bps, self.rtt_s)
         self.jitter_s = float(jitter_s)
-        self.chunk_bytes = int(chunk_bytes)
+        self.chunk_floor = int(chunk_bytes)
+        self.chunk_bytes = max(self.chunk_floor, int(self.rate_bps * CHUNK_SECONDS / 8))
         self._rng = random.Random(f"{seed}:{name}")    # str seeds are deterministic across runs
-        self._own_scheduler = scheduler is None
-        self._scheduler = scheduler or DeliveryScheduler(name=f"wan-delivery-{name}")
+        self._own_engine = engine is None
+        self._engine = engine or LinkEngine(name=f"wan-engine-{name}")
+        self._scheduler = scheduler or self._engine
         self._epoch = time.monotonic() if epoch is None else epoch
         windows = []
         for start, end, *kept in outages:
@@ -146,11 +246,15 @@ class EmulatedLink:
                 raise ConfigError(f"link {name}: outage {[start, end, *kept]}: {wrong}")
             windows.append((self._epoch + start, self._epoch + end, kept[0] if kept else 0.0))
         self._outages = sorted(windows)          # (start, end, rate kept: 0 cuts the line), monotonic times
-        self._queue: list = []              # heap of [-priority, seq, remaining bytes, nbytes, deliver, arrival]
+        # legs whose first waiting bytes are ready by the line's decision time, by (priority desc, arrival asc),
+        # and legs whose next bytes become ready later, by that time; a leg whose bytes are all still upstream is
+        # in neither until the previous link hands some on
+        self._ready: list = []
+        self._later: list = []
         self._seq = itertools.count()
-        self._cv = threading.Condition()
         self._closed = False
         self._busy_until = 0.0              # virtual clock: when the line finishes its last committed chunk
+        self._slow_start_at: float | None = None   # when the line last restarted from the initial windows
         self._last_delivery = 0.0
         # counters (queued = enqueued but not yet delivered; after close: dropped), guarded by _stats_lock
         self._stats_lock = threading.Lock()
@@ -159,24 +263,32 @@ class EmulatedLink:
         self._series: list[int] = []        # bytes delivered in each second since epoch
         self._queued_bytes = 0
         self._queued_messages = 0
-        self._thread = threading.Thread(target=self._run, name=f"wan-link-{name}", daemon=True)
-        self._thread.start()
+        self._engine.attach(self)
 
-    def enqueue(self, nbytes: int, priority: int, deliver: Callable[[], None]) -> None:
-        """Queue a message of ``nbytes``; ``deliver()`` is called once it has crossed the link."""
-        with self._cv:
-            if self._closed:
+    def enqueue(self, nbytes: int, priority: int, deliver: Callable[[], None], *,
+                then: tuple[EmulatedLink, ...] = ()) -> None:
+        """Queue a message of ``nbytes``; ``deliver()`` is called once it has crossed this link and the links
+        ``then`` after it, in turn."""
+        path = (self, *then)
+        if any(link._engine is not self._engine for link in then):
+            raise GeomxError(f"link {self.name}: every link of a path must share one engine")
+        with self._engine.cv:
+            if any(link._closed for link in path):
                 raise GeomxError(f"link {self.name} is closed")
-            with self._stats_lock:
-                self._queued_bytes += nbytes
-                self._queued_messages += 1
-            heapq.heappush(self._queue, [-priority, next(self._seq), nbytes, nbytes, deliver, time.monotonic()])
-            self._cv.notify()
+            jitter = next((link._jitter() for link in path if link.jitter_s), 0.0)
+            transit = _Transit(nbytes, priority, deliver, path, jitter, next(_arrivals))
+            for link in path:
+                with link._stats_lock:
+                    link._queued_bytes += nbytes
+                    link._queued_messages += 1
+            self._receive(transit.legs[0], time.monotonic(), nbytes)
+            self._engine.kick()
 
     def snapshot(self) -> dict:
         with self._stats_lock:
             return {"name": self.name, "rate_bps": self.rate_bps, "line_rate_bps": self.line_rate_bps,
                     "loss": self.tcp.loss, "streams": self.tcp.streams, "window_bytes": self.tcp.window_bytes,
+                    "slow_start": self.tcp.slow_start, "chunk_bytes": self.chunk_bytes,
                     "one_way_delay_s": self.one_way_delay_s,
                     "jitter_s": self.jitter_s, "bytes": self._bytes, "messages": self._messages,
                     "queued_bytes": self._queued_bytes, "queued_messages": self._queued_messages,
@@ -185,23 +297,80 @@ class EmulatedLink:
                                   for start, end, rate in self._outages]}
 
     def close(self, timeout: float = 2.0) -> None:
-        """Stop the scheduler thread (and the delivery thread if the link owns it); queued messages are dropped."""
-        with self._cv:
+        """Stop serving this link (and its engine, if it owns it); queued messages are dropped."""
+        with self._engine.cv:
             self._closed = True
-            dropped = len(self._queue)
-            self._queue.clear()
-            self._cv.notify_all()
+            dropped = len(self._ready) + len(self._later)
+            self._ready.clear()
+            self._later.clear()
+        self._engine.detach(self)
         if dropped:
             log.info("link %s closed with %d message(s) still queued", self.name, dropped)
-        self._thread.join(timeout)
-        if self._own_scheduler:
-            self._scheduler.close(timeout)
+        if self._own_engine:
+            self._engine.close(timeout)
 
-    # -- threads -----------------------------------------------------------------------------------------
+    # -- the model (called with the engine's lock held) -----------------------------------------------------
+
+    def _receive(self, leg: _Leg, ready: float, nbytes: int) -> None:
+        """``nbytes`` of ``leg``'s message reached this link at ``ready`` (virtual time)."""
+        waiting = bool(leg.pieces)
+        leg.pieces.append([ready, nbytes])
+        if not waiting and not self._closed:
+            heapq.heappush(self._later, (ready, next(self._seq), leg))
+
+    def _commit(self, horizon: float, handed: list) -> float | None:
+        """Commit chunks whose line time starts by ``horizon``; deliveries go into ``handed`` as (scheduler, at,
+        fn). Returns when the line next has a decision to make (None: nothing it can send yet)."""
+        while self._ready or self._later:
+            start = self._busy_until
+            if not self._ready:
+                start = max(start, self._later[0][0])
+            start = self._after_outages(start)
+            while self._later and self._later[0][0] <= start:
+                leg = heapq.heappop(self._later)[2]
+                heapq.heappush(self._ready, (leg.key, leg))
+            if start > horizon or not self._ready:
+                return start
+            leg = self._ready[0][1]
+            take = 0
+            while leg.pieces and leg.pieces[0][0] <= start and take < self.chunk_bytes:
+                piece = leg.pieces[0]
+                n = min(piece[1], self.chunk_bytes - take)
+                take += n
+                piece[1] -= n
+                if not piece[1]:
+                    leg.pieces.popleft()
+            end = self._serialized(start, take)
+            self._busy_until = end
+            leg.left -= take
+            transit = leg.transit
+            arrives = self._after_outages(end + self.one_way_delay_s + (transit.jitter if self.jitter_s else 0.0))
+            if leg.hop + 1 < len(transit.path):     # these bytes go on to the next link of the path
+                transit.path[leg.hop + 1]._receive(transit.legs[leg.hop + 1], arrives, take)
+            if leg.left and leg.pieces and leg.pieces[0][0] <= end:
+                continue                        # still the most urgent: stays at the head
+            heapq.heappop(self._ready)
+            if leg.left:
+                if leg.pieces:                  # its next bytes reach this link later
+                    heapq.heappush(self._later, (leg.pieces[0][0], next(self._seq), leg))
+                continue                        # else the previous link hands them on (and requeues it)
+            if leg.hop + 1 == len(transit.path):
+                at = max(arrives, self._last_delivery)
+                self._last_delivery = at
+                handed.append((self._scheduler, at, lambda t=transit, a=at: self._delivered(t, a)))
+        return None
+
+    def _serialized(self, start: float, nbytes: int) -> float:
+        """When ``nbytes`` that start on the line at ``start`` have left it."""
+        rate = self._rate_at(start)
+        bits = nbytes * 8.0
+        if not self.tcp.slow_start or self.rtt_s <= 0:
+            return start + bits / rate
+        if self._slow_start_at is None or start - self._busy_until > self.tcp.retransmit_timeout_s(self.rtt_s):
+            self._slow_start_at = start         # idle past the timeout (or new): back to the initial windows
+        return self._slow_start_at + self.tcp.slow_start_elapsed(start - self._slow_start_at, bits, rate, self.rtt_s)
 
     def _jitter(self) -> float:
-        if not self.jitter_s:
-            return 0.0
         j = self._rng.gauss(0.0, self.jitter_s)
         return max(-2 * self.jitter_s, min(2 * self.jitter_s, j))
 
@@ -214,44 +383,22 @@ class EmulatedLink:
 
     def _rate_at(self, t: float) -> float:
         """The line's rate at ``t``: the lowest a slowing window then leaves it, else its own."""
+        if not self._outages:
+            return self.rate_bps
         return min([self.rate_bps, *(rate for start, end, rate in self._outages if rate and start <= t < end)])
 
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                if self._closed:
-                    return
-                if not self._queue:
-                    self._cv.wait(_IDLE_WAIT_S)
-                    continue
-                now = time.monotonic()
-                ahead = self._busy_until - now
-                if ahead > LOOKAHEAD_S:
-                    # line busy: sleep until shortly before it frees up (an enqueue may wake us early: harmless)
-                    self._cv.wait(ahead - LOOKAHEAD_S)
-                    continue
-                head = self._queue[0]   # highest priority, oldest first: chosen anew at every chunk boundary
-                chunk = min(self.chunk_bytes, head[2])
-                start = self._after_outages(max(self._busy_until, head[5]))
-                self._busy_until = start + chunk * 8.0 / self._rate_at(start)
-                head[2] -= chunk
-                if head[2] > 0:
-                    continue
-                heapq.heappop(self._queue)
-                at = self._after_outages(max(self._busy_until + self.one_way_delay_s + self._jitter(),
-                                             self._last_delivery))
-                self._last_delivery = at
-                nbytes, deliver = head[3], head[4]
-            # only this thread schedules for this link, so equal times keep FIFO order in the scheduler
-            self._scheduler.schedule(at, functools.partial(self._delivered, nbytes, deliver, at))
-
-    def _delivered(self, nbytes: int, deliver: Callable[[], None], at: float) -> None:
-        with self._stats_lock:
-            self._queued_bytes -= nbytes
-            self._queued_messages -= 1
-        deliver()   # raises if forwarding failed: then the message is not counted as delivered
+    def _delivered(self, transit: _Transit, at: float) -> None:
+        for link in transit.path:
+            with link._stats_lock:
+                link._queued_bytes -= transit.nbytes
+                link._queued_messages -= 1
+        transit.deliver()   # raises if forwarding failed: then the message is not counted as delivered
         # counted in the second the model delivers it, not when a busy host got round to it: the series is the
         # link's, and a delivery made 20 ms late must not land in the second of an outage that began meanwhile
+        for link in transit.path:
+            link._count(transit.nbytes, at)
+
+    def _count(self, nbytes: int, at: float) -> None:
         second = max(0, int(at - self._epoch))
         with self._stats_lock:
             self._bytes += nbytes
@@ -259,3 +406,4 @@ class EmulatedLink:
             if second >= len(self._series):
                 self._series.extend([0] * (second + 1 - len(self._series)))
             self._series[second] += nbytes
+

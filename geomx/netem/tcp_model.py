@@ -10,12 +10,21 @@ A real WAN path is slower than its line rate for two reasons that matter to geo-
 
 Both are per stream, so ``streams`` parallel connections move ``streams`` times as much, up to the line rate:
 why systems that cross WANs open many connections. The emulator applies the ceiling as the link's rate
-(goodput); what is not modelled is the time course (slow start after idle, the sawtooth), retransmitted bytes
-on the line, and packet reordering.
+(goodput).
+
+* **Slow start after idle** (``slow_start``): Linux's default (``net.ipv4.tcp_slow_start_after_idle = 1``)
+  sends a connection that was idle for longer than its retransmission timeout (RTT + 200 ms, the kernel's
+  ``tcp_rto_min``) back to its initial window of 10 segments (RFC 6928), from which the window doubles every
+  RTT. A training step that computes for longer than that starts every push in slow start: one stream over
+  180 ms needs 1.3 s to climb from 0.64 Mbit/s to 100 Mbit/s, eight streams 0.8 s. Modelled as a fluid: the
+  line's rate is ``streams * 10 * MSS / RTT * 2^(t / RTT)`` until it reaches the goodput above.
+
+Not modelled: the sawtooth of congestion avoidance (loss is its mean rate), retransmitted bytes on the line,
+and packet reordering.
 
 Configured per deployment by ``GEOMX_WAN_LOSS`` (a fraction, or a percentage such as ``0.01%``),
-``GEOMX_WAN_STREAMS`` and ``GEOMX_WAN_WINDOW`` (bytes per stream), or ``geomx launch --wan-loss/--wan-streams/
---wan-window``. Unset, a link runs at its line rate, as before.
+``GEOMX_WAN_STREAMS``, ``GEOMX_WAN_WINDOW`` (bytes per stream) and ``GEOMX_WAN_SLOW_START`` (1), or ``geomx
+launch --wan-loss/--wan-streams/--wan-window/--wan-slow-start``. Unset, a link runs at its line rate, as before.
 """
 from __future__ import annotations
 
@@ -27,7 +36,10 @@ from geomx.errors import ConfigError
 
 MSS_BYTES = 1448            # a 1500-byte MTU less IPv4, TCP and timestamp headers
 MATHIS_C = math.sqrt(1.5)   # periodic loss, one ack per segment
+INITIAL_WINDOW_SEGMENTS = 10    # RFC 6928, Linux's default
+RTO_MIN_S = 0.2             # Linux's tcp_rto_min: the retransmission timeout is about RTT + this
 ENV_LOSS, ENV_STREAMS, ENV_WINDOW = "GEOMX_WAN_LOSS", "GEOMX_WAN_STREAMS", "GEOMX_WAN_WINDOW"
+ENV_SLOW_START = "GEOMX_WAN_SLOW_START"
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,7 @@ class TcpPath:
     loss: float = 0.0                   # probability that a packet is lost
     streams: int = 1                    # parallel connections sharing the link's traffic
     window_bytes: int | None = None     # per-stream window (None: not the limit)
+    slow_start: bool = False            # back to the initial windows after an idle retransmission timeout
 
     def __post_init__(self) -> None:
         problem = self.problem()
@@ -56,7 +69,7 @@ class TcpPath:
     @property
     def limits(self) -> bool:
         """Whether this path can hold a link below its line rate."""
-        return self.loss > 0 or self.window_bytes is not None
+        return self.loss > 0 or self.window_bytes is not None or self.slow_start
 
     def stream_bps(self, rtt_s: float) -> float:
         """One stream's ceiling over ``rtt_s`` (inf where nothing limits it)."""
@@ -73,6 +86,29 @@ class TcpPath:
         """What the link delivers: its line rate, or the streams' ceiling where that is lower."""
         return min(line_bps, self.streams * self.stream_bps(rtt_s))
 
+    @staticmethod
+    def retransmit_timeout_s(rtt_s: float) -> float:
+        return rtt_s + RTO_MIN_S
+
+    def initial_bps(self, rtt_s: float) -> float:
+        """What the streams' initial windows move per second over ``rtt_s``."""
+        return self.streams * INITIAL_WINDOW_SEGMENTS * MSS_BYTES * 8 / rtt_s
+
+    def slow_start_elapsed(self, since_s: float, bits: float, rate_bps: float, rtt_s: float) -> float:
+        """Slow start began ``since_s`` before ``bits`` start on a line whose rate the windows grow to is
+        ``rate_bps``: how long after slow start began the bits have left (the fluid model above)."""
+        r0 = self.initial_bps(rtt_s)
+        if r0 >= rate_bps:
+            return since_s + bits / rate_bps
+        grown_at = rtt_s * math.log2(rate_bps / r0)         # when the doubling windows reach the rate
+        if since_s >= grown_at:
+            return since_s + bits / rate_bps
+        per_doubling = rtt_s / math.log(2)
+        room = (rate_bps - r0 * 2 ** (since_s / rtt_s)) * per_doubling    # bits the rest of slow start carries
+        if bits <= room:
+            return rtt_s * math.log2(2 ** (since_s / rtt_s) + bits / (r0 * per_doubling))
+        return grown_at + (bits - room) / rate_bps
+
     def to_env(self) -> dict[str, str]:
         env = {}
         if self.loss:
@@ -81,6 +117,8 @@ class TcpPath:
             env[ENV_STREAMS] = str(self.streams)
         if self.window_bytes is not None:
             env[ENV_WINDOW] = str(self.window_bytes)
+        if self.slow_start:
+            env[ENV_SLOW_START] = "1"
         return env
 
 
@@ -101,16 +139,28 @@ def _whole(text, what: str) -> int:
         raise ConfigError(f"{what}={raw!r} is not a whole number") from None
 
 
-def tcp_path(*, loss=None, streams=None, window=None, where: str = "") -> TcpPath:
+def _switch(value, what: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    raw = str(value).strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"{what}={value!r} is not 1 or 0")
+
+
+def tcp_path(*, loss=None, streams=None, window=None, slow_start=None, where: str = "") -> TcpPath:
     """A TcpPath from flags, TOML values or variables (None: the default); errors name the setting."""
     try:
         return TcpPath(loss=parse_loss(loss) if loss is not None else 0.0,
                        streams=_whole(streams, ENV_STREAMS) if streams is not None else 1,
-                       window_bytes=_whole(window, ENV_WINDOW) if window is not None else None)
+                       window_bytes=_whole(window, ENV_WINDOW) if window is not None else None,
+                       slow_start=_switch(slow_start, ENV_SLOW_START) if slow_start is not None else False)
     except ConfigError as exc:
         raise ConfigError(f"{exc}{where}") from None
 
 
 def tcp_path_from_env(env: Mapping[str, str]) -> TcpPath:
     return tcp_path(loss=env.get(ENV_LOSS) or None, streams=env.get(ENV_STREAMS) or None,
-                    window=env.get(ENV_WINDOW) or None)
+                    window=env.get(ENV_WINDOW) or None, slow_start=env.get(ENV_SLOW_START) or None)

@@ -409,7 +409,7 @@ class ZmqVan(Van):
             if self._seal is not None:      # here, not in send(): counters go out in order on each connection
                 frames = self._seal.seal(frames, item.addr)
             if item.socket != item.addr:    # through the emulator, behind a route frame
-                route = msgpack.packb({"dst": item.addr, "src_dc": self.dc, "dst_dc": item.dst_dc,
+                route = msgpack.packb({"dst": item.addr, "src": self.address, "src_dc": self.dc, "dst_dc": item.dst_dc,
                                        "prio": -item.neg_priority}, use_bin_type=True)
                 frames = [route] + frames
             item.wire = frames

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 class Sites:
     """Where a deployment's fixed addresses are: every site's host (a DC, or the central party under
     geomx.profiles.CENTRAL_DC) and the ports its listening roles bind: the global scheduler, the central
-    scheduler, the WAN emulator (all three at the central site), then each DC's scheduler."""
+    scheduler, the WAN emulator (all three at the central site), then each DC's scheduler, then (with
+    ``--global-server-link``) each global server (Topology.fixed_ports)."""
     hosts: dict[str, str]
     ports: list[int]
 

@@ -192,6 +192,9 @@ class RayBackend(Backend):
         ports = self._get(self._anchors[CENTRAL_DC][0].free_ports.remote(3, hosts[CENTRAL_DC]), "choosing ports")
         for dc in topo.dc_names:
             ports += self._get(self._anchors[dc][0].free_ports.remote(1, hosts[dc]), f"choosing a port in DC {dc}")
+        if topo.fixed_ports > len(ports):      # global servers on lines of their own (--global-server-link)
+            ports += self._get(self._anchors[CENTRAL_DC][0].free_ports.remote(topo.fixed_ports - len(ports),
+                                                                              hosts[CENTRAL_DC]), "choosing ports")
         return Sites(hosts, ports)
 
     def _connect(self, sites: list[str]) -> None:

@@ -1,0 +1,236 @@
+"""The emulator's links in tandem (a node's own line: the in-cast MultiGPS relieves), slow start after idle, and
+one engine driving every link. Delivery times are checked in the model's virtual time (a recorder stands in
+for the delivery scheduler), free of the machine's noise; the end-to-end test checks what crossed which line.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from geomx.errors import ConfigError
+from geomx.netem import EmulatedLink, LinkEngine, WanEmulator, node_links
+from geomx.netem.link import NODE_EGRESS, NODE_INGRESS
+from geomx.netem.tcp_model import INITIAL_WINDOW_SEGMENTS, MSS_BYTES, TcpPath, tcp_path
+from geomx.profiles import CENTRAL_DC, custom_profile
+from geomx.transport.message import Message
+from geomx.transport.van import ZmqVan
+
+
+class Recorder:
+    """Stands in for the delivery scheduler: records each delivery's virtual time and delivers at once."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.names: list[str] = []
+
+    def schedule(self, at: float, fn) -> None:
+        self.times.append(at)
+        fn()
+
+    def send_and_wait(self, sends, timeout: float = 10.0) -> dict[str, float]:
+        """``sends``: [(link, name, nbytes, then)], enqueued at once; returns name -> its delivery's virtual time
+        after the first enqueue."""
+        self.times.clear()
+        self.names.clear()
+        done = threading.Event()
+
+        def deliver(name):
+            self.names.append(name)
+            if len(self.names) == len(sends):
+                done.set()
+        t0 = time.monotonic()
+        for link, name, nbytes, then in sends:
+            link.enqueue(nbytes, 0, lambda n=name: deliver(n), then=then)
+        assert done.wait(timeout), f"{len(self.names)} of {len(sends)} delivered"
+        return {name: at - t0 for name, at in zip(self.names, self.times, strict=True)}
+
+
+@pytest.fixture
+def engine():
+    eng = LinkEngine()
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def rec():
+    return Recorder()
+
+
+def wan(engine, rec, dc: str, rate: float = 1e9, one_way: float = 0.01, **kw) -> EmulatedLink:
+    return EmulatedLink(name=f"{dc}->central", rate_bps=rate, one_way_delay_s=one_way, engine=engine,
+                        scheduler=rec, **kw)
+
+
+def test_dcs_pushing_into_one_node_link_share_its_rate_and_without_it_each_has_its_own(engine, rec):
+    """Four DCs, each on its own 1 Gbit/s link, send 2 MB at once to one node: alone on their links they all
+    arrive after 16 ms + 10 ms; through the node's 1 Gbit/s line the last arrives after 4 x 16 ms + 10 ms."""
+    links = [wan(engine, rec, dc) for dc in "abcd"]
+    nic = EmulatedLink(name="gs0 in", rate_bps=1e9, one_way_delay_s=0.0, engine=engine, scheduler=rec,
+                       stage=NODE_INGRESS)
+    try:
+        alone = rec.send_and_wait([(lk, lk.name, 2_000_000, ()) for lk in links])
+        assert max(alone.values()) == pytest.approx(0.016 + 0.010, abs=0.004)
+        shared = rec.send_and_wait([(lk, lk.name, 2_000_000, (nic,)) for lk in links])
+        assert max(shared.values()) == pytest.approx(4 * 0.016 + 0.010, abs=0.004)
+        assert min(shared.values()) >= 0.016 + 0.010 - 1e-3      # the first streams through, one link's time
+        assert nic.snapshot()["bytes"] == 4 * 2_000_000 and nic.snapshot()["messages"] == 4
+        assert all(lk.snapshot()["bytes"] == 2 * 2_000_000 for lk in links)   # both rounds crossed each WAN link
+    finally:
+        for lk in (*links, nic):
+            lk.close()
+
+
+def test_a_message_streams_through_tandem_links_chunk_by_chunk_not_store_and_forward(engine, rec):
+    """A node's 1 Gbit/s egress line, then a 1 Gbit/s WAN link with 10 ms one-way: 8 MB arrives 64 ms + 10 ms
+    after it is sent (pipelined), not 2 x 64 ms + 10 ms (each line waiting for the whole message)."""
+    out = EmulatedLink(name="gs0 out", rate_bps=1e9, one_way_delay_s=0.0, engine=engine, scheduler=rec,
+                       stage=NODE_EGRESS)
+    down = EmulatedLink(name="central->a", rate_bps=1e9, one_way_delay_s=0.01, engine=engine, scheduler=rec)
+    try:
+        took = rec.send_and_wait([(out, "reply", 8_000_000, (down,))])
+        assert took["reply"] == pytest.approx(0.064 + 0.010, abs=0.004)
+        assert out.snapshot()["bytes"] == down.snapshot()["bytes"] == 8_000_000
+    finally:
+        out.close()
+        down.close()
+
+
+def test_links_of_a_path_must_share_one_engine(engine, rec):
+    other = LinkEngine()
+    a, b = wan(engine, rec, "a"), EmulatedLink(name="x", rate_bps=1e9, one_way_delay_s=0, engine=other)
+    try:
+        with pytest.raises(Exception, match="share one engine"):
+            a.enqueue(10, 0, lambda: None, then=(b,))
+    finally:
+        a.close()
+        b.close()
+        other.close()
+
+
+def slow_start_by_sum(rate: float, rtt: float, streams: int, nbytes: int) -> float:
+    """Slow start computed the long way: window doubling per RTT, summed round by round (fluid within a
+    round), until ``nbytes`` have left; the model's closed form must agree."""
+    r0 = streams * INITIAL_WINDOW_SEGMENTS * MSS_BYTES * 8 / rtt
+    t, left, dt = 0.0, nbytes * 8.0, rtt / 2000
+    while left > 0:
+        r = min(rate, r0 * 2 ** (t / rtt))
+        left -= r * dt
+        t += dt
+    return t
+
+
+@pytest.mark.parametrize("streams", [1, 8])
+def test_slow_start_after_idle_matches_the_doubling_window_and_only_after_the_timeout(engine, rec, streams):
+    """100 Mbit/s, 180 ms RTT, 4 MB (enough for the windows to grow to the line's rate): from the initial windows
+    the first message takes what doubling windows give; one sent right after it arrived finds the line at full
+    rate; one sent after the line idled past the retransmission timeout (RTT + 200 ms) starts from the initial
+    windows again."""
+    rate, rtt, size = 100e6, 0.18, 4_000_000
+    tcp = tcp_path(streams=streams, slow_start=1)
+    link = wan(engine, rec, "b", rate=rate, one_way=rtt / 2, tcp=tcp)
+    expected = slow_start_by_sum(rate, rtt, streams, size)
+    assert tcp.slow_start_elapsed(0.0, size * 8, rate, rtt) == pytest.approx(expected, rel=0.01)
+    assert expected > size * 8 / rate + rtt     # slow start costs more than an RTT at this size
+    try:
+        first = rec.send_and_wait([(link, "first", size, ())])["first"] - rtt / 2
+        assert first == pytest.approx(expected, abs=0.003)
+        second = rec.send_and_wait([(link, "second", size, ())])["second"] - rtt / 2
+        assert second == pytest.approx(size * 8 / rate, abs=0.01)       # sent within the timeout: full rate
+        time.sleep(TcpPath.retransmit_timeout_s(rtt) + 0.05)
+        third = rec.send_and_wait([(link, "third", size, ())])["third"] - rtt / 2
+        assert third == pytest.approx(expected, abs=0.003)
+    finally:
+        link.close()
+
+
+def test_slow_start_is_off_by_default_and_named_when_its_setting_is_wrong():
+    assert not TcpPath().slow_start and not TcpPath().limits and TcpPath(slow_start=True).limits
+    assert tcp_path(slow_start="1").to_env() == {"GEOMX_WAN_SLOW_START": "1"}
+    with pytest.raises(ConfigError, match="GEOMX_WAN_SLOW_START='maybe'"):
+        tcp_path(slow_start="maybe")
+
+
+def test_the_node_link_variable_round_trips_and_names_bad_entries():
+    links = {"tcp://127.0.0.1:7001": 1e9, "tcp://10.0.0.2:7002": 2.5e8}
+    assert node_links.parse(node_links.to_env(links)) == links
+    assert node_links.parse("127.0.0.1:7001=1gbit") == {"tcp://127.0.0.1:7001": 1e9}
+    for text, named in [("127.0.0.1=1gbit", "is not HOST:PORT=RATE"), ("127.0.0.1:7001", "is not HOST:PORT=RATE"),
+                        ("127.0.0.1:99999=1gbit", "is not HOST:PORT=RATE"),
+                        ("127.0.0.1:7001=fast", "127.0.0.1:7001=fast")]:
+        with pytest.raises(ConfigError, match=named) as exc:
+            node_links.parse(text)
+        assert node_links.ENV in str(exc.value)
+
+
+def test_through_the_emulator_a_node_with_a_line_receives_and_sends_across_it():
+    """A global server's van at an address with a node link: a DC's push crosses a->central and the node's
+    ingress line, the reply the node's egress line and central->a; a node without one crosses only the WAN."""
+    got = {"gs": [], "other": [], "a": []}
+    cv = threading.Condition()
+
+    def inbox(name):
+        def on(msg):
+            with cv:
+                got[name].append(msg)
+                cv.notify_all()
+        return on
+
+    probe = ZmqVan(node_id="probe", dc=CENTRAL_DC, on_message=lambda m: None)
+    probe.start()
+    gs_port = probe.port
+    probe.stop()                # a port known to be free, for the node with a line of its own
+    em = WanEmulator(profile=custom_profile(1e9, 0.002), node_links={f"tcp://127.0.0.1:{gs_port}": 1e8})
+    em.start()
+    gs = ZmqVan(node_id="gs", dc=CENTRAL_DC, on_message=inbox("gs"), emulator=em.address, port=gs_port)
+    other = ZmqVan(node_id="other", dc=CENTRAL_DC, on_message=inbox("other"), emulator=em.address)
+    a = ZmqVan(node_id="a", dc="a", on_message=inbox("a"), emulator=em.address)
+    try:
+        for van in (gs, other, a):
+            van.start()
+        payload = np.zeros(250_000, dtype=np.uint8)
+        a.send(gs.address, Message("push", tensors=[payload]), dst_dc=CENTRAL_DC)
+        a.send(other.address, Message("push", tensors=[payload]), dst_dc=CENTRAL_DC)
+        gs.send(a.address, Message("reply", tensors=[payload]), dst_dc="a")
+        with cv:
+            assert cv.wait_for(lambda: all(len(v) == 1 for v in got.values()), 10.0), got
+        stats = em.stats()
+        lines = stats["node_links"]
+        name = f"127.0.0.1:{gs_port}"
+        assert set(lines) == {f"{name} in", f"{name} out"}
+        assert lines[f"{name} in"]["messages"] == 1 and lines[f"{name} in"]["direction"] == "in"
+        assert lines[f"{name} out"]["messages"] == 1 and lines[f"{name} out"]["rate_bps"] == 1e8
+        assert stats["links"]["a->central"]["messages"] == 2 and stats["links"]["central->a"]["messages"] == 1
+        assert 2 * lines[f"{name} in"]["bytes"] == stats["links"]["a->central"]["bytes"]   # two equal pushes
+        assert lines[f"{name} out"]["bytes"] == stats["links"]["central->a"]["bytes"]
+    finally:
+        for van in (gs, other, a):
+            van.stop(flush_timeout=0.5)
+        em.stop()
+
+
+def test_global_server_link_gives_each_global_server_a_fixed_port_and_the_emulator_its_line(tmp_path):
+    from geomx.cli.launch import plan
+    from geomx.cli.topology import load_topology
+
+    topo = load_topology(None, dcs=3, global_servers=2, wan="regional", global_server_link="1gbit",
+                         wan_slow_start=True)
+    assert topo.global_server_link_bps == 1e9 and topo.fixed_ports == 3 + 3 + 2 and topo.tcp.slow_start
+    specs = plan(topo, ["python", "train.py"], tmp_path, ports=list(range(21000, 21008)))
+    emulator = next(s for s in specs if s.kind == "emulator")
+    servers = [s for s in specs if s.name.startswith("global-server-")]
+    assert [s.env["PORT"] for s in servers] == ["21006", "21007"] and all(s.pinned for s in servers)
+    assert node_links.parse(emulator.env[node_links.ENV]) == {"tcp://127.0.0.1:21006": 1e9,
+                                                              "tcp://127.0.0.1:21007": 1e9}
+    assert emulator.env["GEOMX_WAN_SLOW_START"] == "1"
+    plain = plan(load_topology(None, dcs=3, global_servers=2, wan="regional"), ["x"], tmp_path,
+                 ports=list(range(21000, 21006)))
+    assert node_links.ENV not in next(s for s in plain if s.kind == "emulator").env
+    assert all("PORT" not in s.env for s in plain if s.name.startswith("global-server-"))
+    with pytest.raises(ConfigError, match="--global-server-link.*needs an emulated WAN"):
+        load_topology(None, wan="lan", global_server_link="1gbit")
+    with pytest.raises(ConfigError, match="--global-server-link"):
+        load_topology(None, wan="regional", global_server_link="fast")
