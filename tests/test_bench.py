@@ -199,8 +199,43 @@ def test_helpers():
     assert table.splitlines() == ["| a | b |", "|---|---:|", "| x | 1 |"]
 
 
+def test_link_smoke_with_slow_start_reports_the_models_time_and_the_emulators_capacity(tmp_path):
+    js = tmp_path / "l.json"
+    assert main(["bench", "link", "--wan-rate", "100mbit", "--wan-rtt", "20ms", "--sizes", "64k", "--seconds", "0.3",
+                 "--pings", "3", "--slow-start", "--capacity", "--capacity-mb", "20", "--json", str(js)]) == 0
+    r = json.loads(js.read_text())
+    (link,) = r["links"]
+    (transfer,) = link["transfers"]
+    assert link["slow_start"] and transfer["bytes"] >= 0.3 * 100e6 / 8
+    # from the initial windows the transfer takes longer than at the line rate, and the model says how much
+    assert transfer["model_s"] > transfer["bytes"] * 8 / 100e6 + 0.010
+    assert [row["message_bytes"] for row in r["capacity"]] == [64 * 1024, 1024 * 1024]
+    for row in r["capacity"]:
+        assert row["bytes"] >= 20e6 and _finite_positive(row["rate_bps"]) and row["emulator_cpu_s"] >= 0
+
+
+def test_incast_smoke_spreads_the_keys_over_the_global_servers_lines(tmp_path):
+    """2 DCs, 4 equal keys: one global server's line carries every key both ways; with two, each carries half;
+    the control row has no line. Step times are measured, not asserted (the in-cast's size is a benchmark's)."""
+    js = tmp_path / "i.json"
+    assert main(["bench", "incast", "--dcs", "2", "--global-servers", "1,2", "--mb", "1", "--keys", "4",
+                 "--steps", "2", "--json", str(js)]) == 0
+    r = json.loads(js.read_text())
+    control, one, two = r["rows"]
+    assert control["node_link_bps"] is None and not control["node_bytes"]
+    assert (one["global_servers"], two["global_servers"]) == (1, 2) and one["node_link_bps"] == 1e9
+    model = r["model_bytes"]
+    steps = 1 + 2                                   # the warm-up and the timed steps, each key pushed by 2 DCs
+    (line_in,) = [v for k, v in one["node_bytes"].items() if k.endswith(" in")]
+    assert line_in >= steps * 2 * model             # every push crossed the one line (plus headers and set-up)
+    halves = sorted(v for k, v in two["node_bytes"].items() if k.endswith(" in"))
+    assert len(halves) == 2 and halves[0] >= steps * model and abs(halves[1] - halves[0]) < 0.1 * halves[0]
+    for row in r["rows"]:
+        assert _finite_positive(row["step_s"]) and 0 < row["efficiency"] <= 1.0 + 1e-9
+
+
 def test_every_bench_is_registered():
-    for name in ("transport", "intra", "wan", "link", "codec"):
+    for name in ("transport", "intra", "wan", "link", "codec", "incast"):
         with pytest.raises(SystemExit) as exc:
             main(["bench", name, "--help"])
         assert exc.value.code == 0

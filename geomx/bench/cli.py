@@ -63,6 +63,12 @@ def _add_link_parser(bsub) -> None:
     p.add_argument("--loss", help="packet loss, a fraction or percentage (0.01%%): the link's TCP ceiling")
     p.add_argument("--streams", default="1", help="TCP streams per link, one run each, e.g. 1,8 (default 1)")
     p.add_argument("--window", type=int, help="per-stream TCP window in bytes")
+    p.add_argument("--slow-start", action="store_true",
+                   help="TCP slow start after idle on the link (each transfer starts from the initial windows)")
+    p.add_argument("--capacity", action="store_true",
+                   help="also measure the emulator process itself: the rate it forwards 64 KiB and 1 MiB messages "
+                        "at over a link too fast to matter, and its CPU per MB")
+    p.add_argument("--capacity-mb", type=float, default=2000, help="MB forwarded per message size (default 2000)")
     _report_options(p)
     p.set_defaults(fn=_cmd_link, bench_parser=p)
 
@@ -103,9 +109,16 @@ def _cmd_link(args) -> int:
         jitter = parse_duration(args.jitter)
     from geomx.netem.tcp_model import tcp_path
 
-    paths = [tcp_path(loss=args.loss, streams=n.strip(), window=args.window) for n in args.streams.split(",")]
+    from geomx.bench.link import bench_capacity, format_capacity_report
+
+    paths = [tcp_path(loss=args.loss, streams=n.strip(), window=args.window, slow_start=args.slow_start or None)
+             for n in args.streams.split(",")]
     results = [bench_link(rate_bps=rate, rtt_s=rtt, jitter_s=jitter, sizes=_parse_bytes(args.sizes),
                           seconds=args.seconds, pings=args.pings, tcp=path) for path in paths]
-    emit_report(args, "geomx bench link: one emulated WAN link",
-                "\n\n".join(format_link_report(r) for r in results), results if len(results) > 1 else results[0])
+    reports = [format_link_report(r) for r in results]
+    raw = {"links": results}
+    if args.capacity:
+        raw["capacity"] = bench_capacity(megabytes=args.capacity_mb)
+        reports.append(format_capacity_report(raw["capacity"]))
+    emit_report(args, "geomx bench link: one emulated WAN link", "\n\n".join(reports), raw)
     return 0

@@ -13,12 +13,20 @@ real :class:`~geomx.transport.message.Message` objects over 127.0.0.1:
 With ``tcp`` (loss, streams, window: geomx.netem.tcp_model) the link's rate is what that many TCP streams move
 over its RTT; goodput is then reported against that model as well as against the line rate.
 
+:func:`bench_capacity` measures the emulator itself: an emulator process started as deployments start it
+(``python -m geomx.netem``) with a link too fast to matter (100 Gbit/s, no delay) forwards a stream of messages
+between two vans of this process (64 in flight, as a sender's window); it reports the rate it forwarded and its
+own CPU seconds per MB (user + system, read from ``/proc`` before and after).
+
 Every figure is measured in the run; the configured numbers are returned next to them.
 """
 from __future__ import annotations
 
 import math
+import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -87,18 +95,24 @@ def bench_link(*, rate_bps: float = 100e6, rtt_s: float = 0.040, jitter_s: float
         # connect every socket on the path first, so that connection set-up is not counted as link time
         van_a.send(van_c.address, Message("warm-up"), dst_dc=CENTRAL_DC)
         inbox_c.wait_for(1, timeout_s)
-        transfers = [_transfer(van_a, van_c, inbox_c, emulator, model_bps, size, seconds, timeout_s)
-                     for size in sizes]
+        transfers = []
+        for size in sizes:
+            time.sleep(tcp.retransmit_timeout_s(rtt_s) if tcp.slow_start else 0.0)   # each from idle
+            transfers.append(_transfer(van_a, van_c, inbox_c, emulator, model_bps, size, seconds, timeout_s))
+            transfers[-1]["model_s"] = profile.one_way_delay_s + (
+                tcp.slow_start_elapsed(0.0, transfers[-1]["bytes"] * 8, model_bps, rtt_s) if tcp.slow_start
+                else transfers[-1]["bytes"] * 8 / model_bps)
         rtt_direct, rtt_emulated = _pings(van_a, van_c, inbox_a, pings, ping_bytes, rtt_s, timeout_s)
+        chunk_bytes = emulator.link("a", CENTRAL_DC).chunk_bytes     # the floor, or more on a fast line
     finally:
         van_a.stop()
         van_c.stop()
         emulator.stop()
     added = (statistics.median(rtt_emulated) - statistics.median(rtt_direct)) / 2
     return {"rate_bps": model_bps, "line_rate_bps": rate_bps, "loss": tcp.loss, "streams": tcp.streams,
-            "window_bytes": tcp.window_bytes, "rtt_s": rtt_s, "one_way_delay_s": profile.one_way_delay_s,
-            "jitter_s": jitter_s,
-            "chunk_bytes": emulator.chunk_bytes, "transfers": transfers, "pings": pings,
+            "window_bytes": tcp.window_bytes, "slow_start": tcp.slow_start, "rtt_s": rtt_s,
+            "one_way_delay_s": profile.one_way_delay_s, "jitter_s": jitter_s,
+            "chunk_bytes": chunk_bytes, "transfers": transfers, "pings": pings,
             "rtt_direct_median_s": statistics.median(rtt_direct),
             "rtt_emulated_median_s": statistics.median(rtt_emulated),
             "added_one_way_delay_s": added, "delay_error_s": added - profile.one_way_delay_s}
@@ -143,22 +157,98 @@ def _pings(van_a: ZmqVan, van_c: ZmqVan, inbox: _Inbox, pings: int, ping_bytes: 
     return rtts[False], rtts[True]
 
 
+def _process_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_capacity(*, sizes: tuple[int, ...] = (64 * KIB, 1 * MIB), megabytes: float = 2000, window: int = 64,
+                   timeout_s: float = 120.0) -> list[dict]:
+    """How fast the emulator process forwards, and its CPU per MB; see the module docstring."""
+    from geomx.bench.common import bench_env, free_port
+
+    port = free_port()
+    env = bench_env({"GEOMX_WAN_RATE": "100gbit", "GEOMX_WAN_RTT": "0ms", "GEOMX_EMULATOR_PORT": str(port)})
+    proc = subprocess.Popen([sys.executable, "-m", "geomx.netem"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    inbox = _Inbox()
+    address = f"tcp://127.0.0.1:{port}"
+    van_a = ZmqVan(node_id="capacity-a", dc="a", on_message=lambda m: None, emulator=address)
+    van_c = ZmqVan(node_id="capacity-c", dc=CENTRAL_DC, on_message=inbox, emulator=address)
+    rows = []
+    try:
+        van_a.start()
+        van_c.start()
+        deadline = time.monotonic() + 30.0
+        while True:     # the emulator is listening once a message crosses it
+            inbox.clear()
+            van_a.send(van_c.address, Message("warm-up"), dst_dc=CENTRAL_DC)
+            try:
+                inbox.wait_for(1, 1.0)
+                break
+            except DeadlineError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise DeadlineError(f"capacity bench: the emulator did not forward a message "
+                                        f"({(proc.stderr.read() or b'').decode(errors='replace')[-500:]})") from None
+        for size in sizes:
+            count = max(window, math.ceil(megabytes * 1e6 / size))
+            tensor = np.zeros(size, dtype=np.uint8)
+            inbox.clear()
+            cpu0, t0 = _process_cpu_s(proc.pid), time.monotonic()
+            for i in range(count):
+                if i >= window:
+                    inbox.wait_for(i - window + 1, timeout_s)
+                van_a.send(van_c.address, Message("bulk", fields={"i": i}, tensors=[tensor]), dst_dc=CENTRAL_DC)
+            inbox.wait_for(count, timeout_s)
+            seconds = inbox.arrivals[-1][0] - t0
+            cpu = _process_cpu_s(proc.pid) - cpu0
+            rows.append({"message_bytes": size, "messages": count, "bytes": count * size, "seconds": seconds,
+                         "rate_bps": count * size * 8 / seconds, "emulator_cpu_s": cpu,
+                         "cpu_ms_per_mb": cpu * 1000 / (count * size / 1e6)})
+    finally:
+        van_a.stop()
+        van_c.stop()
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return rows
+
+
+def format_capacity_report(rows: list[dict]) -> str:
+    lines = ["### The emulator process's own capacity: a 100 Gbit/s link with no delay, 64 messages in flight", "",
+             "| message size | messages | MB | time (s) | forwarded (Gbit/s) | emulator CPU (s) | CPU ms per MB |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {_size(r['message_bytes'])} | {r['messages']} | {r['bytes'] / 1e6:.0f} | {r['seconds']:.2f} "
+                     f"| {r['rate_bps'] / 1e9:.2f} | {r['emulator_cpu_s']:.2f} | {r['cpu_ms_per_mb']:.3f} |")
+    lines += ["", "The emulator runs as in a deployment (`python -m geomx.netem`, its own process); sender and "
+                  "receiver are two vans of the benchmark's process on the same machine, which shares its cores "
+                  "with them. Emulator CPU = its user + system time over the transfer (`/proc`)."]
+    return "\n".join(lines)
+
+
 def format_link_report(result: dict) -> str:
     """A markdown report of :func:`bench_link`'s result."""
     rate, line = result["rate_bps"], result["line_rate_bps"]
     tcp = ""
-    if result["loss"] or result["window_bytes"] is not None:
+    if result["loss"] or result["window_bytes"] is not None or result.get("slow_start"):
         window = f", window {result['window_bytes']:,} B" if result["window_bytes"] is not None else ""
-        tcp = (f", loss {result['loss']:.4%}, {result['streams']} TCP stream(s){window}: the model gives "
+        slow = ", slow start after idle" if result.get("slow_start") else ""
+        tcp = (f", loss {result['loss']:.4%}, {result['streams']} TCP stream(s){window}{slow}: the model gives "
                f"{rate / 1e6:.3g} Mbit/s ({rate / line:.1%} of the line)")
     lines = [f"### WAN link: {line / 1e6:g} Mbit/s, RTT {result['rtt_s'] * 1000:g} ms "
              f"(one-way {result['one_way_delay_s'] * 1000:g} ms), chunk {result['chunk_bytes'] // KIB} KiB{tcp}",
              "",
-             "| message size | messages | MB sent | time (s) | goodput (Mbit/s) | of rate "
+             "| message size | messages | MB sent | time (s) | model (s) | goodput (Mbit/s) | of rate "
              "| steady (Mbit/s) | of rate |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for t in result["transfers"]:
         lines.append(f"| {_size(t['message_bytes'])} | {t['messages']} | {t['bytes'] / 1e6:.2f} | {t['seconds']:.3f} "
+                     f"| {t['model_s']:.3f} "
                      f"| {t['goodput_bps'] / 1e6:.2f} | {t['goodput_fraction']:.1%} "
                      f"| {t['steady_bps'] / 1e6:.2f} | {t['steady_fraction']:.1%} |")
     lines += ["",
@@ -170,7 +260,8 @@ def format_link_report(result: dict) -> str:
               f"Median RTT direct {result['rtt_direct_median_s'] * 1000:.3f} ms, through the emulator "
               f"{result['rtt_emulated_median_s'] * 1000:.3f} ms. Goodput = wire bytes / (last arrival - first send), "
               f"one one-way delay included; steady leaves it out. \"Of rate\": of the link's modelled rate "
-              f"({rate / 1e6:.3g} Mbit/s)."]
+              f"({rate / 1e6:.3g} Mbit/s). Model: the time the link model gives the transfer (its bytes at that rate, "
+              f"from the streams' initial windows with slow start, plus one one-way delay)."]
     return "\n".join(lines)
 
 
