@@ -197,16 +197,28 @@ def test_restart_step_is_the_latest_every_worker_and_every_checkpointing_global_
     assert restart_step(tmp_path, 3, 1) is None                           # worker 2 saved nothing
 
 
+class _OptimizerState:
+    """A key's server optimizer state, as ServerCheckpoints keeps it."""
+
+    def state_dict(self) -> dict:
+        return {"momentum": np.zeros(2, np.float32)}
+
+
+def _server_keys() -> list:
+    """Two keys of a global server that runs the optimizer."""
+    from geomx.cluster.kvserver import KeyState
+
+    return [KeyState(k, (2,), np.dtype(np.float32), value=np.full(2, float(i), np.float32), update=_OptimizerState())
+            for i, k in enumerate(("w", 7))]
+
+
 def test_a_global_server_resumes_only_from_its_own_checkpoint_of_that_round_and_names_what_is_missing(tmp_path):
     """Workers' checkpoints alone cannot resume a job whose model lives on the global server; a checkpoint is
     written once every key reached the round, and only the last two are kept."""
-    import numpy as np
 
-    from geomx.cluster.kvserver import KeyState
     from geomx.cluster.server_checkpoint import ServerCheckpoints
 
-    keys = [KeyState(k, (2,), np.dtype(np.float32), value=np.full(2, float(i), np.float32))
-            for i, k in enumerate(("w", 7))]
+    keys = _server_keys()
     writer = ServerCheckpoints(rank=0, every=2, directory=tmp_path)
     for _ in range(6):
         writer.round_done(keys[0], keys=2)
@@ -221,6 +233,30 @@ def test_a_global_server_resumes_only_from_its_own_checkpoint_of_that_round_and_
         reader.resumed_state("b")
     with pytest.raises(ConfigError, match="global-server-1-round-4.state does not exist"):
         ServerCheckpoints(rank=1, every=2, directory=None, resume_from=tmp_path, resume_round=4).resumed_state("w")
+
+
+def test_a_server_that_hears_of_a_checkpoint_round_after_completing_it_skips_it_and_writes_the_next(
+        tmp_path, caplog):
+    """--checkpoint-seconds: global server 0 declares round 3 (geomx.cluster.checkpoint_clock), but this server
+    has completed round 3 of key "w" already, whose state then is gone: it writes no partial checkpoint, says so,
+    and the next declared round is written whole."""
+    import logging
+
+    from geomx.cluster.server_checkpoint import ServerCheckpoints, rounds_saved
+
+    keys = _server_keys()
+    server = ServerCheckpoints(rank=1, every=0, directory=tmp_path)
+    for st, rounds in zip(keys, (3, 2), strict=True):
+        for _ in range(rounds):
+            server.round_done(st, keys=2)
+    with caplog.at_level(logging.WARNING, logger="geomx.server_checkpoint"):
+        assert not server.declare(3)
+    assert "checkpoint of round 3 skipped" in caplog.text
+    assert server.declare(5) and server.latest_declared == 5
+    for st in keys:
+        while server.rounds[st.key] < 6:
+            server.round_done(st, keys=2)
+    assert rounds_saved(tmp_path) == {1: [5]}
 
 
 def test_a_server_optimizer_job_asks_for_the_interval_on_every_role_not_only_the_script():

@@ -1,0 +1,125 @@
+"""Time-based checkpoints (``--checkpoint-seconds``, geomx.cluster.checkpoint_clock): global server 0 declares the
+round, every worker and every global server saves that same step, and a job resumed from one ends bit for bit on
+the model of the job that went on. In one process (tests/scripts/inproc.py: the real schedulers, two global
+servers with a server optimizer, local servers and kvstores), with an interval so small that it fires whenever
+the last declared round is done; no timing is asserted."""
+from __future__ import annotations
+
+import numpy as np
+from inproc import DEADLINE_S, HipsCluster
+
+from geomx.cluster.checkpoint_clock import CheckpointClock
+from geomx.cluster.server_checkpoint import rounds_saved
+from geomx.torch.checkpoint import Checkpointer, steps_saved
+
+KEYS = [f"w{i}" for i in range(4)]      # the master worker spreads them over both global servers
+SHAPE = (6,)
+STEPS = 10
+TINY_S = 1e-6      # fires as soon as every key completed the round declared last
+
+
+class _Weights:
+    """A worker's copy of the model, what its Checkpointer saves."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, np.ndarray] = {}
+
+    def state_dict(self) -> dict:
+        return {"values": dict(self.values)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.values = dict(state["values"])
+
+
+def _gradient(step: int, worker: int, key: str, weights: np.ndarray) -> np.ndarray:
+    noise = np.random.default_rng([step, worker, KEYS.index(key)]).standard_normal(SHAPE).astype(np.float32)
+    return weights * np.float32(0.5) + noise
+
+
+def _deployment(directory, **resume) -> HipsCluster:
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=1, global_servers=2,
+                          global_server_fields={"checkpoint_seconds": TINY_S, "checkpoint_dir": str(directory),
+                                                **resume})
+    cluster.master.set_optimizer("SGD", lr=0.1, momentum=0.9)       # momentum: optimizer state to carry over
+    for key in KEYS:
+        cluster.init_everywhere(key, np.full(SHAPE, 1.0, np.float32))
+    for server in cluster.global_servers:
+        assert server.keys, "each global server owns a key"
+        server.checkpoints.keep = 100          # keep every checkpoint: the test compares them all
+    return cluster
+
+
+def _train(cluster: HipsCluster, directory, first: int, last: int, *, resume_from=None) -> list[_Weights]:
+    """Steps ``first``..``last`` as FSA takes them (every round of a step pushed once the last step's replies
+    are in); each worker's Checkpointer saves the steps the servers declared. ``resume_from``: each worker first
+    restores its checkpoint of step ``first - 1`` from there."""
+    kvs = [kv for dc in ("a", "b") for kv in cluster.workers[dc]]
+    models, savers = [], []
+    for i, kv in enumerate(kvs):
+        model = _Weights()
+        model.values = {key: kv.pull(key).wait(DEADLINE_S) for key in KEYS}
+        saver = Checkpointer(directory, worker=i, workers=len(kvs), every=0, keep=100,
+                             declared=kv.checkpoint_declared, resume_from=resume_from, resume_step=first - 1,
+                             weights=model)
+        if resume_from is not None:
+            pulled = dict(model.values)
+            assert saver.restore() == first - 1
+            assert all(np.array_equal(pulled[k], model.values[k]) for k in KEYS)   # the servers' weights
+        models.append(model)
+        savers.append(saver)
+    for step in range(first, last + 1):
+        handles = [[kv.pushpull(key, _gradient(step, i, key, models[i].values[key])) for key in KEYS]
+                   for i, kv in enumerate(kvs)]
+        for i, row in enumerate(handles):
+            models[i].values = {key: h.wait(DEADLINE_S) for key, h in zip(KEYS, row, strict=True)}
+            if savers[i].due(step):
+                savers[i].save(step, local_steps=step)
+    return models
+
+
+def _saved(directory) -> dict[str, list[int]]:
+    found = {f"worker-{w}": sorted(s) for w, s in steps_saved(directory).items()}
+    found.update({f"global-server-{r}": sorted(s) for r, s in rounds_saved(directory).items()})
+    return found
+
+
+def test_every_worker_and_both_global_servers_save_the_declared_steps_and_a_resumed_job_ends_bit_identical(
+        tmp_path):
+    straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
+    cluster = _deployment(straight_dir)
+    try:
+        expected = _train(cluster, straight_dir, 1, STEPS)
+        final = {server.rank: {k: st.value for k, st in server.keys.items()} for server in cluster.global_servers}
+    finally:
+        cluster.close()
+    saved = _saved(straight_dir)
+    # declared whenever every key of global server 0 completed the last declared round: round 1 + 2, 3 + 2, ...
+    assert saved == {name: [3, 5, 7, 9] for name in
+                     ("worker-0", "worker-1", "global-server-0", "global-server-1")}, saved
+
+    # resumed from step 5, as geomx launch --resume sets every role (GEOMX_RESUME_FROM, GEOMX_RESUME_STEP)
+    cluster = _deployment(resumed_dir, resume_from=str(straight_dir), resume_step=5)
+    try:
+        got = _train(cluster, resumed_dir, 6, STEPS, resume_from=straight_dir)
+        for server in cluster.global_servers:
+            for key, st in server.keys.items():
+                assert np.array_equal(st.value, final[server.rank][key]), (server.rank, key)
+    finally:
+        cluster.close()
+    for mine, theirs in zip(got, expected, strict=True):
+        assert all(np.array_equal(mine.values[k], theirs.values[k]) for k in KEYS)
+    # the resumed job's rounds count on from step 5: its declarations name steps every role reaches together
+    assert _saved(resumed_dir) == {name: [8, 10] for name in
+                                   ("worker-0", "worker-1", "global-server-0", "global-server-1")}
+
+
+def test_the_timekeeper_declares_two_rounds_ahead_once_the_interval_passed_and_the_last_round_is_done():
+    now = [0.0]
+    clock = CheckpointClock(10.0, now=lambda: now[0])
+    assert clock.declare(4, 4) is None           # 10 s not passed yet
+    now[0] = 10.0
+    assert clock.declare(4, 3) == 6              # the most rounds completed on any key, plus 2
+    now[0] = 30.0
+    assert clock.declare(6, 5) is None           # a key has not completed round 6: one declared round at a time
+    assert clock.declare(7, 6) == 9
+    assert clock.declare(8, 7) is None           # 10 s since the last declaration not passed
