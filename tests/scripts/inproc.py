@@ -109,13 +109,15 @@ class Client:
 
 
 class FlatCluster(Deployment):
-    def __init__(self, num_workers: int = 2, van: str = "inproc") -> None:
+    """``global_server_fields``: NodeConfig fields of the global server alone (what its environment would set)."""
+
+    def __init__(self, num_workers: int = 2, van: str = "inproc", global_server_fields: dict | None = None) -> None:
         super().__init__(van)
         gs = self.scheduler("global", CENTRAL_DC, {"server": 1, "worker": num_workers})
         cs = self.scheduler("dc:central", CENTRAL_DC, {"server": 1, "worker": 1})
         counts = {"num_global_servers": 1, "num_global_workers": num_workers, "num_all_workers": num_workers}
         server_cfg = self.config(role="global_server", dc=CENTRAL_DC, scheduler=cs, global_scheduler=gs,
-                                 num_workers=1, num_servers=1, **counts)
+                                 num_workers=1, num_servers=1, **counts, **(global_server_fields or {}))
         master_cfg = self.config(role="master", dc=CENTRAL_DC, scheduler=cs, num_workers=1, num_servers=1, **counts)
         self.done = threading.Event()
         makers = [lambda: start_global_server(server_cfg, self.done, node_id="global_server-0"),
