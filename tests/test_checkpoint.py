@@ -81,9 +81,11 @@ DEPLOYMENTS = {"server": dict(dcs=1, workers_per_dc=1, topology="flat"),
                "worker": dict(dcs=2, workers_per_dc=1, topology="hips", sync={"algorithm": "diloco", "k1": 2})}
 
 
-def _train(run_dir: Path, steps: int, update_on: str, checkpoint_dir: Path | None = None, **resume) -> str:
-    topo = load_topology(wan="lan", **DEPLOYMENTS[update_on])
-    topo.env["GEOMX_CHECKPOINT_EVERY"] = "3"          # what geomx launch --checkpoint-every 3 sets for every role
+def _train(run_dir: Path, steps: int, update_on: str, checkpoint_dir: Path | None = None, *,
+           deployment: dict | None = None, env: dict | None = None, **resume) -> str:
+    """``env``: what geomx launch sets for every role (default: --checkpoint-every 3)."""
+    topo = load_topology(wan="lan", **(deployment or DEPLOYMENTS[update_on]))
+    topo.env.update(env or {"GEOMX_CHECKPOINT_EVERY": "3"})
     if checkpoint_dir is not None:
         topo.env["GEOMX_CHECKPOINT_DIR"] = str(checkpoint_dir)     # geomx launch --checkpoint-dir
     out = io.StringIO()
@@ -118,6 +120,38 @@ def test_a_job_resumed_from_a_checkpoint_ends_on_the_uninterrupted_jobs_model_bi
     at_3 = torch.load(checkpoints["straight"] / "worker-0-step-3.pt", weights_only=True)["parts"]["model"]
     final = torch.load(checkpoints["straight"] / "worker-0-step-6.pt", weights_only=True)["parts"]["model"]
     assert not all(torch.equal(t, final[n]) for n, t in at_3.items())        # the control: steps 4-6 changed it
+
+
+def test_time_based_checkpoints_name_the_same_steps_on_every_role_and_a_job_resumed_from_one_ends_bit_for_bit(
+        tmp_path):
+    """--checkpoint-seconds under geomx launch, with two global servers running the optimizer (Adam) and the
+    worker's script on geomx.torch.loop: an interval so small that global server 0 declares a round whenever its
+    keys completed the last one (rounds 3 and 5, then 7, which --checkpoint-every 7 asks for too), and the worker
+    and both global servers keep the same two. Resumed at step 5 (--resume, --resume-step 5) in new processes,
+    the job ends on the very model and optimizer state of the job that went on. (Two workers of two DCs, through
+    their local servers: tests/test_checkpoint_seconds.py, in one process.)"""
+    from geomx import statefile
+    from geomx.cluster.server_checkpoint import rounds_saved
+
+    deployment = dict(dcs=1, workers_per_dc=1, global_servers=2, topology="flat")
+    env = {"GEOMX_CHECKPOINT_SECONDS": "1e-06", "GEOMX_CHECKPOINT_EVERY": "7"}
+    _train(tmp_path / "straight", 7, "server", deployment=deployment, env=env)
+    checkpoints = {run: tmp_path / run / "checkpoints" for run in ("straight", "resumed")}
+    saved = {**{f"worker-{w}": sorted(s) for w, s in steps_saved(checkpoints["straight"]).items()},
+             **{f"server-{r}": sorted(s) for r, s in rounds_saved(checkpoints["straight"]).items()}}
+    assert saved == {name: [5, 7] for name in ("worker-0", "server-0", "server-1")}, saved
+
+    out = _train(tmp_path / "resumed", 7, "server", deployment=deployment, env=env, resume=tmp_path / "straight",
+                 resume_step=5)
+    assert "resumed at step 5" in out
+    _same_final_models(checkpoints, 7, 1)
+    for rank in (0, 1):
+        straight, resumed = (statefile.load(checkpoints[run] / f"global-server-{rank}-round-7.state")["keys"]
+                             for run in checkpoints)
+        for a, b in zip(straight, resumed, strict=True):
+            assert a["key"] == b["key"] and (a["value"] == b["value"]).all()
+            assert (a["update"]["optimizer"]["state"][0]["exp_avg_sq"]
+                    == b["update"]["optimizer"]["state"][0]["exp_avg_sq"]).all()
 
 
 def _same_final_models(checkpoints: dict, step: int, workers: int) -> None:

@@ -6,6 +6,7 @@ the last declared round is done; no timing is asserted."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from inproc import DEADLINE_S, HipsCluster
 
 from geomx.cluster.checkpoint_clock import CheckpointClock
@@ -123,3 +124,60 @@ def test_the_timekeeper_declares_two_rounds_ahead_once_the_interval_passed_and_t
     assert clock.declare(6, 5) is None           # a key has not completed round 6: one declared round at a time
     assert clock.declare(7, 6) == 9
     assert clock.declare(8, 7) is None           # 10 s since the last declaration not passed
+
+
+# what time-based checkpoints cannot be right for, refused naming the flag ----------------------------------------
+@pytest.mark.parametrize("argv, words", [
+    (["--checkpoint-seconds", "0"], ["--checkpoint-seconds must be > 0, got 0"]),
+    (["--checkpoint-seconds", "-3"], ["--checkpoint-seconds must be > 0, got -3"]),
+    (["--sync", "diloco", "--checkpoint-seconds", "5"],
+     ["--checkpoint-seconds 5 (GEOMX_CHECKPOINT_SECONDS) conflicts with sync 'diloco'", "fsa or p3"]),
+    (["--sync", "esync", "--checkpoint-seconds", "5"], ["--checkpoint-seconds 5", "sync 'esync'"]),
+    (["--mode", "dist_async", "--checkpoint-seconds", "5"],
+     ["--checkpoint-seconds 5 (GEOMX_CHECKPOINT_SECONDS) conflicts with mode 'dist_async'"]),
+    (["--checkpoint-dir", "s3://bucket/run"], ["--checkpoint-dir s3://bucket/run: scheme 's3' is not supported"]),
+], ids=["zero", "negative", "diloco", "esync", "dist_async", "s3-url"])
+def test_geomx_launch_refuses_what_checkpoints_cannot_be_right_for_naming_the_flag(argv, words, capsys):
+    from geomx.cli.main import main
+
+    assert main(["launch", *argv, "--", "python", "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert all(word in err for word in words), err
+
+
+def test_fsa_and_p3_take_time_based_checkpoints_and_the_other_roles_refuse_the_rest():
+    import argparse
+    from types import SimpleNamespace
+
+    import torch
+
+    from geomx.compat import conflict
+    from geomx.errors import ConfigError
+    from geomx.torch import DistributedOptimizer, loop
+
+    assert conflict(mode="dist_sync", sync="fsa", checkpoint_seconds=5) is None
+    assert conflict(sync="p3", checkpoint_seconds=5) is None
+    assert conflict(sync="dga", checkpoint_seconds=None) is None           # no interval: no rule
+    # a script's DistributedOptimizer, before it joins anything
+    kv = SimpleNamespace(asked_reduction=None, cfg=SimpleNamespace(checkpoint_seconds=5.0))
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    with pytest.raises(ConfigError, match=r"--checkpoint-seconds 5 \(GEOMX_CHECKPOINT_SECONDS\) conflicts with sync "
+                                          r"'dga'"):
+        DistributedOptimizer(sgd, sync="dga", kvstore=kv)
+    # the script's flag: a number of seconds, and the same interval as the servers', who decide
+    parser = argparse.ArgumentParser()
+    loop.add_arguments(parser, steps=1, steps_help="")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--checkpoint-seconds", "-1"])
+    args = parser.parse_args(["--checkpoint-seconds", "2"])
+    kv = SimpleNamespace(cfg=SimpleNamespace(checkpoint_every=0, checkpoint_seconds=0.0, resume_from=None))
+    with pytest.raises(SystemExit, match="geomx launch --checkpoint-seconds 2"):
+        loop.checkpointer(args, kv, None, None)
+
+
+def test_global_servers_refuse_a_dist_async_job_with_time_based_checkpoints():
+    from geomx.errors import KVError
+
+    with pytest.raises(KVError, match=r"--checkpoint-seconds 5 \(GEOMX_CHECKPOINT_SECONDS\) conflicts with mode "
+                                      r"'dist_async'"):
+        HipsCluster(dcs=("a",), per_dc=1, mode="dist_async", global_server_fields={"checkpoint_seconds": 5.0})
