@@ -205,7 +205,7 @@ def resume_directory(previous_run: Path, run_dir: Path, workers: int, step: int 
     directory = checkpoints_of(previous_run).resolve()
     if not directory.is_dir():
         raise ConfigError(f"--resume {previous_run}: it has no checkpoints directory ({directory}; was it run with "
-                          f"--checkpoint-every?)")
+                          f"--checkpoint-every or --checkpoint-seconds?)")
     return directory, common_step(directory, workers, step)
 
 

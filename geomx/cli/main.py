@@ -159,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                         "first lost DC); GEOMX_MIN_DCS")
     p.add_argument("--restart-failed", type=int, default=0, metavar="N",
                    help="when a role fails in a way no fault domain absorbs, start the whole job again from its last "
-                        "checkpoint (--checkpoint-every; afresh without one), at most N times; each failed attempt's "
-                        "logs go to <run dir>/attempt-<k>")
+                        "checkpoint (--checkpoint-every, --checkpoint-seconds; afresh without one), at most N times; "
+                        "each failed attempt's logs go to <run dir>/attempt-<k>")
     p.add_argument("--rejoin-after", type=float, metavar="S",
                    help="start a worker its DC went on without (killed, or dropped when it froze) again S seconds "
                         "later: it rejoins the running job in its old place, from the current model (needs the "

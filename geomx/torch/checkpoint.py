@@ -139,8 +139,8 @@ def common_step(directory: Path, workers: int, step: int | None = None) -> int:
     found = steps_saved(directory)
     absent = [w for w in range(workers) if w not in found]
     if absent:
-        raise ConfigError(f"cannot resume from {directory}: no checkpoint of worker(s) {absent} "
-                          f"(found workers {sorted(found)}; was the run started with --checkpoint-every?)")
+        raise ConfigError(f"cannot resume from {directory}: no checkpoint of worker(s) {absent} (found workers "
+                          f"{sorted(found)}; was the run started with --checkpoint-every or --checkpoint-seconds?)")
     common = set.intersection(*(set(found[w]) for w in range(workers)))
     if step is not None and step not in common:
         raise ConfigError(f"cannot resume from {directory} at step {step}: every worker has only steps "
