@@ -181,3 +181,14 @@ def test_global_servers_refuse_a_dist_async_job_with_time_based_checkpoints():
     with pytest.raises(KVError, match=r"--checkpoint-seconds 5 \(GEOMX_CHECKPOINT_SECONDS\) conflicts with mode "
                                       r"'dist_async'"):
         HipsCluster(dcs=("a",), per_dc=1, mode="dist_async", global_server_fields={"checkpoint_seconds": 5.0})
+
+
+def test_geomx_launch_takes_the_checkpoint_directory_as_a_file_url(tmp_path):
+    from geomx.cli.launch import Launcher
+    from geomx.cli.topology import load_topology
+
+    topo = load_topology(wan="lan")
+    topo.env["GEOMX_CHECKPOINT_DIR"] = f"file://{tmp_path}/shared%20checkpoints"   # --checkpoint-dir, as given
+    launcher = Launcher(topo, ["python", "x.py"], run_dir=tmp_path / "run")
+    assert launcher.checkpoint_dir == tmp_path / "shared checkpoints"
+    assert topo.env["GEOMX_CHECKPOINT_DIR"] == str(tmp_path / "shared checkpoints")    # what every role reads
