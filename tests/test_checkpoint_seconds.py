@@ -117,13 +117,13 @@ def test_every_worker_and_both_global_servers_save_the_declared_steps_and_a_resu
 def test_the_timekeeper_declares_two_rounds_ahead_once_the_interval_passed_and_the_last_round_is_done():
     now = [0.0]
     clock = CheckpointClock(10.0, now=lambda: now[0])
-    assert clock.declare(4, 4) is None           # 10 s not passed yet
+    assert not clock.due()                       # 10 s not passed yet
     now[0] = 10.0
-    assert clock.declare(4, 3) == 6              # the most rounds completed on any key, plus 2
+    assert clock.due() and clock.declare(4, 3) == 6      # the most rounds completed on any key, plus 2
+    assert not clock.due()                       # 10 s since that declaration not passed
     now[0] = 30.0
-    assert clock.declare(6, 5) is None           # a key has not completed round 6: one declared round at a time
+    assert clock.due() and clock.declare(6, 5) is None   # a key has not completed round 6: one at a time
     assert clock.declare(7, 6) == 9
-    assert clock.declare(8, 7) is None           # 10 s since the last declaration not passed
 
 
 # what time-based checkpoints cannot be right for, refused naming the flag ----------------------------------------

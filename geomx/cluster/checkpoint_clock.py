@@ -33,17 +33,21 @@ from collections.abc import Callable
 
 
 class CheckpointClock:
-    """Global server rank 0's timekeeper: :meth:`declare` after every round it completes."""
+    """Global server rank 0's timekeeper: after every round it completes, :meth:`declare` once :meth:`due`."""
 
     def __init__(self, seconds: float, *, now: Callable[[], float] = time.monotonic) -> None:
         self.seconds, self._now = seconds, now
         self._since = now()
         self.declared = 0           # the latest round declared (0: none yet)
 
+    def due(self) -> bool:
+        """S seconds have passed since the last declaration (or the start)."""
+        return self._now() - self._since >= self.seconds
+
     def declare(self, most_rounds: int, fewest_rounds: int) -> int | None:
         """The most and the fewest rounds completed on any key this server owns; the round to checkpoint at, or
-        None (too early, or the last declared round is still under way)."""
-        if self._now() - self._since < self.seconds or fewest_rounds < self.declared:
+        None while the last declared round is under way."""
+        if fewest_rounds < self.declared:
             return None
         self.declared, self._since = most_rounds + 2, self._now()
         return self.declared

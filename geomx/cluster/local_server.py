@@ -173,8 +173,8 @@ class LocalServer(KVServer):
         policy.on_round(st, number, rnd)
 
     def reply_notices(self) -> dict:
-        """The latest checkpoint round the global servers declared, passed on to the workers (checkpoint_clock.py:
-        the reply that told this server precedes every reply it sends for that round)."""
+        """The latest checkpoint round the global servers declared, passed on to the workers (checkpoint_clock.py
+        says why the latest is enough)."""
         latest = self.upstream.latest_checkpoint_round if self.upstream is not None else 0
         return {Field.CHECKPOINT_ROUND: latest} if latest else {}
 

@@ -116,7 +116,7 @@ class ServerCheckpoints:
             if len(pending) == keys:
                 self.declared.discard(n)
                 self._write(n, self._pending.pop(n))
-        if self.clock is None or len(self.rounds) < keys:
+        if self.clock is None or not self.clock.due() or len(self.rounds) < keys:
             return None
         declared = self.clock.declare(max(self.rounds.values()), min(self.rounds.values()))
         if declared is not None:
