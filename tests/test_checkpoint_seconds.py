@@ -37,11 +37,12 @@ def _gradient(step: int, worker: int, key: str, weights: np.ndarray) -> np.ndarr
     return weights * np.float32(0.5) + noise
 
 
-def _deployment(directory, **resume) -> HipsCluster:
+def _deployment(directory, server_optimizer: bool, **resume) -> HipsCluster:
     cluster = HipsCluster(dcs=("a", "b"), per_dc=1, global_servers=2,
                           global_server_fields={"checkpoint_seconds": TINY_S, "checkpoint_dir": str(directory),
                                                 **resume})
-    cluster.master.set_optimizer("SGD", lr=0.1, momentum=0.9)       # momentum: optimizer state to carry over
+    if server_optimizer:
+        cluster.master.set_optimizer("SGD", lr=0.1, momentum=0.9)   # momentum: optimizer state to carry over
     for key in KEYS:
         cluster.init_everywhere(key, np.full(SHAPE, 1.0, np.float32))
     for server in cluster.global_servers:
@@ -52,8 +53,10 @@ def _deployment(directory, **resume) -> HipsCluster:
 
 def _train(cluster: HipsCluster, directory, first: int, last: int, *, resume_from=None) -> list[_Weights]:
     """Steps ``first``..``last`` as FSA takes them (every round of a step pushed once the last step's replies
-    are in); each worker's Checkpointer saves the steps the servers declared. ``resume_from``: each worker first
-    restores its checkpoint of step ``first - 1`` from there."""
+    are in): the workers read the servers' weights, or step on the round's mean gradient without a server
+    optimizer. Each worker's Checkpointer saves the steps the servers declared. ``resume_from``: each worker
+    first restores its checkpoint of step ``first - 1`` from there."""
+    server_optimizer = cluster.master.server_updates
     kvs = [kv for dc in ("a", "b") for kv in cluster.workers[dc]]
     models, savers = [], []
     for i, kv in enumerate(kvs):
@@ -65,14 +68,17 @@ def _train(cluster: HipsCluster, directory, first: int, last: int, *, resume_fro
         if resume_from is not None:
             pulled = dict(model.values)
             assert saver.restore() == first - 1
-            assert all(np.array_equal(pulled[k], model.values[k]) for k in KEYS)   # the servers' weights
+            if server_optimizer:           # the servers' weights, resumed
+                assert all(np.array_equal(pulled[k], model.values[k]) for k in KEYS)
         models.append(model)
         savers.append(saver)
     for step in range(first, last + 1):
         handles = [[kv.pushpull(key, _gradient(step, i, key, models[i].values[key])) for key in KEYS]
                    for i, kv in enumerate(kvs)]
         for i, row in enumerate(handles):
-            models[i].values = {key: h.wait(DEADLINE_S) for key, h in zip(KEYS, row, strict=True)}
+            replies = {key: h.wait(DEADLINE_S) for key, h in zip(KEYS, row, strict=True)}
+            models[i].values = replies if server_optimizer else {
+                key: models[i].values[key] - np.float32(0.1) * mean for key, mean in replies.items()}
             if savers[i].due(step):
                 savers[i].save(step, local_steps=step)
     return models
@@ -84,10 +90,14 @@ def _saved(directory) -> dict[str, list[int]]:
     return found
 
 
+@pytest.mark.parametrize("server_optimizer", [True, False], ids=["server-optimizer", "workers-update"])
 def test_every_worker_and_both_global_servers_save_the_declared_steps_and_a_resumed_job_ends_bit_identical(
-        tmp_path):
+        server_optimizer, tmp_path):
+    """With a server optimizer both global servers save the declared rounds; without one (and without
+    compression) they hold nothing a resume needs, global server 0 still keeps the time, and the workers save."""
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
-    cluster = _deployment(straight_dir)
+    roles = ("worker-0", "worker-1", *(("global-server-0", "global-server-1") if server_optimizer else ()))
+    cluster = _deployment(straight_dir, server_optimizer)
     try:
         expected = _train(cluster, straight_dir, 1, STEPS)
         final = {server.rank: {k: st.value for k, st in server.keys.items()} for server in cluster.global_servers}
@@ -95,23 +105,21 @@ def test_every_worker_and_both_global_servers_save_the_declared_steps_and_a_resu
         cluster.close()
     saved = _saved(straight_dir)
     # declared whenever every key of global server 0 completed the last declared round: round 1 + 2, 3 + 2, ...
-    assert saved == {name: [3, 5, 7, 9] for name in
-                     ("worker-0", "worker-1", "global-server-0", "global-server-1")}, saved
+    assert saved == {name: [3, 5, 7, 9] for name in roles}, saved
 
     # resumed from step 5, as geomx launch --resume sets every role (GEOMX_RESUME_FROM, GEOMX_RESUME_STEP)
-    cluster = _deployment(resumed_dir, resume_from=str(straight_dir), resume_step=5)
+    cluster = _deployment(resumed_dir, server_optimizer, resume_from=str(straight_dir), resume_step=5)
     try:
         got = _train(cluster, resumed_dir, 6, STEPS, resume_from=straight_dir)
         for server in cluster.global_servers:
-            for key, st in server.keys.items():
+            for key, st in server.keys.items():      # the weights, or the last round's mean gradient
                 assert np.array_equal(st.value, final[server.rank][key]), (server.rank, key)
     finally:
         cluster.close()
     for mine, theirs in zip(got, expected, strict=True):
         assert all(np.array_equal(mine.values[k], theirs.values[k]) for k in KEYS)
     # the resumed job's rounds count on from step 5: its declarations name steps every role reaches together
-    assert _saved(resumed_dir) == {name: [8, 10] for name in
-                                   ("worker-0", "worker-1", "global-server-0", "global-server-1")}
+    assert _saved(resumed_dir) == {name: [8, 10] for name in roles}
 
 
 def test_the_timekeeper_declares_two_rounds_ahead_once_the_interval_passed_and_the_last_round_is_done():
