@@ -8,10 +8,10 @@ as soon as there is one, the master worker placing the first key on the least lo
 Once S seconds have passed since its last declaration (or since it started), and every key it owns has
 completed the round declared last, the next synchronous round it completes on any of its keys makes it declare
 ``r = M + 2``, M being the most rounds completed on any key it owns. It then tells the other global servers
-(``checkpoint_at``) and marks every value reply it sends from then on with ``checkpoint_round: r`` (a local
-server passes the latest it heard on to its workers). Why ``+ 2``: a worker pushes round m + 2 only once it has
-every reply of round m + 1 (FSA waits for them in ``step()``, P3 in the next forward pass), rank 0's keys
-included, and rank 0 has completed no key's round M + 1 yet. So:
+(``checkpoint_at``) and marks every value reply it sends from then on with ``checkpoint_round: r`` (so do the
+others once they heard it; a local server passes the latest it heard on to its workers). Why ``+ 2``: a worker
+pushes round m + 2 only once it has every reply of round m + 1 (FSA waits for them in ``step()``, P3 in the
+next forward pass), rank 0's keys included, and rank 0 has completed no key's round M + 1 yet. So:
 
 * no server has completed round r: its pushes of round r come from workers that finished step M + 1, which
   waited for rank 0's replies of round M + 1, sent after the declaration. ``checkpoint_at`` goes out first and
