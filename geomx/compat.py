@@ -1,5 +1,5 @@
 """Which deployment settings combine, in one table: mode x MixedSync variant x topology x synchronization
-algorithm x server optimizer x gradient compression x gradient accumulation.
+algorithm x server optimizer x gradient compression x gradient accumulation x time-based checkpoints.
 
 Every place that learns a setting asks :func:`check` (or :func:`conflict`, for a server that answers with a
 refusal) with what it knows, and a conflict is reported the same way wherever it is found: the launcher before
@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from geomx.errors import ConfigError
-from geomx.sync.settings import DC_ROUND_ALGORITHMS, SERVER_OPTIMIZER_ALGORITHMS, WORKER_SIDE_ALGORITHMS
+from geomx.sync.settings import (DC_ROUND_ALGORITHMS, ROUND_PER_STEP_ALGORITHMS, SERVER_OPTIMIZER_ALGORITHMS,
+                                 WORKER_SIDE_ALGORITHMS)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class Combination:
     server_optimizer: bool | None = None     # the global servers run an optimizer
     compression: bool | None = None          # some tier compresses gradients
     backward_passes_per_step: int = 1        # DistributedOptimizer's gradient accumulation
+    checkpoint_seconds: float | None = None  # time-based checkpoints (geomx.cluster.checkpoint_clock)
 
 
 # how each setting is named in a message: its value, and where a user sets it
@@ -45,6 +47,7 @@ LABELS: dict[str, Callable[[Combination], str]] = {
     if c.server_optimizer else "no server optimizer (the workers update: DistributedOptimizer's default)",
     "compression": lambda c: "gradient compression (kv.set_gradient_compression)",
     "backward_passes_per_step": lambda c: f"backward_passes_per_step={c.backward_passes_per_step}",
+    "checkpoint_seconds": lambda c: f"--checkpoint-seconds {c.checkpoint_seconds:g} (GEOMX_CHECKPOINT_SECONDS)",
 }
 
 
@@ -88,6 +91,16 @@ RULES: tuple[Rule, ...] = (
     Rule(("sync", "backward_passes_per_step"), lambda c: _worker_side(c) and c.backward_passes_per_step != 1,
          lambda c: f"{c.sync} steps on every step() call; accumulate gradients yourself (several backward() calls "
                    f"before step() add up in .grad) instead"),
+    # the global servers declare a checkpoint round that every worker saves as the same step: a step must be one
+    # round of every key, taken by all workers together
+    Rule(("checkpoint_seconds", "mode"), lambda c: bool(c.checkpoint_seconds) and c.mode == "dist_async",
+         lambda c: "dist_async applies each DC's push on its own, so no round is the same step for every worker "
+                   "and key; use --checkpoint-every"),
+    Rule(("checkpoint_seconds", "sync"),
+         lambda c: bool(c.checkpoint_seconds) and c.sync is not None and c.sync not in ROUND_PER_STEP_ALGORITHMS,
+         lambda c: f"{c.sync} does not take one synchronous round of every key per step, so the servers' rounds "
+                   f"cannot name the workers' steps; time-based checkpoints need "
+                   f"{' or '.join(ROUND_PER_STEP_ALGORITHMS)} (use --checkpoint-every)"),
 )
 
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Mapping
+from urllib.parse import unquote, urlsplit
 
 from geomx.errors import ConfigError
 from geomx.profiles import CENTRAL_DC
@@ -62,6 +64,7 @@ class NodeConfig:
     emulator: str | None = None            # tcp:// address of the WAN emulator, if any
     run_dir: str | None = None
     checkpoint_every: int = 0              # global servers with an optimizer: checkpoint every N rounds
+    checkpoint_seconds: float = 0.0        # ... and about every S seconds (0: never; checkpoint_clock.py)
     checkpoint_dir: str | None = None      # GEOMX_CHECKPOINT_DIR, else <run dir>/checkpoints (checkpoint_directory)
     resume_from: str | None = None         # a previous run's checkpoint directory (geomx launch --resume)
     resume_step: int | None = None         # the step (= round) to resume at
@@ -143,6 +146,31 @@ def checkpoint_directory(cfg: NodeConfig) -> Path | None:
     return Path(cfg.run_dir) / "checkpoints" if cfg.run_dir else None
 
 
+def env_checkpoint_seconds(env: Mapping[str, str]) -> float:
+    """``GEOMX_CHECKPOINT_SECONDS`` (``geomx launch --checkpoint-seconds``): 0 when unset."""
+    seconds = env_float(env, "GEOMX_CHECKPOINT_SECONDS", 0.0)
+    if (env.get("GEOMX_CHECKPOINT_SECONDS") or "").strip() and not seconds > 0:
+        raise ConfigError(f"GEOMX_CHECKPOINT_SECONDS={env['GEOMX_CHECKPOINT_SECONDS']!r} must be a number of seconds "
+                          f"> 0 (geomx launch --checkpoint-seconds)")
+    return seconds
+
+
+def checkpoint_path(text: str, name: str) -> Path:
+    """A checkpoint directory given as a path or a ``file://`` URL (``file:///abs/path``); ``name``, the flag or
+    variable it came from, names it in the error for any other scheme (checkpoints go to a directory every role
+    can write: a local disk, or storage every host mounts)."""
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", text)
+    if scheme is None:
+        return Path(text)
+    if scheme.group(1).lower() != "file":
+        raise ConfigError(f"{name} {text}: scheme {scheme.group(1)!r} is not supported; give a directory path or a "
+                          f"file:// URL (e.g. storage every host mounts)")
+    url = urlsplit(text)
+    if url.netloc not in ("", "localhost") or not url.path.startswith("/"):
+        raise ConfigError(f"{name} {text}: a file URL names an absolute path on this host, file:///abs/path")
+    return Path(unquote(url.path))
+
+
 def env_heartbeat_timeout(env: Mapping[str, str]) -> tuple[float, bool]:
     """(the heartbeat timeout, whether schedulers measure each member's deadline): unset or ``auto`` (the default,
     geomx.cluster.liveness) measures, the default timeout staying the members' own limit and the measured
@@ -214,7 +242,9 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
             "checks only who sent each message", role)
     cfg.run_dir = env.get("GEOMX_RUN_DIR") or None
     cfg.checkpoint_every = env_int(env, "GEOMX_CHECKPOINT_EVERY", role, 0)
-    cfg.checkpoint_dir = env.get("GEOMX_CHECKPOINT_DIR") or None
+    cfg.checkpoint_seconds = env_checkpoint_seconds(env)
+    directory = env.get("GEOMX_CHECKPOINT_DIR")
+    cfg.checkpoint_dir = str(checkpoint_path(directory, "GEOMX_CHECKPOINT_DIR")) if directory else None
     cfg.resume_from = env.get("GEOMX_RESUME_FROM") or None
     cfg.resume_step = env_int(env, "GEOMX_RESUME_STEP", role) if env.get("GEOMX_RESUME_STEP") else None
     cfg.optimizer_modules = tuple(m.strip() for m in (env.get("GEOMX_OPTIMIZER_MODULES") or "").split(",")

@@ -81,9 +81,11 @@ DEPLOYMENTS = {"server": dict(dcs=1, workers_per_dc=1, topology="flat"),
                "worker": dict(dcs=2, workers_per_dc=1, topology="hips", sync={"algorithm": "diloco", "k1": 2})}
 
 
-def _train(run_dir: Path, steps: int, update_on: str, checkpoint_dir: Path | None = None, **resume) -> str:
-    topo = load_topology(wan="lan", **DEPLOYMENTS[update_on])
-    topo.env["GEOMX_CHECKPOINT_EVERY"] = "3"          # what geomx launch --checkpoint-every 3 sets for every role
+def _train(run_dir: Path, steps: int, update_on: str, checkpoint_dir: Path | None = None, *,
+           deployment: dict | None = None, env: dict | None = None, **resume) -> str:
+    """``env``: what geomx launch sets for every role (default: --checkpoint-every 3)."""
+    topo = load_topology(wan="lan", **(deployment or DEPLOYMENTS[update_on]))
+    topo.env.update(env or {"GEOMX_CHECKPOINT_EVERY": "3"})
     if checkpoint_dir is not None:
         topo.env["GEOMX_CHECKPOINT_DIR"] = str(checkpoint_dir)     # geomx launch --checkpoint-dir
     out = io.StringIO()
@@ -118,6 +120,38 @@ def test_a_job_resumed_from_a_checkpoint_ends_on_the_uninterrupted_jobs_model_bi
     at_3 = torch.load(checkpoints["straight"] / "worker-0-step-3.pt", weights_only=True)["parts"]["model"]
     final = torch.load(checkpoints["straight"] / "worker-0-step-6.pt", weights_only=True)["parts"]["model"]
     assert not all(torch.equal(t, final[n]) for n, t in at_3.items())        # the control: steps 4-6 changed it
+
+
+def test_time_based_checkpoints_name_the_same_steps_on_every_role_and_a_job_resumed_from_one_ends_bit_for_bit(
+        tmp_path):
+    """--checkpoint-seconds under geomx launch, with two global servers running the optimizer (Adam) and the
+    worker's script on geomx.torch.loop: an interval so small that global server 0 declares a round whenever its
+    keys completed the last one (rounds 3 and 5, then 7, which --checkpoint-every 7 asks for too), and the worker
+    and both global servers keep the same two. Resumed at step 5 (--resume, --resume-step 5) in new processes,
+    the job ends on the very model and optimizer state of the job that went on. (Two workers of two DCs, through
+    their local servers: tests/test_checkpoint_seconds.py, in one process.)"""
+    from geomx import statefile
+    from geomx.cluster.server_checkpoint import rounds_saved
+
+    deployment = dict(dcs=1, workers_per_dc=1, global_servers=2, topology="flat")
+    env = {"GEOMX_CHECKPOINT_SECONDS": "1e-06", "GEOMX_CHECKPOINT_EVERY": "7"}
+    _train(tmp_path / "straight", 7, "server", deployment=deployment, env=env)
+    checkpoints = {run: tmp_path / run / "checkpoints" for run in ("straight", "resumed")}
+    saved = {**{f"worker-{w}": sorted(s) for w, s in steps_saved(checkpoints["straight"]).items()},
+             **{f"server-{r}": sorted(s) for r, s in rounds_saved(checkpoints["straight"]).items()}}
+    assert saved == {name: [5, 7] for name in ("worker-0", "server-0", "server-1")}, saved
+
+    out = _train(tmp_path / "resumed", 7, "server", deployment=deployment, env=env, resume=tmp_path / "straight",
+                 resume_step=5)
+    assert "resumed at step 5" in out
+    _same_final_models(checkpoints, 7, 1)
+    for rank in (0, 1):
+        straight, resumed = (statefile.load(checkpoints[run] / f"global-server-{rank}-round-7.state")["keys"]
+                             for run in checkpoints)
+        for a, b in zip(straight, resumed, strict=True):
+            assert a["key"] == b["key"] and (a["value"] == b["value"]).all()
+            assert (a["update"]["optimizer"]["state"][0]["exp_avg_sq"]
+                    == b["update"]["optimizer"]["state"][0]["exp_avg_sq"]).all()
 
 
 def _same_final_models(checkpoints: dict, step: int, workers: int) -> None:
@@ -197,16 +231,28 @@ def test_restart_step_is_the_latest_every_worker_and_every_checkpointing_global_
     assert restart_step(tmp_path, 3, 1) is None                           # worker 2 saved nothing
 
 
+class _OptimizerState:
+    """A key's server optimizer state, as ServerCheckpoints keeps it."""
+
+    def state_dict(self) -> dict:
+        return {"momentum": np.zeros(2, np.float32)}
+
+
+def _server_keys() -> list:
+    """Two keys of a global server that runs the optimizer."""
+    from geomx.cluster.kvserver import KeyState
+
+    return [KeyState(k, (2,), np.dtype(np.float32), value=np.full(2, float(i), np.float32), update=_OptimizerState())
+            for i, k in enumerate(("w", 7))]
+
+
 def test_a_global_server_resumes_only_from_its_own_checkpoint_of_that_round_and_names_what_is_missing(tmp_path):
     """Workers' checkpoints alone cannot resume a job whose model lives on the global server; a checkpoint is
     written once every key reached the round, and only the last two are kept."""
-    import numpy as np
 
-    from geomx.cluster.kvserver import KeyState
     from geomx.cluster.server_checkpoint import ServerCheckpoints
 
-    keys = [KeyState(k, (2,), np.dtype(np.float32), value=np.full(2, float(i), np.float32))
-            for i, k in enumerate(("w", 7))]
+    keys = _server_keys()
     writer = ServerCheckpoints(rank=0, every=2, directory=tmp_path)
     for _ in range(6):
         writer.round_done(keys[0], keys=2)
@@ -223,6 +269,30 @@ def test_a_global_server_resumes_only_from_its_own_checkpoint_of_that_round_and_
         ServerCheckpoints(rank=1, every=2, directory=None, resume_from=tmp_path, resume_round=4).resumed_state("w")
 
 
+def test_a_server_that_hears_of_a_checkpoint_round_after_completing_it_skips_it_and_writes_the_next(
+        tmp_path, caplog):
+    """--checkpoint-seconds: global server 0 declares round 3 (geomx.cluster.checkpoint_clock), but this server
+    has completed round 3 of key "w" already, whose state then is gone: it writes no partial checkpoint, says so,
+    and the next declared round is written whole."""
+    import logging
+
+    from geomx.cluster.server_checkpoint import ServerCheckpoints, rounds_saved
+
+    keys = _server_keys()
+    server = ServerCheckpoints(rank=1, every=0, directory=tmp_path)
+    for st, rounds in zip(keys, (3, 2), strict=True):
+        for _ in range(rounds):
+            server.round_done(st, keys=2)
+    with caplog.at_level(logging.WARNING, logger="geomx.server_checkpoint"):
+        assert not server.declare(3)
+    assert "checkpoint of round 3 skipped" in caplog.text
+    assert server.declare(5) and server.latest_declared == 5
+    for st in keys:
+        while server.rounds[st.key] < 6:
+            server.round_done(st, keys=2)
+    assert rounds_saved(tmp_path) == {1: [5]}
+
+
 def test_a_server_optimizer_job_asks_for_the_interval_on_every_role_not_only_the_script():
     """With --update-on server the global servers checkpoint the model: an interval only the script knows would
     leave them without one, and the job could not be resumed. Refused at start, with the fix."""
@@ -232,7 +302,7 @@ def test_a_server_optimizer_job_asks_for_the_interval_on_every_role_not_only_the
     from geomx.torch import loop
 
     kv = SimpleNamespace(cfg=SimpleNamespace(checkpoint_every=0, resume_from=None, resume_step=None, run_dir=None))
-    args = argparse.Namespace(checkpoint_every=3, update_on="server", data_slice_idx=None)
+    args = argparse.Namespace(checkpoint_every=3, checkpoint_seconds=0.0, update_on="server", data_slice_idx=None)
     with pytest.raises(SystemExit, match="geomx launch --checkpoint-every 3"):
         loop.checkpointer(args, kv, None, None)
 

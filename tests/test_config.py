@@ -53,6 +53,14 @@ def test_heartbeat_deadlines_are_measured_by_default_with_quarter_second_heartbe
         config_from_env(worker_env(GEOMX_HEARTBEAT_TIMEOUT="soon"))
 
 
+def test_a_checkpoint_directory_may_be_a_file_url_and_the_interval_in_seconds_reads_as_a_number():
+    cfg = config_from_env(worker_env(GEOMX_CHECKPOINT_DIR="file:///mnt/shared/run%201",
+                                     GEOMX_CHECKPOINT_SECONDS="1.5"))
+    assert cfg.checkpoint_dir == "/mnt/shared/run 1" and cfg.checkpoint_seconds == 1.5
+    assert config_from_env(worker_env(GEOMX_CHECKPOINT_DIR="/mnt/shared/run")).checkpoint_dir == "/mnt/shared/run"
+    assert config_from_env(worker_env()).checkpoint_seconds == 0
+
+
 def test_complete_worker_environment_gives_the_documented_node_config():
     cfg = config_from_env(worker_env(GEOMX_RANK="1", GEOMX_MODE="dist_async", GEOMX_HEARTBEAT_TIMEOUT="3"))
     assert (cfg.role, cfg.dc, cfg.scheduler, cfg.num_workers, cfg.num_servers, cfg.num_all_workers, cfg.rank,
@@ -98,8 +106,13 @@ def test_role_missing_a_variable_is_refused_naming_the_variable(env, missing):
     (worker_env(DMLC_ROLE_GLOBAL="global_server"), ["DMLC_ROLE_GLOBAL=global_server", "DMLC_ROLE=server"]),
     (worker_env(DMLC_ROLE_GLOBAL="global_boss"), ["DMLC_ROLE_GLOBAL", "'global_boss'"]),
     ({}, ["DMLC_ROLE"]),
+    (worker_env(GEOMX_CHECKPOINT_SECONDS="0"), ["GEOMX_CHECKPOINT_SECONDS", "'0'", "> 0", "--checkpoint-seconds"]),
+    (worker_env(GEOMX_CHECKPOINT_SECONDS="soon"), ["GEOMX_CHECKPOINT_SECONDS", "'soon'"]),
+    (worker_env(GEOMX_CHECKPOINT_DIR="s3://bucket/run"), ["GEOMX_CHECKPOINT_DIR", "scheme 's3'", "file://"]),
+    (worker_env(GEOMX_CHECKPOINT_DIR="file://host/run"), ["GEOMX_CHECKPOINT_DIR", "file:///abs/path"]),
 ], ids=["nan-count", "nan-port", "nan-timeout", "zero-workers", "bad-role", "bad-geomx-role", "bad-topology",
-        "bad-mode", "bad-mixedsync", "two-local-servers", "global-server-not-server", "bad-global-role", "no-role"])
+        "bad-mode", "bad-mixedsync", "two-local-servers", "global-server-not-server", "bad-global-role", "no-role",
+        "zero-checkpoint-seconds", "nan-checkpoint-seconds", "s3-checkpoint-dir", "remote-file-url"])
 def test_malformed_variable_is_refused_naming_variable_and_value(env, words):
     with pytest.raises(ConfigError) as info:
         config_from_env(env)

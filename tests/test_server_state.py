@@ -111,6 +111,40 @@ def test_a_global_server_restored_from_its_saved_state_continues_bit_for_bit(cas
     assert not all(np.array_equal(a, np.zeros_like(a)) for a in expected)
 
 
+@pytest.mark.parametrize("with_residuals", [True, False])
+def test_a_global_servers_checkpoint_carries_its_reply_codecs_residual_and_a_resumed_job_goes_on_bit_for_bit(
+        with_residuals, tmp_path):
+    """Unlike a whole saved state, a checkpoint (server_checkpoint.py) is resumed by new processes: the global
+    server's checkpoint of round 3 keeps each key's reply stream (top-k, its error-feedback residual), the
+    workers' checkpoints their push streams. Resumed from both, rounds 4-6 answer exactly as in the job that went
+    on; with the residual left out of the checkpoint (the control) they do not."""
+    first = FlatCluster(global_server_fields={"checkpoint_every": 3, "checkpoint_dir": str(tmp_path)})
+    try:
+        _configure(first, "dist_sync", None, TOPK)
+        _join_keys(first)
+        _rounds(first, range(3), True)
+        worker_wires = [statefile.loads(statefile.dumps(w.kv.wire_state_dict())) for w in first.workers]
+        expected = _rounds(first, range(3, 6), True)
+    finally:
+        first.close()
+    checkpoint = tmp_path / "global-server-0-round-3.state"
+    saved = statefile.load(checkpoint)
+    assert all(np.count_nonzero(entry["wire"]["down"]["feedback"]["residuals"][0]) for entry in saved["keys"])
+    if not with_residuals:
+        statefile.save(checkpoint, {**saved, "keys": [{**entry, "wire": None} for entry in saved["keys"]]})
+
+    second = FlatCluster(global_server_fields={"resume_from": str(tmp_path), "resume_step": 3})
+    try:
+        _configure(second, "dist_sync", None, TOPK)
+        _join_keys(second)
+        for w, wire in zip(second.workers, worker_wires, strict=True):
+            w.kv.load_wire_state_dict(wire)
+        got = _rounds(second, range(3, 6), True)
+    finally:
+        second.close()
+    assert all(np.array_equal(a, b) for a, b in zip(expected, got, strict=True)) == with_residuals
+
+
 def test_a_state_file_keeps_arrays_tuples_and_generator_states_and_refuses_other_files(tmp_path):
     rng = np.random.default_rng(5)
     state = {"value": np.arange(6, dtype=np.float16).reshape(2, 3), 3: ("a", 1), "rng": rng.bit_generator.state}

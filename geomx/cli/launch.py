@@ -26,7 +26,7 @@ from geomx.cli.backends import Backend, LocalBackend, RoleHandle, Sites
 from geomx.cli.inject import Injector, parse_faults
 from geomx.cli.rejoins import Rejoins
 from geomx.cli.topology import Topology
-from geomx.config import env_heartbeat_timeout, env_int
+from geomx.config import checkpoint_path, env_heartbeat_timeout, env_int
 from geomx.dropped import FILE as DROPPED_FILE
 from geomx.dropped import DropLog
 from geomx.errors import ConfigError
@@ -210,7 +210,7 @@ def resume_directory(previous_run: Path, run_dir: Path, workers: int, step: int 
     directory = checkpoints_of(previous_run).resolve()
     if not directory.is_dir():
         raise ConfigError(f"--resume {previous_run}: it has no checkpoints directory ({directory}; was it run with "
-                          f"--checkpoint-every?)")
+                          f"--checkpoint-every or --checkpoint-seconds?)")
     return directory, common_step(directory, workers, step)
 
 
@@ -239,7 +239,9 @@ class Launcher:
         self.insecure = insecure
         self.topo, self.command, self.run_dir, self.quiet = topo, command, Path(run_dir), quiet
         # every role writes its checkpoints here (GEOMX_CHECKPOINT_DIR: --checkpoint-dir, else the run directory's)
-        self.checkpoint_dir = Path(topo.env.get("GEOMX_CHECKPOINT_DIR") or self.run_dir / "checkpoints").resolve()
+        given = topo.env.get("GEOMX_CHECKPOINT_DIR")
+        self.checkpoint_dir = (checkpoint_path(given, "GEOMX_CHECKPOINT_DIR") if given
+                               else self.run_dir / "checkpoints").resolve()
         topo.env["GEOMX_CHECKPOINT_DIR"] = str(self.checkpoint_dir)
         self.out = out or sys.stdout
         self.running: list[Running] = []

@@ -74,6 +74,7 @@ def topology_from_args(args: argparse.Namespace):
 def cmd_launch(args: argparse.Namespace) -> int:
     from geomx.cli.fault_domains import MIN_DCS_ENV, MIN_WORKERS_ENV
     from geomx.cli.launch import Launcher
+    from geomx.config import checkpoint_path
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -87,8 +88,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if args.checkpoint_every < 1:
             raise GeomxError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
         topo.env["GEOMX_CHECKPOINT_EVERY"] = str(args.checkpoint_every)
+    if args.checkpoint_seconds is not None:
+        if not args.checkpoint_seconds > 0:
+            raise GeomxError(f"--checkpoint-seconds must be > 0, got {args.checkpoint_seconds:g}")
+        topo.env["GEOMX_CHECKPOINT_SECONDS"] = repr(args.checkpoint_seconds)
+        topo.validate()         # again: time-based checkpoints need a step to be one round of every key
     if args.checkpoint_dir is not None:
-        directory = Path(args.checkpoint_dir).expanduser().resolve()
+        directory = checkpoint_path(args.checkpoint_dir, "--checkpoint-dir").expanduser().resolve()
         if directory.exists() and not directory.is_dir():
             raise GeomxError(f"--checkpoint-dir {args.checkpoint_dir}: {directory} exists and is not a directory")
         topo.env["GEOMX_CHECKPOINT_DIR"] = str(directory)
@@ -137,9 +143,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="every N steps each worker checkpoints its model and optimizer into <run dir>/checkpoints "
                         "(GEOMX_CHECKPOINT_EVERY; read by scripts built on geomx.torch.loop), and global servers "
                         "that run the optimizer their state every N rounds")
+    p.add_argument("--checkpoint-seconds", type=float, metavar="S",
+                   help="also checkpoint about every S seconds: global server 0 declares the step every worker and "
+                        "global server saves (GEOMX_CHECKPOINT_SECONDS; synchronous fsa or p3 only)")
     p.add_argument("--checkpoint-dir", metavar="PATH",
-                   help="write checkpoints here instead of <run dir>/checkpoints, e.g. storage every host mounts "
-                        "(GEOMX_CHECKPOINT_DIR; --resume and --restart-failed find it in the run's launch.json)")
+                   help="write checkpoints here instead of <run dir>/checkpoints, e.g. storage every host mounts: a "
+                        "path or a file:///abs/path URL (GEOMX_CHECKPOINT_DIR; --resume and --restart-failed find it "
+                        "in the run's launch.json)")
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="resume the job whose run directory this was, from the latest step every worker "
                         "checkpointed (run it with its own --run-dir)")
@@ -157,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                         "first lost DC); GEOMX_MIN_DCS")
     p.add_argument("--restart-failed", type=int, default=0, metavar="N",
                    help="when a role fails in a way no fault domain absorbs, start the whole job again from its last "
-                        "checkpoint (--checkpoint-every; afresh without one), at most N times; each failed attempt's "
-                        "logs go to <run dir>/attempt-<k>")
+                        "checkpoint (--checkpoint-every, --checkpoint-seconds; afresh without one), at most N times; "
+                        "each failed attempt's logs go to <run dir>/attempt-<k>")
     p.add_argument("--rejoin-after", type=float, metavar="S",
                    help="start a worker its DC went on without (killed, or dropped when it froze) again S seconds "
                         "later: it rejoins the running job in its old place, from the current model (needs the "

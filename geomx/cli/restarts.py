@@ -3,8 +3,9 @@
 When a role fails in a way no fault domain absorbs (a global server, a scheduler, a DC the job cannot spare), the
 launcher stops every process as always; with restarts left, it then moves that attempt's logs, metrics and link
 counters into ``<run dir>/attempt-<k>/`` and launches the whole deployment again, every role resuming from the
-latest step that every worker, and every global server that checkpoints (a server optimizer), saved in the
-checkpoint directory (``--checkpoint-every``; ``--checkpoint-dir``, else ``<run dir>/checkpoints``). Steps after
+latest step that every worker, and every global server that checkpoints (a server optimizer, compressed
+replies), saved in the checkpoint directory (``--checkpoint-every``, ``--checkpoint-seconds``; ``--checkpoint-dir``,
+else ``<run dir>/checkpoints``). Steps after
 that checkpoint are trained again: "no update lost" in the sense of issue 16 (every acknowledged round is in the
 model after recovery, or the workers replay it), and since a resumed job replays the same batches, it ends on the
 model of a job that never failed, bit for bit. Without a checkpoint yet, the job starts afresh.

@@ -20,7 +20,7 @@ import tomllib
 from dataclasses import dataclass, field
 
 from geomx.compat import check as check_combination
-from geomx.config import MIXEDSYNC, MODES, TOPOLOGIES
+from geomx.config import MIXEDSYNC, MODES, TOPOLOGIES, env_checkpoint_seconds
 from geomx.errors import ConfigError
 from geomx.netem.link_matrix import assignments, parse_link_overrides
 from geomx.netem.tcp_model import TcpPath, tcp_path
@@ -85,7 +85,8 @@ class Topology:
             raise ConfigError(f"unknown MixedSync variant {self.mixedsync!r}; variants are {', '.join(MIXEDSYNC)}")
         sync = settings_from_env(self.env)
         check_combination(mode=self.mode, mixedsync=self.mixedsync, topology=self.topology, sync=sync.algorithm,
-                          k2=sync.k2, weights=sync.weights)
+                          k2=sync.k2, weights=sync.weights,
+                          checkpoint_seconds=env_checkpoint_seconds(self.env) or None)
         return self
 
 

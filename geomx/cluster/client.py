@@ -158,6 +158,9 @@ class KVClient:
         self.wire: ClientWire | None = None      # gradient compression, from the servers' info
         # rejoined a running job: per key, the rounds already under way, which it takes no part in
         self.joined: dict[Any, int] = {}
+        # --checkpoint-seconds: the rounds the global servers declared checkpoint rounds (checkpoint_clock.py)
+        self.checkpoint_rounds: set[int] = set()
+        self.latest_checkpoint_round = 0            # what a local server tells its workers
         po.add_abort_listener(self._fail_all)
         po.van.receive_into = self.receive_into
 
@@ -168,7 +171,7 @@ class KVClient:
         request is in flight."""
         return {"owner": [[k, r] for k, r in self._owner.items()], "pushes": [[k, n] for k, n in self._pushes.items()],
                 "layout": [[k, list(shape), dtype.str] for k, (shape, dtype) in self._layout.items()],
-                "info": dict(self.info), "wire": self.wire_state_dict()}
+                "info": dict(self.info), "wire": self.wire.state_dict() if self.wire is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` into a fresh client of the same tier, whose servers hold the saved run's
@@ -182,8 +185,9 @@ class KVClient:
 
     def wire_state_dict(self) -> dict | None:
         """The compression streams alone (what a worker's checkpoint keeps: a resumed job talks to new
-        servers, so the other counters start afresh)."""
-        return self.wire.state_dict() if self.wire is not None else None
+        servers, so the other counters start afresh, and so do the weight replicas: the new servers send the
+        whole weights at init)."""
+        return self.wire.state_dict(replicas=False) if self.wire is not None else None
 
     def load_wire_state_dict(self, state: dict | None) -> None:
         if state is None:
@@ -305,6 +309,7 @@ class KVClient:
         if msg.get(Field.INFO):
             self.info.update(msg[Field.INFO])
             self._configure_compression()
+        self._note_checkpoint_round(msg.get(Field.CHECKPOINT_ROUND))    # before the handle's callbacks run
         try:
             result = convert(msg) if convert else None
             if out is not None and result is not None and not np.shares_memory(result, out):
@@ -319,6 +324,11 @@ class KVClient:
             handle._finish(result)
         except Exception as exc:
             handle._finish(error=exc)
+
+    def _note_checkpoint_round(self, round_) -> None:
+        if isinstance(round_, int) and not isinstance(round_, bool) and round_ > 0:
+            self.checkpoint_rounds.add(round_)
+            self.latest_checkpoint_round = max(self.latest_checkpoint_round, round_)
 
     # compression ----------------------------------------------------------------------------------------------
     def _configure_compression(self) -> None:

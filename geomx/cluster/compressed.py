@@ -28,6 +28,7 @@ compressed.
 """
 from __future__ import annotations
 
+import copy
 import zlib
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -129,11 +130,20 @@ class WireKeyState:
                 "seen": {src: v for src, v in self.seen.items()},
                 "down_streams": {src: s.state_dict() for src, s in self.down_streams.items()}}
 
-    def load_state_dict(self, state: dict[str, Any], value: np.ndarray | None) -> None:
+    def shared_state_dict(self) -> dict[str, Any]:
+        """What serves every client alike, copied (a checkpoint keeps it while the streams go on): the round's
+        reply stream, its codec memory and residual. Not the per-client streams (geomx.cluster.server_checkpoint
+        says why)."""
+        return {"down": copy.deepcopy(self.down.state_dict()) if self.down is not None else None}
+
+    def load_shared_state_dict(self, state: dict[str, Any]) -> None:
         self.down = None
         if state["down"] is not None:
             self.down = self.new_down()
             self.down.load_state_dict(state["down"])
+
+    def load_state_dict(self, state: dict[str, Any], value: np.ndarray | None) -> None:
+        self.load_shared_state_dict(state)
         sent = state["down_sent"]
         self.down_sent = None if sent is None else (value, sent["arrays"], sent["fields"])
         # a client whose weights are the current value holds that very array (replies compare by identity)
@@ -201,11 +211,15 @@ class ClientWire(_Side):
             self._shapes[key] = (tuple(value.shape), np.dtype(dtype))
         return stream.encode(value, count)
 
-    def state_dict(self) -> dict[str, Any]:
-        """The push streams (codec memory, error-feedback residuals) and the weight replicas, per key."""
-        return {"push": [[key, list(self._shapes[key][0]), self._shapes[key][1].str, stream.state_dict()]
-                         for key, stream in self._push.items()],
-                "replica": [[key, value] for key, value in self._replica.items()]}
+    def state_dict(self, *, replicas: bool = True) -> dict[str, Any]:
+        """The push streams (codec memory, error-feedback residuals) and, with ``replicas``, the weight replicas,
+        per key. A replica is the other half of its server's stream for this client: it restores only with
+        that server's state (a worker's checkpoint leaves it out, geomx.cluster.server_checkpoint)."""
+        state: dict[str, Any] = {"push": [[key, list(self._shapes[key][0]), self._shapes[key][1].str,
+                                           stream.state_dict()] for key, stream in self._push.items()]}
+        if replicas:
+            state["replica"] = [[key, value] for key, value in self._replica.items()]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._push = {}
@@ -216,7 +230,8 @@ class ClientWire(_Side):
             stream = self._push[key] = Stream(codec, _seed(key, self.salt))
             stream.load_state_dict(saved)
             self._shapes[key] = (tuple(shape), np.dtype(dtype))
-        self._replica = {key: np.array(value) for key, value in state["replica"]}
+        if "replica" in state:      # else the replicas stay those of the servers' init replies
+            self._replica = {key: np.array(value) for key, value in state["replica"]}
 
     def note_dense(self, key, value: np.ndarray) -> None:
         """A dense value from the server (init): the replica that weight changes apply to."""

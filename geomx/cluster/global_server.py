@@ -18,6 +18,7 @@ from geomx.cluster.compressed import ServerWire
 from geomx.cluster.kvserver import KeyState, KVServer, Refused, accumulator_dtype, init_layout
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
 from geomx.cluster.round_policies import round_policy_name
+from geomx.cluster.checkpoint_clock import CheckpointClock
 from geomx.cluster.server_checkpoint import ServerCheckpoints
 from geomx.cluster.protocol import Command, Field, Op
 from geomx.compat import conflict
@@ -28,6 +29,8 @@ from geomx.profiles import CENTRAL_DC
 from geomx.transport.message import Message
 
 log = logging.getLogger("geomx.global_server")
+
+_ANNOUNCE_PRIORITY = 1000      # checkpoint_at: before any push waiting beside it (pushes carry -layer index)
 
 
 class GlobalServer(KVServer):
@@ -96,7 +99,8 @@ class GlobalServer(KVServer):
                 raise Refused("GeoMX's HFA server logic sums the DCs' shares of the model change: it needs the sum "
                               "reduction, not the mean")
             problem = conflict(mode=args["mode"], mixedsync=mixedsync, server_optimizer=self.optimizer is not None,
-                               sync="hfa" if hfa_k2 else None)
+                               sync="hfa" if hfa_k2 else None,
+                               checkpoint_seconds=self.po.cfg.checkpoint_seconds or None)
             if problem:
                 raise Refused(problem)
             self.mode, self.mixedsync, self.reduction, self.hfa_k2 = args["mode"], mixedsync, reduction, hfa_k2
@@ -164,11 +168,13 @@ class GlobalServer(KVServer):
             self.wire = ServerWire(self.compression, "wan", weights=self.optimizer is not None,
                                    per_client=not self.policy.synchronous, salt=self.po.cfg.label)
         cfg = self.po.cfg
-        if self.optimizer is not None and self.policy.synchronous and (cfg.checkpoint_every or cfg.resume_from):
-            # the model lives here: checkpoint it, and resume from a checkpoint (server_checkpoint.py)
+        if self.policy.synchronous and (cfg.checkpoint_every or cfg.checkpoint_seconds or cfg.resume_from):
+            # the model (a server optimizer) or the reply codecs' residuals live here: checkpoint them, and resume
+            # from a checkpoint (server_checkpoint.py); rank 0 keeps the time (checkpoint_clock.py)
+            clock = CheckpointClock(cfg.checkpoint_seconds) if cfg.checkpoint_seconds and self.rank == 0 else None
             self.checkpoints = ServerCheckpoints(
-                rank=self.rank, every=cfg.checkpoint_every,
-                directory=checkpoint_directory(cfg),
+                rank=self.rank, every=cfg.checkpoint_every, directory=checkpoint_directory(cfg),
+                saves=self.optimizer is not None or self.wire is not None, clock=clock,
                 resume_from=Path(cfg.resume_from) if cfg.resume_from else None, resume_round=cfg.resume_step)
 
     # saved state ----------------------------------------------------------------------------------------------
@@ -241,16 +247,25 @@ class GlobalServer(KVServer):
             self._answer_init(msg, self.keys[key])
 
     def _resume_key(self, st: KeyState) -> None:
-        """Start ``st`` from the checkpoint being resumed (when resuming): its value and optimizer state."""
+        """Start ``st`` from the checkpoint being resumed (when resuming): its value and optimizer state (a server
+        optimizer's), and its reply codec's state."""
         try:
             saved = self.checkpoints.resumed_state(st.key)
             if saved is None:
                 return
-            self.check_value(st, np.asarray(saved["value"]), "the checkpointed value")
-            st.update.load_state_dict(saved["update"])
-        except ConfigError as exc:
-            raise Refused(str(exc)) from None
-        st.value = np.array(saved["value"])
+            if st.update is not None:
+                self.check_value(st, np.asarray(saved["value"]), "the checkpointed value")
+                st.update.load_state_dict(saved["update"])
+            if saved.get("wire") is not None:
+                if self.wire is None:
+                    raise ConfigError(f"the checkpoint of key {st.key!r} holds compression state, but this job "
+                                      f"compresses nothing (kv.set_gradient_compression)")
+                st.wire = self.wire.key_state(st)
+                st.wire.load_shared_state_dict(saved["wire"])
+        except (ConfigError, KeyError, TypeError, ValueError) as exc:
+            raise Refused(f"resuming key {st.key!r}: {exc}") from None
+        if st.update is not None:
+            st.value = np.array(saved["value"])
 
     def _answer_init(self, msg: Message, st: KeyState) -> None:
         try:
@@ -266,8 +281,27 @@ class GlobalServer(KVServer):
             self.directory[key] = owner
             for held in self.held_inits.pop(key, []):
                 self.reply(held, redirect=owner)
+        elif msg.op == Op.CHECKPOINT_AT and client.kind == "global_server" and client.rank == 0:
+            round_ = msg.get(Field.ROUND)
+            if not isinstance(round_, int) or isinstance(round_, bool) or round_ < 1:
+                super().handle_other(msg, client)
+            elif self.checkpoints is not None:      # None: this server owns no key, or rounds are asynchronous
+                self.checkpoints.declare(round_)
         else:
             super().handle_other(msg, client)
+
+    def _announce_checkpoint(self, round_: int) -> None:
+        """The timekeeper declared ``round_``: the other global servers checkpoint it too. Ahead of any push
+        (priority): checkpoint_clock.py."""
+        for server in self.global_tier.servers():
+            if server.id != self.po.node_id:
+                self.po.van.send(server.addr, Message(Op.CHECKPOINT_AT, fields={Field.ROUND: round_},
+                                                      priority=_ANNOUNCE_PRIORITY), dst_dc=server.dc)
+        log.info("global server %d: checkpoint declared at round %d", self.rank, round_)
+
+    def reply_notices(self) -> dict:
+        latest = self.checkpoints.latest_declared if self.checkpoints is not None else 0
+        return {Field.CHECKPOINT_ROUND: latest} if latest else {}
 
     def accept_push(self, st, src, number, value, priority, *, reusable=False):
         if self.policy.synchronous:
@@ -277,9 +311,11 @@ class GlobalServer(KVServer):
 
     def on_round(self, st, number, rnd):
         self.stand_in_for_departed(rnd)
-        self.policy.apply(self, st, rnd.total, rnd.contributors)
+        self.policy.apply(self, st, rnd.total, rnd.contributors)    # the round's replies go out here
         if self.checkpoints is not None:
-            self.checkpoints.round_done(st, len(self.keys))
+            declared = self.checkpoints.round_done(st, len(self.keys))
+            if declared is not None:
+                self._announce_checkpoint(declared)
 
     def read_value(self, st, src):
         return self.policy.read(st, src)

@@ -496,13 +496,18 @@ class KVServer:
 
     def reply_value(self, msg: Message, st: KeyState) -> None:
         value = self.read_value(st, msg.src)
+        notices = self.reply_notices()
         # the master worker does not train and keeps no codec streams: it reads whole values (a pull it sends
         # right after init can be answered after a round, when the round's compressed reply is at hand)
         if self.wire is None or self.clients[msg.src].kind == "master":
-            self.reply(msg, tensors=[value])
+            self.reply(msg, tensors=[value], **notices)
             return
         tensors, fields = self.wire.encode_reply(st, msg.src, value)
-        self.reply(msg, tensors=tensors, **fields)
+        self.reply(msg, tensors=tensors, **fields, **notices)
+
+    def reply_notices(self) -> dict:
+        """Fields every value reply carries (the latest checkpoint round, geomx.cluster.checkpoint_clock)."""
+        return {}
 
     def reply_init(self, msg: Message, st: KeyState) -> None:
         """Answer an init with the key's current value (what the client starts from, sent whole). A rejoined

@@ -172,6 +172,12 @@ class LocalServer(KVServer):
                              f"have ({', '.join(sorted(self.round_policies))}): is it the same geomx version?")
         policy.on_round(st, number, rnd)
 
+    def reply_notices(self) -> dict:
+        """The latest checkpoint round the global servers declared, passed on to the workers (checkpoint_clock.py
+        says why the latest is enough)."""
+        latest = self.upstream.latest_checkpoint_round if self.upstream is not None else 0
+        return {Field.CHECKPOINT_ROUND: latest} if latest else {}
+
     # saved state ----------------------------------------------------------------------------------------------
     def config_state(self) -> dict:
         return {"dc_rounds": self.dc_rounds.state_dict(),

@@ -34,7 +34,9 @@ Data (a client and a server; requests carry ``req``, the reply echoes it):
 ``dc_pushpull``     worker -> local server     key, value: a DC-only round (HFA)
 ``cmd``             master -> global servers   name (a Command), args
 ``key_owner``       master -> global servers   key, owner (the rank that holds the key)
-``reply``           server -> client           req; error, lost; info; redirect; joined_at, digest; the value
+``checkpoint_at``   global server 0 -> others  round: checkpoint every key as of that round (checkpoint_clock.py)
+``reply``           server -> client           req; error, lost; info; redirect; joined_at, digest;
+                                               checkpoint_round; the value
 ==================  =========================  =============================================================
 """
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Op:
     DC_PUSHPULL = "dc_pushpull"
     COMMAND = "cmd"
     KEY_OWNER = "key_owner"
+    CHECKPOINT_AT = "checkpoint_at"
     REPLY = "reply"
 
 
@@ -108,6 +111,8 @@ class Field:
     DIGEST = "digest"         # ... and the digest of the value it starts from (geomx.cluster.digest)
     CODEC = "cm"          # compressed payload: {"c": codec name, "m": codec meta, "n": sender count}
     COUNT = "n"           # a dense push of a mean: how many workers' sum it stands for
+    ROUND = "round"       # checkpoint_at: the round every key is checkpointed as of
+    CHECKPOINT_ROUND = "checkpoint_round"   # a value reply: the latest round the global servers checkpoint at
 
 
 class Command:

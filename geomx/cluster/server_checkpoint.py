@@ -1,21 +1,35 @@
-"""A global server's checkpoints, for resuming a job whose model lives on the servers (``--update-on server``).
+"""A global server's checkpoints, for resuming a job whose model lives on the servers (``--update-on server``)
+or whose servers compress their replies.
 
 With a server optimizer the weights and the optimizer's state (Adam's moments, momentum) exist only on the
-global servers, so the workers' checkpoints (geomx.torch.checkpoint) cannot resume such a job alone. Every
-``every`` synchronous rounds of every key, a global server keeps each key's value and update state *as of that
-round* (values are never mutated once set, so the value is kept by reference; the optimizer state is copied),
-and once every key it owns has reached the round it writes them in one file, atomically (geomx.statefile:
-msgpack, never pickle): ``global-server-<rank>-round-<N>.state``, keeping its last ``keep``.
+global servers, so the workers' checkpoints (geomx.torch.checkpoint) cannot resume such a job alone; nor can
+they bring back what a server's reply codec still owes the workers (its error-feedback residual). At every
+checkpoint round, every ``every`` synchronous rounds of every key and at each round the global servers declare
+(``--checkpoint-seconds``, geomx.cluster.checkpoint_clock), a global server keeps each key's state *as of that
+round* (values are never mutated once set, so the value is kept by reference; the optimizer and codec state
+are copied), and once every key it owns has reached the round it writes them in one file, atomically
+(geomx.statefile: msgpack, never pickle): ``global-server-<rank>-round-<N>.state``, keeping its last ``keep``.
+A declared round that some key has already passed when the server hears of it is skipped with a warning (a
+partial checkpoint would be wrong); a resume then takes the latest round every role saved before it.
+
+Per key it saves the value and the update policy's state (a server optimizer's), and the part of the key's
+compression state that serves every client alike (``WireKeyState.shared_state_dict``: the stream of a round's
+mean gradient, with its codec memory and residual). What belongs to one client is not carried: a server
+optimizer's weight-change streams, one per client, each the other half of that client's weight replica. The
+clients of a resumed job are new processes with new ids, and in the HiPS topology they are local servers, which
+keep no checkpoint of their half; so the resumed servers send every client the whole weights at init and both
+ends start those streams afresh (a worker's checkpoint leaves its replicas out too, geomx.cluster.client). A
+resumed job with compressed weight replies therefore goes on from the exact weights, not bit for bit.
 
 Resuming (``geomx launch --resume RUN_DIR`` gives every role ``GEOMX_RESUME_FROM`` and ``GEOMX_RESUME_STEP``,
 the step every worker checkpointed; under FSA one step is one round of every key): when the master worker
-initializes a key, the server starts it from the saved value and optimizer state instead of the master's
-value, and every worker's init reads those weights. Per-client counters are not restored: the resumed job's
-processes are new clients.
+initializes a key, the server starts it from the saved value, optimizer state and codec state instead of the
+master's value (without a server optimizer only the codec state: the workers' checkpoints hold the model), every
+worker's init reads those weights, and the key's rounds count on from that step. Per-client counters are not
+restored: the resumed job's processes are new clients.
 
-Not covered: asynchronous rounds (``dist_async``: no round is common to every key), the global servers'
-compression residuals (a resumed job starts its codecs afresh), and a restart of one global server inside a
-running job.
+Not covered: asynchronous rounds (``dist_async``: no round is common to every key), the local servers' state
+(their compression streams start afresh), and a restart of one global server inside a running job.
 """
 from __future__ import annotations
 
@@ -25,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from geomx import statefile
+from geomx.cluster.checkpoint_clock import CheckpointClock
 from geomx.errors import ConfigError
 
 log = logging.getLogger("geomx.server_checkpoint")
@@ -45,27 +60,37 @@ def rounds_saved(directory: Path) -> dict[int, list[int]]:
 
 
 class ServerCheckpoints:
-    """Writes a global server's checkpoints and hands out the one it resumes from; see the module docstring."""
+    """A global server's part in checkpoints: counts each key's rounds, keeps the checkpoint rounds (every
+    ``every``, and those declared), writes them when ``saves`` (the server holds state a resume needs), and
+    hands out the state it resumes from; ``clock``: rank 0's timekeeper. See the module docstring."""
 
-    def __init__(self, *, rank: int, every: int, directory: Path | None, keep: int = 2,
-                 resume_from: Path | None = None, resume_round: int | None = None) -> None:
-        self.rank, self.every, self.directory, self.keep = rank, every, directory, keep
+    def __init__(self, *, rank: int, every: int, directory: Path | None, keep: int = 2, saves: bool = True,
+                 clock: CheckpointClock | None = None, resume_from: Path | None = None,
+                 resume_round: int | None = None) -> None:
+        self.rank, self.every, self.keep, self.saves, self.clock = rank, every, keep, saves, clock
+        self.directory = directory
         self.rounds: dict[Any, int] = {}                  # key -> synchronous rounds completed
+        self.declared: set[int] = set()                   # declared rounds still to write
+        self.latest_declared = 0                          # what value replies tell the clients (0: nothing yet)
         self._pending: dict[int, dict[Any, dict]] = {}    # round -> key -> its state at that round
         self._resumed: dict[Any, dict] | None = None
         self.resume_from, self.resume_round = resume_from, resume_round
 
     def resumed_state(self, key) -> dict | None:
-        """The saved value and update state of ``key`` to start from (None: not resuming). Loaded at the first
-        key; a missing file is an error naming it."""
+        """The key was initialized: its rounds count on from the step resumed at. Returns its saved state to start
+        from (None: not resuming, or this server saves nothing). Loaded at the first key; a missing file is an
+        error naming it."""
         if self.resume_from is None or self.resume_round is None:
+            return None
+        self.rounds[key] = self.resume_round
+        if not self.saves:
             return None
         if self._resumed is None:
             path = self.resume_from / checkpoint_name(self.rank, self.resume_round)
             if not path.exists():
                 raise ConfigError(f"cannot resume global server {self.rank} at round {self.resume_round}: {path} "
                                   f"does not exist (the run was not checkpointed at that step with a server "
-                                  f"optimizer)")
+                                  f"optimizer or compression)")
             saved = statefile.load(path)
             if saved.get("format") != FORMAT or saved.get("rank") != self.rank:
                 raise ConfigError(f"{path} is not global server {self.rank}'s checkpoint")
@@ -74,19 +99,50 @@ class ServerCheckpoints:
         if entry is None:
             raise ConfigError(f"key {key!r} is not in global server {self.rank}'s checkpoint of round "
                               f"{self.resume_round} (keys: {sorted(map(repr, self._resumed))[:8]})")
-        self.rounds[key] = self.resume_round
         return entry
 
-    def round_done(self, st, keys: int) -> None:
-        """``st``'s key finished a synchronous round; ``keys``: how many keys the server owns."""
+    # rounds -------------------------------------------------------------------------------------------------
+    def round_done(self, st, keys: int) -> int | None:
+        """``st``'s key finished a synchronous round; ``keys``: how many keys the server owns. Keeps the key's
+        state if the round is a checkpoint round. Returns the round the timekeeper declares now, if any (the
+        caller tells the other global servers)."""
         n = self.rounds[st.key] = self.rounds.get(st.key, 0) + 1
-        if self.every <= 0 or self.directory is None or n % self.every:
-            return
-        pending = self._pending.setdefault(n, {})
-        pending[st.key] = {"key": st.key, "value": st.value,
-                           "update": st.update.state_dict() if st.update is not None else None}
-        if len(pending) == keys:
-            self._write(n, self._pending.pop(n))
+        if self.writes and self._checkpoint_round(n):
+            pending = self._pending.setdefault(n, {})
+            pending[st.key] = {"key": st.key,
+                               "value": st.value if st.update is not None else None,
+                               "update": st.update.state_dict() if st.update is not None else None,
+                               "wire": st.wire.shared_state_dict() if st.wire is not None else None}
+            if len(pending) == keys:
+                self.declared.discard(n)
+                self._write(n, self._pending.pop(n))
+        if self.clock is None or not self.clock.due() or len(self.rounds) < keys:
+            return None
+        declared = self.clock.declare(max(self.rounds.values()), min(self.rounds.values()))
+        if declared is not None:
+            self.declare(declared)
+        return declared
+
+    def declare(self, round_: int) -> bool:
+        """Checkpoint every key as of ``round_`` (the timekeeper's declaration). Skipped, with a warning, when a
+        key has completed that round already: its state then is gone, and half a checkpoint would be wrong."""
+        self.latest_declared = max(self.latest_declared, round_)
+        if not self.writes:
+            return False
+        passed = max(self.rounds.values(), default=0)
+        if passed >= round_:
+            log.warning("global server %d: checkpoint of round %d skipped: it heard of it after completing round %d "
+                        "of a key (a resume takes an earlier round)", self.rank, round_, passed)
+            return False
+        self.declared.add(round_)
+        return True
+
+    @property
+    def writes(self) -> bool:
+        return self.saves and self.directory is not None
+
+    def _checkpoint_round(self, n: int) -> bool:
+        return (self.every > 0 and n % self.every == 0) or n in self.declared
 
     def _write(self, round_: int, keys: dict) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)

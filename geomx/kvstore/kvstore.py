@@ -64,7 +64,7 @@ def create(name: str | None = None, *, env: dict | None = None, reduction: str |
     if cfg.mode is not None and not joins_mode(cfg.role, name, cfg.mode):
         raise ConfigError(f"this script creates a {name!r} kvstore but the deployment runs in {cfg.mode!r} "
                           f"(geomx launch --mode / GEOMX_MODE)")
-    check_combination(mode=name, mixedsync=cfg.mixedsync)
+    check_combination(mode=name, mixedsync=cfg.mixedsync, checkpoint_seconds=cfg.checkpoint_seconds or None)
     if cfg.role not in ("worker", "master"):
         raise ConfigError(f"geomx.kvstore.create() runs on workers and the master worker, not on role "
                           f"{cfg.role!r}")
@@ -187,6 +187,11 @@ class KVStore:
         job had under way when it joined: it takes no part in them and starts from the model after them. Known
         after the first init."""
         return self._client.joined_at
+
+    def checkpoint_declared(self, step: int) -> bool:
+        """Whether the global servers declared ``step`` (= round) a checkpoint round (``--checkpoint-seconds``,
+        geomx.cluster.checkpoint_clock): known before this worker finishes that step."""
+        return step in self._client.checkpoint_rounds
 
     @property
     def compression(self) -> dict | None:

@@ -35,12 +35,16 @@ class Algorithm:
     dc_rounds: bool = False  # K2 > 1 / equal weights use DC-only rounds (local servers)
     accumulates: bool = False            # takes backward_passes_per_step (FSA's gradient accumulation)
     needs_server_optimizer: bool = False  # receives weights, never gradients
+    # one synchronous round of every key per step, pushed only once the previous round's replies are in: a
+    # step and a round name the same point everywhere (--checkpoint-seconds, geomx.cluster.checkpoint_clock)
+    round_per_step: bool = False
 
 
 # the one registry of synchronization algorithms: a new one is a policy class and a line here
 REGISTRY: dict[str, Algorithm] = {
-    "fsa": Algorithm("geomx.sync.fsa", "FSA", worker_side=False, accumulates=True),
-    "p3": Algorithm("geomx.sync.p3", "P3", worker_side=False, accumulates=True, needs_server_optimizer=True),
+    "fsa": Algorithm("geomx.sync.fsa", "FSA", worker_side=False, accumulates=True, round_per_step=True),
+    "p3": Algorithm("geomx.sync.p3", "P3", worker_side=False, accumulates=True, needs_server_optimizer=True,
+                    round_per_step=True),
     "hfa": Algorithm("geomx.sync.averaging", "HFA", worker_side=True, dc_rounds=True),
     "diloco": Algorithm("geomx.sync.averaging", "DiLoCo", worker_side=True, dc_rounds=True),
     "dga": Algorithm("geomx.sync.dga", "DGA", worker_side=True),
@@ -50,6 +54,7 @@ ALGORITHMS = tuple(REGISTRY)
 WORKER_SIDE_ALGORITHMS = tuple(name for name, a in REGISTRY.items() if a.worker_side)
 DC_ROUND_ALGORITHMS = tuple(name for name, a in REGISTRY.items() if a.dc_rounds)
 SERVER_OPTIMIZER_ALGORITHMS = tuple(name for name, a in REGISTRY.items() if a.needs_server_optimizer)
+ROUND_PER_STEP_ALGORITHMS = tuple(name for name, a in REGISTRY.items() if a.round_per_step)
 WEIGHTINGS = ("samples", "equal")
 
 # option -> (environment variable, type, default); GeoMX's names where GeoMX has the option

@@ -1,7 +1,8 @@
 """Worker checkpoints of a training loop, and resuming from them (issue 16's "checkpoints", worker side).
 
-Every ``every`` steps each training worker writes ``worker-<index>-step-<N>.pt`` into ``directory``,
-atomically (temporary file, fsync, rename): the model, the :class:`DistributedOptimizer` (the wrapped
+Every ``every`` steps, and at every step the global servers declare a checkpoint round (``--checkpoint-seconds``,
+``declared``: geomx.cluster.checkpoint_clock), each training worker writes ``worker-<index>-step-<N>.pt`` into
+``directory``, atomically (temporary file, fsync, rename): the model, the :class:`DistributedOptimizer` (the wrapped
 optimizer's state and the synchronization algorithm's: DiLoCo's outer momentum, HFA's round counters...),
 any other object with ``state_dict`` (a learning-rate schedule), the local steps taken and torch's RNG. It keeps
 the last ``keep`` of its own files.
@@ -17,12 +18,13 @@ exactly the batches the uninterrupted one would have: with deterministic kernels
 With ``--update-on server`` the model and its optimizer live on the global servers, which checkpoint them at the
 same steps (geomx.cluster.server_checkpoint); the worker's file then keeps its step and data position. What is
 not here yet: checkpoints on storage other than a directory every worker can read (one host, or a shared file
-system).
+system, given as a path or a ``file://`` URL).
 """
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,22 +42,25 @@ class Checkpointer:
     """Saves and restores one worker's training state; see the module docstring."""
 
     def __init__(self, directory: str | os.PathLike, *, worker: int, workers: int, every: int, keep: int = 2,
-                 resume_from: str | os.PathLike | None = None, resume_step: int | None = None,
-                 **stateful: Any) -> None:
+                 declared: Callable[[int], bool] | None = None, resume_from: str | os.PathLike | None = None,
+                 resume_step: int | None = None, **stateful: Any) -> None:
         if every < 0 or keep < 1:
             raise ConfigError(f"checkpoint every {every} steps keeping {keep}: every must be >= 0 and keep >= 1")
         for name, obj in stateful.items():
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise ConfigError(f"checkpoint part {name!r} ({type(obj).__name__}) has no state_dict/load_state_dict")
         self.directory = Path(directory)
-        self.worker, self.workers, self.every, self.keep = worker, workers, every, keep
+        self.worker, self.workers, self.every, self.keep, self.declared = worker, workers, every, keep, declared
         self.resume_from = Path(resume_from) if resume_from else None
         self.resume_step = resume_step
         self.stateful = stateful
 
     # saving -------------------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
-        return self.every > 0 and step > 0 and step % self.every == 0
+        """Whether to save after ``step``: every ``every`` steps, or the servers declared it (either asks)."""
+        if step <= 0:
+            return False
+        return (self.every > 0 and step % self.every == 0) or (self.declared is not None and self.declared(step))
 
     def save(self, step: int, *, local_steps: int) -> Path:
         """Write this worker's state at progress ``step`` (``local_steps`` batches consumed) and prune."""
@@ -134,8 +139,8 @@ def common_step(directory: Path, workers: int, step: int | None = None) -> int:
     found = steps_saved(directory)
     absent = [w for w in range(workers) if w not in found]
     if absent:
-        raise ConfigError(f"cannot resume from {directory}: no checkpoint of worker(s) {absent} "
-                          f"(found workers {sorted(found)}; was the run started with --checkpoint-every?)")
+        raise ConfigError(f"cannot resume from {directory}: no checkpoint of worker(s) {absent} (found workers "
+                          f"{sorted(found)}; was the run started with --checkpoint-every or --checkpoint-seconds?)")
     common = set.intersection(*(set(found[w]) for w in range(workers)))
     if step is not None and step not in common:
         raise ConfigError(f"cannot resume from {directory} at step {step}: every worker has only steps "

@@ -26,7 +26,7 @@ import torch
 
 import geomx.kvstore
 from geomx import metrics
-from geomx.config import checkpoint_directory
+from geomx.config import checkpoint_directory, env_checkpoint_seconds
 from geomx.torch.checkpoint import Checkpointer
 
 # one batch: (epoch, last batch of its epoch?, a callable computing the batch's loss)
@@ -44,6 +44,16 @@ def parse_compression(text: str):
         raise argparse.ArgumentTypeError(f"--compression is not valid JSON: {exc}") from None
 
 
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise argparse.ArgumentTypeError(f"--checkpoint-seconds takes a number of seconds > 0 (0: never), not {text!r}")
+    return seconds
+
+
 def add_arguments(p: argparse.ArgumentParser, *, steps: int, steps_help: str) -> None:
     """The flags every geomx training script takes (the benchmarks set --steps, --eval-every and --seed)."""
     p.add_argument("--steps", type=int, default=steps, help=steps_help)
@@ -56,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser, *, steps: int, steps_help: str) ->
     p.add_argument("--checkpoint-every", type=int, default=int(os.environ.get("GEOMX_CHECKPOINT_EVERY") or 0),
                    help="every N steps each worker saves its model and optimizer to <run dir>/checkpoints "
                         "(default GEOMX_CHECKPOINT_EVERY, else 0: never); geomx launch --resume RUN_DIR resumes")
+    p.add_argument("--checkpoint-seconds", type=_seconds, default=env_checkpoint_seconds(os.environ),
+                   help="also save about every S seconds, at the steps the global servers declare (default "
+                        "GEOMX_CHECKPOINT_SECONDS, else 0: never; set by geomx launch --checkpoint-seconds)")
     p.add_argument("--compression", default=None, type=parse_compression,
                    help='gradient compression: a codec name (fp16) or a JSON dict, e.g. \'{"type": "bsc", '
                         '"threshold": 0.01}\' (docs/compression.md)')
@@ -78,22 +91,29 @@ def worker_index(args: argparse.Namespace) -> int:
 
 
 def checkpointer(args: argparse.Namespace, kv, opt, model: torch.nn.Module, **stateful) -> Checkpointer | None:
-    """The worker's :class:`Checkpointer` when ``--checkpoint-every`` is set or the run resumes
-    (``GEOMX_RESUME_FROM``, set by ``geomx launch --resume``): the model, ``opt`` and ``stateful`` (a schedule).
+    """The worker's :class:`Checkpointer` when ``--checkpoint-every`` or ``--checkpoint-seconds`` is set or the run
+    resumes (``GEOMX_RESUME_FROM``, set by ``geomx launch --resume``): the model, ``opt`` and ``stateful`` (a
+    schedule).
     With ``--update-on server`` the global servers checkpoint and resume the weights and the optimizer
     (geomx.cluster.server_checkpoint); the worker's file keeps its step and data position. Where checkpoints go
     and what to resume are the deployment's configuration (``kv.cfg``, read from the environment once:
     geomx.config.checkpoint_directory)."""
     cfg = kv.cfg
-    if not args.checkpoint_every and not cfg.resume_from:
+    if not args.checkpoint_every and not args.checkpoint_seconds and not cfg.resume_from:
         return None
     if args.update_on == "server" and args.checkpoint_every != cfg.checkpoint_every:
         raise SystemExit(f"--checkpoint-every {args.checkpoint_every} with --update-on server: the model lives on the "
                          f"global servers, which checkpoint it too; give the interval to every role with geomx "
                          f"launch --checkpoint-every {args.checkpoint_every} (GEOMX_CHECKPOINT_EVERY)")
+    if args.checkpoint_seconds != cfg.checkpoint_seconds:
+        raise SystemExit(f"--checkpoint-seconds {args.checkpoint_seconds:g}: the global servers decide at which steps "
+                         f"every role saves, so they need the interval too; give it to every role with geomx launch "
+                         f"--checkpoint-seconds {args.checkpoint_seconds:g} (GEOMX_CHECKPOINT_SECONDS)")
     return Checkpointer(checkpoint_directory(cfg) or Path("checkpoints"), worker=worker_index(args),
-                        workers=kv.num_all_workers, every=args.checkpoint_every, resume_from=cfg.resume_from,
-                        resume_step=cfg.resume_step, model=model, optimizer=opt, **stateful)
+                        workers=kv.num_all_workers, every=args.checkpoint_every,
+                        declared=kv.checkpoint_declared if args.checkpoint_seconds else None,
+                        resume_from=cfg.resume_from, resume_step=cfg.resume_step, model=model, optimizer=opt,
+                        **stateful)
 
 
 def run_steps(opt, batches: Iterable[Batch], *, total_steps: int, eval_every: int,
@@ -103,7 +123,7 @@ def run_steps(opt, batches: Iterable[Batch], *, total_steps: int, eval_every: in
     """Train until ``opt.progress`` reaches ``total_steps``; evaluate every ``eval_every`` steps (0: at the end
     of every epoch) and after the last. ``after_step`` runs after every local step (a learning-rate
     schedule). With ``checkpoint``: resume from it first (the batches already consumed are drawn again, not
-    computed, so the data order goes on where it stopped), and save every ``checkpoint.every`` steps.
+    computed, so the data order goes on where it stopped), and save at the steps it is due (``Checkpointer.due``).
     Returns (steps, evaluation history)."""
     batches = iter(batches)
     joined_at = getattr(opt.kv, "joined_at", 0)

@@ -84,6 +84,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         elif kvstore.asked_reduction == "sum":
             raise ConfigError("DistributedOptimizer averages the workers' gradients, but this kvstore was created "
                               "with reduction='sum': create it without a reduction (or with 'mean')")
+        # time-based checkpoints name a step by the servers' round: only where one step is one round of every key
+        check_combination(sync=getattr(sync, "name", None), checkpoint_seconds=kvstore.cfg.checkpoint_seconds or None)
         kvstore.claim_sync(sync)
         # FSA's step, the server optimizer and the algorithms' model averages read a round as the mean (the master
         # worker sends its mode again only where it changed)

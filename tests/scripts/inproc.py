@@ -109,13 +109,15 @@ class Client:
 
 
 class FlatCluster(Deployment):
-    def __init__(self, num_workers: int = 2, van: str = "inproc") -> None:
+    """``global_server_fields``: NodeConfig fields of the global server alone (what its environment would set)."""
+
+    def __init__(self, num_workers: int = 2, van: str = "inproc", global_server_fields: dict | None = None) -> None:
         super().__init__(van)
         gs = self.scheduler("global", CENTRAL_DC, {"server": 1, "worker": num_workers})
         cs = self.scheduler("dc:central", CENTRAL_DC, {"server": 1, "worker": 1})
         counts = {"num_global_servers": 1, "num_global_workers": num_workers, "num_all_workers": num_workers}
         server_cfg = self.config(role="global_server", dc=CENTRAL_DC, scheduler=cs, global_scheduler=gs,
-                                 num_workers=1, num_servers=1, **counts)
+                                 num_workers=1, num_servers=1, **counts, **(global_server_fields or {}))
         master_cfg = self.config(role="master", dc=CENTRAL_DC, scheduler=cs, num_workers=1, num_servers=1, **counts)
         self.done = threading.Event()
         makers = [lambda: start_global_server(server_cfg, self.done, node_id="global_server-0"),
@@ -132,35 +134,38 @@ class HipsCluster(Deployment):
     ``global_server_fields``: NodeConfig fields of the global server
     alone (what its environment would set). ``master_mode``: the master worker's kvstore type, if not ``mode``.
     ``reduction``: every kvstore's (the tests here were written for the mean; None: not asked, the sum).
-    ``mixedsync``: the MixedSync variant the master worker asks for (dist_async). ``liveness``: see Deployment."""
+    ``mixedsync``: the MixedSync variant the master worker asks for (dist_async). ``global_servers``: how many
+    (``self.global_servers``, by rank; ``self.global_server`` is rank 0). ``liveness``: see Deployment."""
 
     def __init__(self, dcs=("a", "b"), per_dc: int | list[int] = 2, mode: str = "dist_sync", van: str = "inproc",
                  link: Callable | None = None, global_server_fields: dict | None = None,
                  master_mode: str | None = None, reduction: str | None = "mean", mixedsync: str = "wait",
-                 **liveness) -> None:
+                 global_servers: int = 1, **liveness) -> None:
         super().__init__(van, link, **liveness)
         sizes = dict(zip(dcs, per_dc if isinstance(per_dc, list | tuple) else [per_dc] * len(dcs), strict=True))
         total = sum(sizes.values())
         self.worker_configs: dict[tuple[str, int], NodeConfig] = {}
         self._worker_args = (mode, reduction)
         # fault domains as geomx.node sets them up: a DC goes on without a worker, the global tier without a DC
-        gs = self.scheduler("global", CENTRAL_DC, {"server": 1, "worker": len(dcs)}, drop_rule=dc_rule(1))
-        cs = self.scheduler("dc:central", CENTRAL_DC, {"server": 1, "worker": 1})
-        counts = {"num_global_servers": 1, "num_global_workers": len(dcs), "num_all_workers": total}
-        makers: list = [lambda: start_global_server(
+        gs = self.scheduler("global", CENTRAL_DC, {"server": global_servers, "worker": len(dcs)},
+                            drop_rule=dc_rule(1))
+        cs = self.scheduler("dc:central", CENTRAL_DC, {"server": global_servers, "worker": 1})
+        counts = {"num_global_servers": global_servers, "num_global_workers": len(dcs), "num_all_workers": total}
+        makers: list = [lambda rank=rank: start_global_server(
             self.config(role="global_server", dc=CENTRAL_DC, scheduler=cs, global_scheduler=gs, num_workers=1,
-                        num_servers=1, **counts, **(global_server_fields or {})), threading.Event(),
-            node_id="global_server-0")]
+                        num_servers=global_servers, rank=rank, **counts, **(global_server_fields or {})),
+            threading.Event(), node_id=f"global_server-{rank}") for rank in range(global_servers)]
         self._global = (gs, counts)
         for dc, size in sizes.items():
             makers += self._dc_makers(dc, size, f"server-{dc}")
         makers.append(lambda: KVStore(self.config(role="master", dc=CENTRAL_DC, scheduler=cs, num_workers=1,
-                                                  num_servers=1, mixedsync=mixedsync, **counts), master_mode or mode,
-                                      reduction=reduction))
+                                                  num_servers=global_servers, mixedsync=mixedsync, **counts),
+                                      master_mode or mode, reduction=reduction))
         nodes = self.start_nodes(makers, _close)
-        self.global_server, self.master = nodes[0], nodes[-1]
+        self.global_servers, self.master = nodes[:global_servers], nodes[-1]
+        self.global_server = self.global_servers[0]
         self.local, self.workers = {}, {}
-        it = iter(nodes[1:-1])
+        it = iter(nodes[global_servers:-1])
         for dc, size in sizes.items():
             self.local[dc] = next(it)
             self.workers[dc] = [next(it) for _ in range(size)]
