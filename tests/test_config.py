@@ -331,15 +331,17 @@ def test_the_launcher_sizes_parts_for_the_wan_one_value_for_every_role(tmp_path,
     from geomx.kvstore.partition import wan_partition_bytes
 
     monkeypatch.delenv("GEOMX_PARTITION_BYTES", raising=False)
-    # a part crosses the slowest link in <= 0.4 s: 4 MiB at 100 Mbit/s, 2 MiB at 50, capped at 16 MiB
-    assert [wan_partition_bytes(r * 1e6) >> 20 for r in (20, 50, 100, 300, 1000, 10000)] == [1, 2, 4, 8, 16, 16]
+    # a part crosses the slowest link in about 10 ms: 1 MiB at 1 Gbit/s, 8 at 10, at least 256 KiB, at most 16 MiB
+    assert [wan_partition_bytes(r * 1e6) >> 10 for r in (20, 100, 300, 1000, 10000, 40000)] == [
+        256, 256, 256, 1024, 8192, 16384]
 
     def parts(**kw):
         specs = plan(load_topology(None, **kw), ["python", "x.py"], tmp_path, ports=list(range(20000, 20005)))
         return {s.env.get("GEOMX_PARTITION_BYTES") for s in specs}
 
-    assert parts(wan="transpacific") == {str(4 << 20)}
-    assert parts(wan="volunteer") == {str(2 << 20)}          # 50 Mbit/s up, 250 down: the slower direction
+    assert parts(wan="transpacific") == {str(256 << 10)}
+    assert parts(wan="regional") == {str(1 << 20)}
+    assert parts(wan="regional", wan_links=["b=100mbit/20ms"]) == {str(256 << 10)}   # the slowest link
     assert parts(wan="lan") == {None}                        # no WAN: the kvstore's default (16 MiB)
     monkeypatch.setenv("GEOMX_PARTITION_BYTES", "1048576")  # the user's choice wins (inherited by every role)
     assert parts(wan="transpacific") == {None}

@@ -43,8 +43,10 @@ def _in_threads(fns) -> None:
         raise errors[0]
 
 
-def _train(sync: str, observe=None, set_to_none: bool = True, compression: dict | None = None) -> list[dict]:
-    """Both workers' weights after STEPS steps with ``sync`` (the master worker sets the servers' Adam)."""
+def _train(sync, observe=None, set_to_none: bool = True, compression: dict | None = None,
+           layouts: dict | None = None) -> list[dict]:
+    """Both workers' weights after STEPS steps with ``sync``, a name or a policy factory (the master worker sets
+    the servers' Adam); ``layouts``: filled with the first worker's parts per parameter."""
     from geomx.torch import DistributedOptimizer
 
     cluster = HipsCluster(dcs=("a", "b"), per_dc=1)
@@ -58,7 +60,8 @@ def _train(sync: str, observe=None, set_to_none: bool = True, compression: dict 
 
         def wrap(i):
             opts[i] = DistributedOptimizer(torch.optim.Adam(models[i].parameters(), lr=0.01), models[i],
-                                           kvstore=kvs[i], update_on_server=True, sync=sync)
+                                           kvstore=kvs[i], update_on_server=True,
+                                           sync=sync if isinstance(sync, str) else sync())
 
         _in_threads([lambda i=i: wrap(i) for i in range(len(kvs))])
 
@@ -74,6 +77,8 @@ def _train(sync: str, observe=None, set_to_none: bool = True, compression: dict 
             opt.finish()
 
         _in_threads([lambda i=i: train(i) for i in (1, 2)])
+        if layouts is not None:
+            layouts.update({name: kvs[1]._layout[name][2] for name, _ in opts[1].params})
         return [{k: v.clone() for k, v in models[i].state_dict().items()} for i in (1, 2)]
     finally:
         cluster.close()
@@ -108,6 +113,20 @@ def test_p3_with_a_codec_ends_on_the_model_of_fsa_with_that_codec(codec):
     assert not torch.equal(p3[0]["0.weight"], _model().state_dict()["0.weight"])
 
 
+def test_p3_slices_each_parameter_into_keys_of_its_slice_size_and_still_ends_on_fsas_model():
+    """Slices of 40 elements: the 16 x 16 weight travels as 8 keys (blocks of whole rows: 2 rows of 16), the
+    16 x 8 one as 4 (5 rows of 8, the last 1); the servers' Adam is element-wise, so the model is FSA's."""
+    layouts: dict = {}
+    p3 = _train(lambda: P3(slice=40), layouts=layouts)
+    fsa = _train("fsa")
+    for p3_weights, fsa_weights in zip(p3, fsa, strict=True):
+        for name, value in fsa_weights.items():
+            assert torch.equal(p3_weights[name], value), name
+    counts = {name: len(parts) if parts else 1 for name, parts in layouts.items()}
+    assert counts["2.weight"] == 8 and counts["0.weight"] == 4 and counts["4.bias"] == 1, counts
+    assert all(p.stop - p.start <= 40 for parts in layouts.values() if parts for p in parts)
+
+
 def test_p3_is_refused_without_the_servers_optimizer_or_without_the_model_naming_the_fix():
     from geomx.torch import DistributedOptimizer
 
@@ -138,5 +157,8 @@ def test_p3_is_refused_without_the_servers_optimizer_or_without_the_model_naming
 
 def test_enable_p3_selects_p3_as_geomx_documents_and_geomx_sync_wins():
     assert settings_from_env({"ENABLE_P3": "1"}).algorithm == "p3"
+    assert settings_from_env({"ENABLE_P3": "1", "GEOMX_P3_SLICE": "1000"}).slice == 1000
+    with pytest.raises(ConfigError, match="GEOMX_P3_SLICE"):
+        settings_from_env({"GEOMX_SYNC": "p3", "GEOMX_P3_SLICE": "-1"})
     assert settings_from_env({"ENABLE_P3": "1", "GEOMX_SYNC": "fsa"}).algorithm == "fsa"
     assert settings_from_env({}).algorithm == "fsa"

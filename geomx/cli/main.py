@@ -36,6 +36,10 @@ def _add_topology_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dga-delay", type=int, help="dga: steps between pushing a gradient and applying its average "
                                                   "(default 1)")
     p.add_argument("--esync-steps", type=int, help="esync: local steps of the slowest worker per round (default 1)")
+    p.add_argument("--p3-slice", type=int, metavar="ELEMENTS",
+                   help="p3: each parameter travels in slices of at most this many elements, each its own key, so "
+                        "a layer's first slices are answered while its last still travel (default 50000, P3's; 0: "
+                        "only the deployment's partitioning)")
     p.add_argument("--wan-loss", metavar="P", help="packet loss on every emulated link, a fraction or percentage "
                                                    "(0.0001, 0.01%%): caps each TCP stream at the Mathis rate")
     p.add_argument("--wan-streams", type=int, metavar="N",
@@ -65,7 +69,7 @@ def topology_from_args(args: argparse.Namespace):
                          sync=args.sync,
                          sync_k1=args.hfa_k1, sync_k2=args.hfa_k2, sync_overlap=args.hfa_overlap,
                          sync_delay=args.dga_delay,
-                         sync_steps=args.esync_steps,
+                         sync_steps=args.esync_steps, sync_slice=args.p3_slice,
                          slowdown=args.slowdown, wan_links=args.wan_link, wan_loss=args.wan_loss,
                          wan_streams=args.wan_streams, wan_window=args.wan_window,
                          wan_slow_start=args.wan_slow_start, global_server_link=args.global_server_link)

@@ -287,16 +287,21 @@ class KVStore:
         self._client.load_wire_state_dict(state)
 
     # key-value operations -----------------------------------------------------------------------------------
-    def init(self, key, value) -> None:
+    def init(self, key, value, *, slice_elements: int = 0) -> None:
         """Initialize one key (or a list of keys with a list of values). Blocks until the key exists
-        everywhere; the master worker's value is the one every worker will pull."""
+        everywhere; the master worker's value is the one every worker will pull. ``slice_elements`` (P3): cut
+        each value into parts of at most that many elements (and of at most ``GEOMX_PARTITION_BYTES``); every
+        process that initializes the key must give the same."""
         keys, values = _pairs(key, value)
         handles = []
         for k, v in zip(keys, values, strict=False):
             check_key(k)
             check_user_key(k)
             arr = np.ascontiguousarray(_as_numpy_view(_one_device(k, v)))   # init blocks until answered: no copy
-            parts = plan_parts(k, arr.shape, arr.itemsize, self.cfg.partition_bytes)
+            limit = self.cfg.partition_bytes
+            if slice_elements:
+                limit = min(limit, slice_elements * arr.itemsize) if limit else slice_elements * arr.itemsize
+            parts = plan_parts(k, arr.shape, arr.itemsize, limit)
             self._layout[k] = (arr.shape, arr.dtype, parts)
             if parts is None:
                 handles.append([self._client.init(k, arr)])

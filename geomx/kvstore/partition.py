@@ -40,16 +40,20 @@ def check_user_key(key) -> None:
                       f"large tensors; rename it")
 
 
-PART_SECONDS_ON_WAN = 0.4          # a part should cross the slowest WAN link in at most this long
-MIN_WAN_PART_BYTES, MAX_PART_BYTES = 1 << 20, 16 << 20
+PART_SECONDS_ON_WAN = 0.010       # a part should cross the slowest WAN link in about this long
+MIN_WAN_PART_BYTES, MAX_PART_BYTES = 256 << 10, 16 << 20
 
 
 def wan_partition_bytes(link_bps: float) -> int:
     """Part size for a deployment whose slowest WAN link carries ``link_bps`` bits/s: the largest power of two
-    from 1 to 16 MiB that crosses it in <= 0.4 s. A round of a big tensor then costs about its transfer plus
-    one part (the global server answers part i, down the link, while part i+1 is still coming up); 16 MiB
-    parts, right for loopback and LAN (fewer messages), would take 1.3 s each at 100 Mbit/s: a 27 MB tensor
-    in two such parts spent a third of its round with one link direction idle."""
+    from 256 KiB to 16 MiB that crosses it in about 10 ms. A round of a big tensor costs about its transfer plus
+    one part (the global server answers part i while part i+1 is still coming up), so the smaller the part,
+    the less of the round is spent with one link direction idle, until each part's own cost (a message each
+    way at every hop) takes over. Measured on the wide MLP (one 26 MB tensor), 2 DCs x 2 workers, FSA, 30 steps
+    (docs/benchmarks.md, "Parts sized by wire time"): at 1 Gbit/s 1 MiB parts (8 ms each) took 0.36-0.38 s a
+    step, 256 KiB 0.39, 4 MiB 0.41, 16 MiB 0.55-0.56; at 100 Mbit/s 256 KiB (21 ms) 2.48 s, 1 MiB 2.54,
+    4 MiB 2.81. A tensor is cut into parts of this size (so a 26 MB one into 25 at 1 Gbit/s): more than the
+    8 a round needs to keep both directions busy."""
     fits = link_bps / 8 * PART_SECONDS_ON_WAN
     size = MIN_WAN_PART_BYTES
     while size * 2 <= min(fits, MAX_PART_BYTES):

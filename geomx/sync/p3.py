@@ -28,13 +28,16 @@ from geomx.sync.fsa import FSA
 class P3(FSA):
     name = "p3"
 
-    def __init__(self, *, backward_passes_per_step: int = 1) -> None:
+    def __init__(self, *, backward_passes_per_step: int = 1, slice: int = 50_000) -> None:
         super().__init__(backward_passes_per_step=backward_passes_per_step)
+        # each parameter travels in slices of at most this many elements (DistributedOptimizer initializes its
+        # keys so), each its own key: a layer's first slices are summed and answered while its last still travel
+        self.slice_elements = slice
         self._landing: dict[int, tuple] = {}     # parameter index -> (handle, buffer): replies not yet applied
         self._waited = 0.0                       # seconds forward pre-hooks waited since the last step()
 
     def __repr__(self) -> str:
-        return f"P3(backward_passes_per_step={self.backward_passes_per_step})"
+        return f"P3(backward_passes_per_step={self.backward_passes_per_step}, slice={self.slice_elements})"
 
     def setup(self, kv, params: list[tuple[str, torch.nn.Parameter]], *, num_samples: float | None = None) -> None:
         super().setup(kv, params, num_samples=num_samples)

@@ -67,8 +67,9 @@ OPTIONS = {
     "outer_momentum": ("GEOMX_DILOCO_MOMENTUM", float, 0.9),
     "delay": ("GEOMX_DGA_DELAY", int, 1),
     "steps": ("GEOMX_ESYNC_STEPS", int, 1),
+    "slice": ("GEOMX_P3_SLICE", int, 50_000),
 }
-ALGORITHM_OPTIONS = {"fsa": (), "p3": (), "hfa": ("k1", "k2", "weights", "overlap"),
+ALGORITHM_OPTIONS = {"fsa": (), "p3": ("slice",), "hfa": ("k1", "k2", "weights", "overlap"),
                      "diloco": ("k1", "k2", "weights", "overlap", "outer_lr", "outer_momentum"), "dga": ("delay",),
                      "esync": ("steps",)}
 SYNC_ENV = "GEOMX_SYNC"
@@ -87,6 +88,7 @@ class SyncSettings:
     outer_momentum: float = 0.9
     delay: int = 1
     steps: int = 1
+    slice: int = 50_000     # p3: elements per slice, each its own key (0: only the deployment's partitioning)
 
     def options(self) -> dict:
         return {k: getattr(self, k) for k in ALGORITHM_OPTIONS[self.algorithm]}
@@ -118,6 +120,9 @@ def check(algorithm: str, options: Mapping, where: str = "") -> SyncSettings:
     if s.steps < 1:
         raise ConfigError(f"esync steps ({OPTIONS['steps'][0]}){where}: local steps of the slowest worker per round "
                           f"must be >= 1, got {s.steps}")
+    if s.slice < 0:
+        raise ConfigError(f"p3 slice ({OPTIONS['slice'][0]}){where}: elements per slice must be >= 0 (0: no slicing "
+                          f"beyond GEOMX_PARTITION_BYTES), got {s.slice}")
     if s.delay < 0:
         raise ConfigError(f"dga delay D ({OPTIONS['delay'][0]}){where} must be >= 0 steps, got {s.delay}")
     if s.weights not in WEIGHTINGS:

@@ -98,7 +98,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             kvstore.set_optimizer(optimizer)
         names = [n for n, _ in self.params]
         started = time.perf_counter()
-        kvstore.init(names, [p.detach() for _, p in self.params])
+        # a policy that slices its parameters (P3) says how finely; every process initializes the keys alike
+        kvstore.init(names, [p.detach() for _, p in self.params], slice_elements=getattr(sync, "slice_elements", 0))
         kvstore.pull(names, out=[p.data for _, p in self.params])
         kvstore.waitall()
         self.rejoin_s: float | None = None      # restarted into a running job: how long getting its model took
