@@ -19,6 +19,9 @@ class WanProfile:
     rtt_s: float
     jitter_s: float = 0.0
     description: str = ""
+    # the packet loss such a path typically sees (shared/reference/anchors_wan.md's profiles); the emulator applies
+    # it only when asked (--wan-loss profile), since it caps each TCP stream (geomx.netem.tcp_model)
+    loss: float = 0.0
 
     @property
     def emulated(self) -> bool:
@@ -45,10 +48,10 @@ PROFILES: dict[str, WanProfile] = {
     for p in (
         WanProfile("lan", None, None, 0.0, description="no emulation: every link is the machine's loopback"),
         WanProfile("regional", 1 * GBIT, 1 * GBIT, 0.020, 0.0005, "1 Gbit/s, 20 ms RTT (Dublin-Frankfurt)"),
-        WanProfile("transatlantic", 300 * MBIT, 300 * MBIT, 0.080, 0.002, "300 Mbit/s, 80 ms RTT"),
-        WanProfile("transpacific", 100 * MBIT, 100 * MBIT, 0.180, 0.005, "100 Mbit/s, 180 ms RTT"),
+        WanProfile("transatlantic", 300 * MBIT, 300 * MBIT, 0.080, 0.002, "300 Mbit/s, 80 ms RTT", loss=1e-4),
+        WanProfile("transpacific", 100 * MBIT, 100 * MBIT, 0.180, 0.005, "100 Mbit/s, 180 ms RTT", loss=5e-4),
         WanProfile("volunteer", 50 * MBIT, 250 * MBIT, 0.080, 0.005,
-                   "50 Mbit/s up (DC to central), 250 Mbit/s down, 80 ms RTT"),
+                   "50 Mbit/s up (DC to central), 250 Mbit/s down, 80 ms RTT", loss=1e-3),
     )
 }
 

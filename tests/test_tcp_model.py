@@ -56,3 +56,16 @@ def test_the_settings_travel_from_flags_to_the_emulators_variables(tmp_path):
     assert tcp_path_from_env(emulator.env) == topo.tcp
     with pytest.raises(ConfigError, match="need an emulated WAN"):
         load_topology(None, wan="lan", wan_loss="0.01%")
+
+
+def test_wan_loss_profile_takes_the_profiles_own_loss_and_the_profiles_name_one():
+    from geomx.cli.topology import load_topology
+    from geomx.profiles import PROFILES
+
+    assert {name: p.loss for name, p in PROFILES.items()} == {
+        "lan": 0.0, "regional": 0.0, "transatlantic": 1e-4, "transpacific": 5e-4, "volunteer": 1e-3}
+    topo = load_topology(None, wan="transpacific", wan_loss="profile")
+    assert topo.tcp.loss == 5e-4 and topo.tcp.streams == 1
+    # one stream over 180 ms with 0.05% loss: the Mathis rate, 3.5 Mbit/s of the 100 Mbit/s line
+    assert topo.slowest_link_bps == pytest.approx(MSS_BYTES * 8 * math.sqrt(1.5) / (0.18 * math.sqrt(5e-4)))
+    assert load_topology(None, wan="regional", wan_loss="profile").tcp.loss == 0.0

@@ -5,7 +5,7 @@
     geomx bench wan [--profile transpacific] [--steps 6] [--dcs 2] [--workers-per-dc 2] [--model wide]
     geomx bench link [--profile transpacific | --wan-rate 100mbit --wan-rtt 180ms]
     geomx bench codec [--elements 25000000] [--repeats 3] [--threads N]
-    geomx bench incast [--dcs 8] [--global-servers 1,2,4] [--global-server-link 1gbit] [--mb 8]
+    geomx bench incast [--dcs 8] [--global-servers 1,2,4] [--global-server-link 1gbit] [--mb 32]
 
 Each prints a markdown report; ``--output FILE`` also appends it, with the command line, the date and the
 machine, to FILE (e.g. docs/benchmarks.md). Every figure is measured in the run that prints it.
@@ -60,7 +60,8 @@ def _add_link_parser(bsub) -> None:
     p.add_argument("--sizes", default="64k,1m,4m", help="message sizes, e.g. 64k,1m,4m (default)")
     p.add_argument("--seconds", type=float, default=1.5, help="about how long each size transfers (default 1.5)")
     p.add_argument("--pings", type=int, default=40, help="ping-pongs per path for the delay (default 40)")
-    p.add_argument("--loss", help="packet loss, a fraction or percentage (0.01%%): the link's TCP ceiling")
+    p.add_argument("--loss", help="packet loss, a fraction or percentage (0.01%%), or 'profile' (with --profile): "
+                                  "the link's TCP ceiling")
     p.add_argument("--streams", default="1", help="TCP streams per link, one run each, e.g. 1,8 (default 1)")
     p.add_argument("--window", type=int, help="per-stream TCP window in bytes")
     p.add_argument("--slow-start", action="store_true",
@@ -111,7 +112,12 @@ def _cmd_link(args) -> int:
 
     from geomx.bench.link import bench_capacity, format_capacity_report
 
-    paths = [tcp_path(loss=args.loss, streams=n.strip(), window=args.window, slow_start=args.slow_start or None)
+    loss = args.loss
+    if loss is not None and loss.strip().lower() == "profile":
+        if not args.profile:
+            raise ConfigError("--loss profile takes the loss of --profile: name one")
+        loss = get_profile(args.profile).loss
+    paths = [tcp_path(loss=loss, streams=n.strip(), window=args.window, slow_start=args.slow_start or None)
              for n in args.streams.split(",")]
     results = [bench_link(rate_bps=rate, rtt_s=rtt, jitter_s=jitter, sizes=_parse_bytes(args.sizes),
                           seconds=args.seconds, pings=args.pings, tcp=path) for path in paths]

@@ -68,6 +68,8 @@ SERVER_OPTIMIZER = ("--update-on", "server")
 register(BenchConfig("hips-fsa-server", "HiPS FSA, servers' optimizer (dist_sync)", train_args=SERVER_OPTIMIZER))
 register(BenchConfig("hips-p3", "HiPS P3, servers' optimizer (dist_sync)", env=launch_env({"algorithm": "p3"}),
                      train_args=SERVER_OPTIMIZER))
+register(BenchConfig("hips-p3-unsliced", "HiPS P3 without slices (each parameter one key), servers' optimizer",
+                     env=launch_env({"algorithm": "p3", "slice": 0}), train_args=SERVER_OPTIMIZER))
 # heterogeneous DCs: DC b computes 3x slower
 SLOW = ("b=3",)
 register(BenchConfig("hips-fsa-slow", "HiPS FSA, DC b 3x slower", slowdown=SLOW))

@@ -171,9 +171,9 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     p.add_argument("--global-server-link", default="1gbit", help="each global server's line (default 1gbit)")
     p.add_argument("--profile", default="regional", choices=sorted(n for n, pr in PROFILES.items() if pr.emulated),
                    help="every DC's WAN link (default regional: 1 Gbit/s, 20 ms)")
-    p.add_argument("--mb", type=float, default=8, help="model size in MiB (default 8)")
-    p.add_argument("--keys", type=int, default=16, help="tensors the model is made of (default 16)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per row (default 10)")
+    p.add_argument("--mb", type=float, default=32, help="model size in MiB (default 32)")
+    p.add_argument("--keys", type=int, default=32, help="tensors the model is made of (default 32: 1 MiB each)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per row (default 5)")
     p.set_defaults(fn=cmd_incast)
     return p
 

@@ -41,7 +41,8 @@ def _add_topology_flags(p: argparse.ArgumentParser) -> None:
                         "a layer's first slices are answered while its last still travel (default 50000, P3's; 0: "
                         "only the deployment's partitioning)")
     p.add_argument("--wan-loss", metavar="P", help="packet loss on every emulated link, a fraction or percentage "
-                                                   "(0.0001, 0.01%%): caps each TCP stream at the Mathis rate")
+                                                   "(0.0001, 0.01%%), or 'profile' for the WAN profile's own: caps "
+                                                   "each TCP stream at the Mathis rate")
     p.add_argument("--wan-streams", type=int, metavar="N",
                    help="parallel TCP streams per emulated link (default 1; with --wan-loss/--wan-window)")
     p.add_argument("--wan-window", type=int, metavar="BYTES", help="per-stream TCP window: caps a stream at "

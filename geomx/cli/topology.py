@@ -156,7 +156,10 @@ def load_topology(path: str | None = None, **flags) -> Topology:
         if not topo.profile.emulated:
             raise ConfigError(f"wan_loss/wan_streams/wan_window/wan_slow_start{where} need an emulated WAN (--wan "
                               f"{topo.profile.name} has none)")
-        topo.tcp = tcp_path(loss=data.get("wan_loss"), streams=data.get("wan_streams"),
+        loss = data.get("wan_loss")
+        if isinstance(loss, str) and loss.strip().lower() == "profile":
+            loss = topo.profile.loss        # the loss such a path typically sees (geomx.profiles)
+        topo.tcp = tcp_path(loss=loss, streams=data.get("wan_streams"),
                             window=data.get("wan_window"), slow_start=data.get("wan_slow_start"), where=where)
     if data.get("global_server_link") is not None:
         if not topo.profile.emulated:
