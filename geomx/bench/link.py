@@ -164,12 +164,16 @@ def _process_cpu_s(pid: int) -> float:
 
 
 def bench_capacity(*, sizes: tuple[int, ...] = (64 * KIB, 1 * MIB), megabytes: float = 2000, window: int = 64,
-                   timeout_s: float = 120.0) -> list[dict]:
-    """How fast the emulator process forwards, and its CPU per MB; see the module docstring."""
+                   rate_bps: float = 100e9, timeout_s: float = 120.0, emulator_path: str | None = None) -> list[dict]:
+    """How fast the emulator process forwards over a link of ``rate_bps`` (default: too fast to matter), and its
+    CPU per MB; see the module docstring. ``emulator_path``: where the emulator's geomx is imported from (another
+    checkout, to compare versions; default this one)."""
     from geomx.bench.common import bench_env, free_port
 
     port = free_port()
-    env = bench_env({"GEOMX_WAN_RATE": "100gbit", "GEOMX_WAN_RTT": "0ms", "GEOMX_EMULATOR_PORT": str(port)})
+    env = bench_env({"GEOMX_WAN_RATE": repr(float(rate_bps)), "GEOMX_WAN_RTT": "0", "GEOMX_EMULATOR_PORT": str(port)})
+    if emulator_path:
+        env["PYTHONPATH"] = emulator_path
     proc = subprocess.Popen([sys.executable, "-m", "geomx.netem"], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     inbox = _Inbox()
@@ -203,7 +207,8 @@ def bench_capacity(*, sizes: tuple[int, ...] = (64 * KIB, 1 * MIB), megabytes: f
             inbox.wait_for(count, timeout_s)
             seconds = inbox.arrivals[-1][0] - t0
             cpu = _process_cpu_s(proc.pid) - cpu0
-            rows.append({"message_bytes": size, "messages": count, "bytes": count * size, "seconds": seconds,
+            rows.append({"link_bps": rate_bps, "message_bytes": size, "messages": count, "bytes": count * size,
+                         "seconds": seconds,
                          "rate_bps": count * size * 8 / seconds, "emulator_cpu_s": cpu,
                          "cpu_ms_per_mb": cpu * 1000 / (count * size / 1e6)})
     finally:
@@ -219,7 +224,9 @@ def bench_capacity(*, sizes: tuple[int, ...] = (64 * KIB, 1 * MIB), megabytes: f
 
 
 def format_capacity_report(rows: list[dict]) -> str:
-    lines = ["### The emulator process's own capacity: a 100 Gbit/s link with no delay, 64 messages in flight", "",
+    rate = rows[0]["link_bps"] if rows else 100e9
+    lines = [f"### The emulator process's own capacity: a {rate / 1e9:g} Gbit/s link with no delay, 64 messages in "
+             f"flight", "",
              "| message size | messages | MB | time (s) | forwarded (Gbit/s) | emulator CPU (s) | CPU ms per MB |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:

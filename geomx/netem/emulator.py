@@ -13,8 +13,8 @@ link, the receiver's ingress line.
 One thread does the work and owns every socket (ZeroMQ sockets are not thread-safe): it receives (the ROUTER),
 queues each message on its links, pumps the :class:`~geomx.netem.link.LinkEngine` that serializes every link's
 chunks, and forwards what is due (the DEALERs), waiting in one poll for whichever comes first: a message, or
-the engine's next chunk or delivery. No hand-off between threads, no lock taken twice per message: the
-emulator's own CPU per forwarded MB is the copies in and out of the kernel and little more.
+the engine's next chunk or delivery: no hand-off between threads per message. (Its CPU per forwarded MB is
+mostly ZeroMQ's and the kernel's, a message's receive and send; docs/benchmarks.md measures it.)
 
 Links count the bytes they forward (header + tensor frames, not the route frame): the ground truth for every
 WAN-traffic figure. With a
