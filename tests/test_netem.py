@@ -507,7 +507,7 @@ def test_a_link_matrix_gives_named_links_their_own_rate_and_rtt_and_names_bad_en
                          wan_links=["b=50mbit/250ms", "a->central=500mbit/30ms"])
     assert topo.wan_links[("b", "central")] == topo.wan_links[("central", "b")] == link_matrix.LinkSpec(5e7, 0.25)
     emulator_env = next(s.env for s in plan(topo, ["x"], Path("/tmp")) if s.kind == "emulator")
-    assert emulator_env["GEOMX_PARTITION_BYTES"] == str(2 << 20)      # 0.4 s on 50 Mbit/s: 2 MiB parts
+    assert emulator_env["GEOMX_PARTITION_BYTES"] == str(256 << 10)    # 10 ms on 50 Mbit/s: the 256 KiB floor
     links = link_matrix.from_env(emulator_env[link_matrix.ENV], emulator_env["GEOMX_EMULATOR_DCS"].split(","))
     assert links == topo.wan_links
     emulator = WanEmulator(profile=get_profile("regional"), dcs=["central", "a", "b"], links=links)
