@@ -209,7 +209,8 @@ def test_link_smoke_with_slow_start_reports_the_models_time_and_the_emulators_ca
     assert link["slow_start"] and transfer["bytes"] >= 0.3 * 100e6 / 8
     # from the initial windows the transfer takes longer than at the line rate, and the model says how much
     assert transfer["model_s"] > transfer["bytes"] * 8 / 100e6 + 0.010
-    assert [row["message_bytes"] for row in r["capacity"]] == [64 * 1024, 1024 * 1024]
+    assert [(row["mode"], row["message_bytes"]) for row in r["capacity"]] == [
+        (mode, size) for mode in ("relayed", "parked") for size in (64 * 1024, 1024 * 1024)]
     for row in r["capacity"]:
         assert row["bytes"] >= 20e6 and _finite_positive(row["rate_bps"]) and row["emulator_cpu_s"] >= 0
 

@@ -163,11 +163,17 @@ def _process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+CAPACITY_MODES = ("relayed", "parked")
+
+
 def bench_capacity(*, sizes: tuple[int, ...] = (64 * KIB, 1 * MIB), megabytes: float = 2000, window: int = 64,
-                   rate_bps: float = 100e9, timeout_s: float = 120.0, emulator_path: str | None = None) -> list[dict]:
+                   rate_bps: float = 100e9, timeout_s: float = 120.0, emulator_path: str | None = None,
+                   modes: tuple[str, ...] = CAPACITY_MODES) -> list[dict]:
     """How fast the emulator process forwards over a link of ``rate_bps`` (default: too fast to matter), and its
-    CPU per MB; see the module docstring. ``emulator_path``: where the emulator's geomx is imported from (another
-    checkout, to compare versions; default this one)."""
+    CPU per MB; see the module docstring. Each of ``modes``: ``relayed``, every byte through the emulator's
+    process (as across hosts), or ``parked``, the bytes straight to the receiver and only the route through it
+    (geomx.transport.parking, as ``geomx launch`` on one host). ``emulator_path``: where the emulator's geomx is
+    imported from (another checkout, to compare versions; default this one)."""
     from geomx.bench.common import bench_env, free_port
 
     port = free_port()
@@ -178,16 +184,18 @@ def bench_capacity(*, sizes: tuple[int, ...] = (64 * KIB, 1 * MIB), megabytes: f
                             stderr=subprocess.PIPE)
     inbox = _Inbox()
     address = f"tcp://127.0.0.1:{port}"
-    van_a = ZmqVan(node_id="capacity-a", dc="a", on_message=lambda m: None, emulator=address)
+    senders = {mode: ZmqVan(node_id=f"capacity-{mode}", dc="a", on_message=lambda m: None, emulator=address,
+                            emulator_bypass=mode == "parked") for mode in modes}
     van_c = ZmqVan(node_id="capacity-c", dc=CENTRAL_DC, on_message=inbox, emulator=address)
+    vans = [*senders.values(), van_c]
     rows = []
     try:
-        van_a.start()
-        van_c.start()
+        for van in vans:
+            van.start()
         deadline = time.monotonic() + 30.0
         while True:     # the emulator is listening once a message crosses it
             inbox.clear()
-            van_a.send(van_c.address, Message("warm-up"), dst_dc=CENTRAL_DC)
+            next(iter(senders.values())).send(van_c.address, Message("warm-up"), dst_dc=CENTRAL_DC)
             try:
                 inbox.wait_for(1, 1.0)
                 break
@@ -195,7 +203,8 @@ def bench_capacity(*, sizes: tuple[int, ...] = (64 * KIB, 1 * MIB), megabytes: f
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise DeadlineError(f"capacity bench: the emulator did not forward a message "
                                         f"({(proc.stderr.read() or b'').decode(errors='replace')[-500:]})") from None
-        for size in sizes:
+        for mode, size in ((m, z) for m in modes for z in sizes):
+            van_a = senders[mode]
             count = max(window, math.ceil(megabytes * 1e6 / size))
             tensor = np.zeros(size, dtype=np.uint8)
             inbox.clear()
@@ -207,13 +216,14 @@ def bench_capacity(*, sizes: tuple[int, ...] = (64 * KIB, 1 * MIB), megabytes: f
             inbox.wait_for(count, timeout_s)
             seconds = inbox.arrivals[-1][0] - t0
             cpu = _process_cpu_s(proc.pid) - cpu0
-            rows.append({"link_bps": rate_bps, "message_bytes": size, "messages": count, "bytes": count * size,
+            rows.append({"mode": mode, "link_bps": rate_bps, "message_bytes": size, "messages": count,
+                         "bytes": count * size,
                          "seconds": seconds,
                          "rate_bps": count * size * 8 / seconds, "emulator_cpu_s": cpu,
                          "cpu_ms_per_mb": cpu * 1000 / (count * size / 1e6)})
     finally:
-        van_a.stop()
-        van_c.stop()
+        for van in vans:
+            van.stop()
         proc.terminate()
         try:
             proc.wait(10)
@@ -227,14 +237,19 @@ def format_capacity_report(rows: list[dict]) -> str:
     rate = rows[0]["link_bps"] if rows else 100e9
     lines = [f"### The emulator process's own capacity: a {rate / 1e9:g} Gbit/s link with no delay, 64 messages in "
              f"flight", "",
-             "| message size | messages | MB | time (s) | forwarded (Gbit/s) | emulator CPU (s) | CPU ms per MB |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             "| payload | message size | messages | MB | time (s) | forwarded (Gbit/s) | emulator CPU (s) "
+             "| CPU ms per MB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {_size(r['message_bytes'])} | {r['messages']} | {r['bytes'] / 1e6:.0f} | {r['seconds']:.2f} "
+        lines.append(f"| {r['mode']} | {_size(r['message_bytes'])} | {r['messages']} | {r['bytes'] / 1e6:.0f} "
+                     f"| {r['seconds']:.2f} "
                      f"| {r['rate_bps'] / 1e9:.2f} | {r['emulator_cpu_s']:.2f} | {r['cpu_ms_per_mb']:.3f} |")
     lines += ["", "The emulator runs as in a deployment (`python -m geomx.netem`, its own process); sender and "
                   "receiver are two vans of the benchmark's process on the same machine, which shares its cores "
-                  "with them. Emulator CPU = its user + system time over the transfer (`/proc`)."]
+                  "with them. Relayed: every byte through the emulator's process (as across hosts); parked: the "
+                  "bytes straight to the receiver, which holds them until the emulator releases them (`geomx "
+                  "launch` on one host, geomx.transport.parking). Emulator CPU = its user + system time over the "
+                  "transfer (`/proc`)."]
     return "\n".join(lines)
 
 

@@ -43,6 +43,7 @@ from geomx.netem.link import NODE_EGRESS, NODE_INGRESS, EmulatedLink, LinkEngine
 from geomx.netem.tcp_model import TcpPath, tcp_path_from_env
 from geomx.transport.security import Curve, Plain, Sealed, link_security
 from geomx.profiles import WanProfile, custom_profile, get_profile, parse_duration, parse_rate
+from geomx.transport import parking
 from geomx.transport.message import payload_nbytes
 from geomx.transport.refusals import RefusalLog
 from geomx.transport.van import is_tcp_address
@@ -112,6 +113,7 @@ class WanEmulator:
         self._epoch = time.monotonic()
         self._t0_unix = time.time()
         self.dropped_messages = 0
+        self.parked_messages = 0        # parked at their receivers: only their route and release crossed here
 
     @property
     def address(self) -> str:
@@ -189,6 +191,7 @@ class WanEmulator:
                                   **link.snapshot()} for (addr, stage), link in nodes}
         return {"profile": self.profile.name, "address": self.address, "t0_unix": self._t0_unix,
                 "elapsed_s": time.monotonic() - self._epoch, "dropped_messages": self.dropped_messages,
+                "parked_messages": self.parked_messages,
                 "links": links, "node_links": node_links}
 
     def link(self, src_dc: str, dst_dc: str) -> EmulatedLink:
@@ -267,8 +270,8 @@ class WanEmulator:
             self.refusals.note(peer, "WAN emulator dropped a message from %r: %s", peer, exc)
 
     def _route(self, frames: list) -> None:
-        if len(frames) < 3:
-            raise ValueError(f"expected [route, header, tensors...], got {len(frames) - 1} frame(s)")
+        if len(frames) < 2:
+            raise ValueError("expected [route, header, tensors...] or a parked message's [route], got no frame")
         try:
             route = msgpack.unpackb(frames[1].buffer, raw=False)
         except Exception as exc:
@@ -285,12 +288,25 @@ class WanEmulator:
             raise ValueError(f"route lacks src_dc/dst_dc: {src_dc!r} -> {dst_dc!r}")
         if not isinstance(prio, int) or isinstance(prio, bool):
             raise ValueError(f"route priority is not an int: {prio!r}")
-        payload = frames[2:]
+        park = route.get("park")
+        if park is None:            # the message itself, to forward
+            payload = frames[2:]
+            if not payload:
+                raise ValueError("a route without the message behind it (and not a parked one's)")
+            nbytes = payload_nbytes(payload)
+        else:                       # parked at its receiver (geomx.transport.parking): forward its release
+            nbytes = route.get("n")
+            if not (isinstance(park, bytes) and len(park) == parking.ID_BYTES and isinstance(nbytes, int)
+                    and not isinstance(nbytes, bool) and 0 <= nbytes < 1 << 40 and len(frames) == 2):
+                raise ValueError(f"a parked message's route needs a {parking.ID_BYTES}-byte id and its size "
+                                 f"alone, got park={park!r}, n={nbytes!r}, {len(frames) - 2} frame(s) behind it")
+            payload = [parking.marker(parking.RELEASE, park)]
+            self.parked_messages += 1
         src = route.get("src")
         path = [self.node_link(src, NODE_EGRESS) if isinstance(src, str) else None, self.link(src_dc, dst_dc),
                 self.node_link(dst, NODE_INGRESS)]
         first, *then = [link for link in path if link is not None]
-        first.enqueue(payload_nbytes(payload), prio, lambda: self._forward(dst, payload), then=tuple(then))
+        first.enqueue(nbytes, prio, lambda: self._forward(dst, payload), then=tuple(then))
 
     def _forward(self, dst: str, frames: list) -> None:
         """The emulator's thread only (a delivery): send the original frames to the destination's ROUTER."""

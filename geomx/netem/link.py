@@ -2,7 +2,8 @@
 
 The model of a link is one serial line of ``rate_bps`` followed by a propagation delay:
 
-* Messages wait in a queue ordered by (priority desc, arrival asc). The line serializes one chunk at a time, so
+* Messages wait in a queue ordered by (priority desc, arrival asc); on a line that several links feed (a node's),
+  equal priorities take their chunks in the order the chunks reached it. The line serializes one chunk at a time, so
   a higher-priority message that arrives while a bulk message is half sent overtakes it at the next chunk
   boundary; equal priorities stay FIFO. A chunk is ``chunk_bytes`` or, on a fast line, what the line carries in
   ``CHUNK_SECONDS`` (so overtaking waits at most that long, and a fast line costs no more chunks per second
@@ -199,10 +200,6 @@ class _Leg:
         self.transit, self.hop, self.left = transit, hop, transit.nbytes
         self.pieces: collections.deque = collections.deque()
 
-    @property
-    def key(self) -> tuple:
-        return (-self.transit.priority, self.transit.seq)
-
 
 class EmulatedLink:
     """One directed WAN link (or a node's own link); see the module docstring for the model.
@@ -246,9 +243,9 @@ class EmulatedLink:
                 raise ConfigError(f"link {name}: outage {[start, end, *kept]}: {wrong}")
             windows.append((self._epoch + start, self._epoch + end, kept[0] if kept else 0.0))
         self._outages = sorted(windows)          # (start, end, rate kept: 0 cuts the line), monotonic times
-        # legs whose first waiting bytes are ready by the line's decision time, by (priority desc, arrival asc),
-        # and legs whose next bytes become ready later, by that time; a leg whose bytes are all still upstream is
-        # in neither until the previous link hands some on
+        # legs whose next waiting bytes are ready by the line's decision time, by (priority desc, when those bytes
+        # reached this link, arrival asc: _requeue), and legs whose next bytes become ready later, by that time; a
+        # leg whose bytes are all still upstream is in neither until the previous link hands some on
         self._ready: list = []
         self._later: list = []
         self._seq = itertools.count()
@@ -327,11 +324,10 @@ class EmulatedLink:
                 start = max(start, self._later[0][0])
             start = self._after_outages(start)
             while self._later and self._later[0][0] <= start:
-                leg = heapq.heappop(self._later)[2]
-                heapq.heappush(self._ready, (leg.key, leg))
+                self._requeue(heapq.heappop(self._later)[2], start)
             if start > horizon or not self._ready:
                 return start
-            leg = self._ready[0][1]
+            leg = heapq.heappop(self._ready)[1]
             take = 0
             while leg.pieces and leg.pieces[0][0] <= start and take < self.chunk_bytes:
                 piece = leg.pieces[0]
@@ -347,18 +343,25 @@ class EmulatedLink:
             arrives = self._after_outages(end + self.one_way_delay_s + (transit.jitter if self.jitter_s else 0.0))
             if leg.hop + 1 < len(transit.path):     # these bytes go on to the next link of the path
                 transit.path[leg.hop + 1]._receive(transit.legs[leg.hop + 1], arrives, take)
-            if leg.left and leg.pieces and leg.pieces[0][0] <= end:
-                continue                        # still the most urgent: stays at the head
-            heapq.heappop(self._ready)
             if leg.left:
-                if leg.pieces:                  # its next bytes reach this link later
-                    heapq.heappush(self._later, (leg.pieces[0][0], next(self._seq), leg))
-                continue                        # else the previous link hands them on (and requeues it)
+                if leg.pieces:
+                    self._requeue(leg, end)
+                continue                        # else the previous link hands its next bytes on (and requeues it)
             if leg.hop + 1 == len(transit.path):
                 at = max(arrives, self._last_delivery)
                 self._last_delivery = at
                 handed.append((self._scheduler, at, lambda t=transit, a=at: self._delivered(t, a)))
         return None
+
+    def _requeue(self, leg: _Leg, now: float) -> None:
+        """Queue ``leg`` by its waiting bytes: among those ready by ``now``, by (priority desc, the time its next
+        bytes reached this link, arrival): a line shared by several links' flows (a node's) takes their chunks in
+        the order they came, as a switch port does, and a link's own messages stay FIFO."""
+        head = leg.pieces[0][0]
+        if head <= now:
+            heapq.heappush(self._ready, ((-leg.transit.priority, head, leg.transit.seq), leg))
+        else:
+            heapq.heappush(self._later, (head, next(self._seq), leg))
 
     def _serialized(self, start: float, nbytes: int) -> float:
         """When ``nbytes`` that start on the line at ``start`` have left it."""

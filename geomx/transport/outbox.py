@@ -57,6 +57,8 @@ class Queued:
     frames: list = field(compare=False)
     nbytes: int = field(compare=False)
     wire: list | None = field(default=None, compare=False)
+    park: bytes | None = field(default=None, compare=False)     # parked at its receiver (geomx.transport.parking)
+    parked: bool = field(default=False, compare=False)          # ... and its frames already went there
 
 
 class Outbox:

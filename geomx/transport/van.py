@@ -17,7 +17,10 @@ peer's ROUTER. Two threads, each owning its sockets (ZeroMQ sockets are not thre
   shared under one lock, which also keeps the order.
 
 When a WAN emulator is configured, a message to a node of another DC goes to the emulator instead, behind a
-small route frame (see :mod:`geomx.netem.emulator`); the receiver cannot tell the difference.
+small route frame (see :mod:`geomx.netem.emulator`); the receiver cannot tell the difference. With
+``emulator_bypass`` a large one to a node on this host is *parked* instead (:mod:`geomx.transport.parking`): its
+bytes go straight to the receiver, which holds them until the emulator, handed only the route and the size,
+releases them at the time its link model gives.
 """
 from __future__ import annotations
 
@@ -41,12 +44,16 @@ from geomx.transport.base import STALL_S, Van, register_van
 from geomx.transport.connection_watch import ConnectionWatch, heartbeat
 from geomx.transport.message import Message, build_message, decode_header, encode, payload_nbytes
 from geomx.transport.outbox import SEND_PIPE_MESSAGES, STUCK_S, Outbox, Queued, send_queue_bytes
+from geomx.transport.parking import MARKER_BYTES, PARK, RELEASE, Parking, marker, new_id, read_marker
 from geomx.transport.refusals import RefusalLog
 from geomx.transport.security import Curve, Plain, Sealed
 
 log = logging.getLogger("geomx.van")
 
 _POLL_MS = 100
+# a message to a node of another DC on this host is parked at its receiver, not relayed through the emulator,
+# from this size: below it the relay costs little and the message keeps one path (control, heartbeats)
+PARK_MIN_BYTES = 64 * 1024
 
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -133,14 +140,19 @@ class ZmqVan(Van):
     def __init__(self, *, node_id: str, dc: str, on_message: Callable[[Message], None], host: str = "127.0.0.1",
                  port: int = 0, bind_host: str | None = None, emulator: str | None = None,
                  context: zmq.Context | None = None, security: Sealed | Curve | Plain | None = None,
-                 send_queue_mb: float | None = None, stuck_s: float = STUCK_S, liveness_probe: bool = False) -> None:
+                 send_queue_mb: float | None = None, stuck_s: float = STUCK_S, liveness_probe: bool = False,
+                 emulator_bypass: bool = False) -> None:
         """``liveness_probe``: heartbeat the connections to peers of this DC at ZeroMQ's level, so that a frozen
-        peer's connection reads as down (geomx.transport.connection_watch; the schedulers' vans)."""
+        peer's connection reads as down (geomx.transport.connection_watch; the schedulers' vans).
+        ``emulator_bypass``: park large messages to nodes of other DCs on this host at their receiver and hand
+        the emulator only their route (geomx.transport.parking)."""
         super().__init__(node_id=node_id, dc=dc, on_message=on_message)
         self.host = host
         self._bind_host = bind_host or host
         self._port = port
         self._emulator = emulator
+        self._bypass = emulator_bypass and emulator is not None
+        self._parking = Parking()           # messages parked here, waiting for the emulator's release
         self._ctx = context or zmq.Context.instance()
         self._security = security
         self._seal = security.sealing(node_id) if security is not None else None   # Sealed: AES-GCM per message
@@ -216,6 +228,8 @@ class ZmqVan(Van):
         frames = encode(msg)
         sock_addr = self._socket_address(addr, dst_dc)
         item = Queued(-msg.priority, next(self._seq), addr, sock_addr, dst_dc, frames, payload_nbytes(frames))
+        if self._bypass and sock_addr != addr and item.nbytes >= PARK_MIN_BYTES and self._same_host(addr):
+            item.park = new_id()
         if self._send_lock.acquire(blocking=False):
             try:
                 with self._cv:
@@ -249,6 +263,9 @@ class ZmqVan(Van):
                 return
             box.put(item)
             self._cv.notify_all()
+
+    def _same_host(self, addr: str) -> bool:
+        return addr[len("tcp://"):].rpartition(":")[0] == self.host
 
     def _socket_address(self, addr: str, dst_dc: str | None) -> str:
         """The socket a message to ``addr`` leaves on: the emulator's for another DC when one is configured."""
@@ -302,20 +319,38 @@ class ZmqVan(Van):
                 self._security.release(self._ctx)
 
     def _receive_one(self, sock: zmq.Socket, peer: zmq.Frame) -> None:
-        """Read the rest of one message (always all its frames, so the next message starts clean), open it when
-        links are sealed, decode it and hand it on."""
+        """Read the rest of one message (always all its frames, so the next message starts clean) and hand it on;
+        a parked one (geomx.transport.parking) once the emulator released it, whichever of the two came first."""
+        first = sock.recv(copy=False) if peer.more else None
+        mark = read_marker(first.buffer) if first is not None and len(first) == MARKER_BYTES else None
+        if mark is None:
+            msg = self._read_message(sock, peer, first)
+        elif mark[0] == RELEASE:
+            while sock.getsockopt(zmq.RCVMORE):     # a release carries nothing more
+                sock.recv(copy=False)
+            msg = self._parking.release(mark[1])
+        else:
+            msg = self._read_message(sock, peer, sock.recv(copy=False) if first.more else None)
+            if msg is not None:
+                msg = self._parking.park(mark[1], msg, sum(t.nbytes for t in msg.tensors))
+        if msg is not None:
+            self.deliver(msg)
+
+    def _read_message(self, sock: zmq.Socket, peer: zmq.Frame, first: zmq.Frame | None) -> Message | None:
+        """The message whose first frame (``first``: its sealed envelope, or its header) was just read: the rest
+        read, opened when links are sealed, and decoded; None (logged) for a malformed one."""
         header, error, frames = None, None, []
         nbytes = 0
-        letter, more = None, peer.more
+        letter, more = None, first is not None
         if more and self._seal is not None:
-            envelope = sock.recv(copy=False)
+            envelope, first = first, None
             nbytes, more = len(envelope), envelope.more
             try:
                 letter = self._seal.letter(envelope, self._port)
             except ProtocolError as exc:
                 error = exc
         if more:
-            head = sock.recv(copy=False)
+            head = first if first is not None else sock.recv(copy=False)
             nbytes += len(head)
             if error is None:
                 try:
@@ -358,8 +393,7 @@ class ZmqVan(Van):
             self.dropped_messages += 1
             self.refusals.note(bytes(peer.bytes[:32]), "%s dropped a malformed message from peer %r: %s",
                                public_name(self.node_id), bytes(peer.bytes[:32]), error)
-            return
-        self.deliver(msg)
+        return msg
 
     def _send_loop(self) -> None:
         try:
@@ -404,6 +438,8 @@ class ZmqVan(Van):
         """Hand one message to ZeroMQ without blocking (the caller holds the send lock). False: the peer's pipe
         is full, and ``item.wire`` keeps the frames as sealed for the next try. A message that cannot be sent at
         all (a malformed address) is dropped and counts as sent."""
+        if item.park is not None:
+            return self._try_park(item)
         if item.wire is None:
             frames = item.frames
             if self._seal is not None:      # here, not in send(): counters go out in order on each connection
@@ -415,23 +451,52 @@ class ZmqVan(Van):
             item.wire = frames
         sock_addr = item.socket
         try:
-            sock = self._sockets.get(sock_addr)
-            if sock is None:
-                # probed: a peer of this DC reached directly (over a WAN, a late answer is no sign of a frozen
-                # peer, and a connection ZeroMQ closed would lose what the kernel had not delivered yet)
-                local = sock_addr == item.addr and item.dst_dc in (None, self.dc)
-                sock = self._sockets[sock_addr] = self._connect(sock_addr, probe=self._probe and local)
-            sock.send_multipart(item.wire, flags=zmq.NOBLOCK, copy=False)
+            # probed: a peer of this DC reached directly (over a WAN, a late answer is no sign of a frozen peer, and
+            # a connection ZeroMQ closed would lose what the kernel had not delivered yet)
+            local = sock_addr == item.addr and item.dst_dc in (None, self.dc)
+            self._socket_for(sock_addr, probe=self._probe and local).send_multipart(item.wire, flags=zmq.NOBLOCK,
+                                                                                   copy=False)
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:   # e.g. a peer announced a malformed address: drop, keep sending
             self.dropped_messages += 1
             log.warning("%s cannot send to %r: %s; message dropped", self.node_id, sock_addr, exc)
             return True
-        dst = item.dst_dc or self.dc
-        self.sent_bytes[dst] += payload_nbytes(item.wire[1:] if sock_addr != item.addr else item.wire)
-        self.sent_messages[dst] += 1
+        self._count_sent(item, item.wire[1:] if sock_addr != item.addr else item.wire)
         return True
+
+    def _count_sent(self, item: Queued, frames: list) -> None:
+        dst = item.dst_dc or self.dc
+        self.sent_bytes[dst] += payload_nbytes(frames)
+        self.sent_messages[dst] += 1
+
+    def _try_park(self, item: Queued) -> bool:
+        """:meth:`_try_send` for a parked message: its frames (sealed as ever) straight to the receiver behind a
+        PARK marker, then its route and size to the emulator; a retry sends only what did not go yet."""
+        if item.wire is None:
+            frames = item.frames if self._seal is None else self._seal.seal(item.frames, item.addr)
+            route = msgpack.packb({"dst": item.addr, "src": self.address, "src_dc": self.dc, "dst_dc": item.dst_dc,
+                                   "prio": -item.neg_priority, "park": item.park, "n": payload_nbytes(frames)},
+                                  use_bin_type=True)
+            item.wire = [[marker(PARK, item.park), *frames], [route]]
+        try:
+            if not item.parked:
+                self._socket_for(item.addr, probe=False).send_multipart(item.wire[0], flags=zmq.NOBLOCK, copy=False)
+                item.parked = True
+                self._count_sent(item, item.wire[0][1:])
+            self._socket_for(item.socket, probe=False).send_multipart(item.wire[1], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            self.dropped_messages += 1
+            log.warning("%s cannot park a message at %r: %s; message dropped", self.node_id, item.addr, exc)
+        return True
+
+    def _socket_for(self, addr: str, *, probe: bool) -> zmq.Socket:
+        sock = self._sockets.get(addr)
+        if sock is None:
+            sock = self._sockets[addr] = self._connect(addr, probe=probe)
+        return sock
 
     def _connect(self, addr: str, *, probe: bool = False) -> zmq.Socket:
         if not is_tcp_address(addr):

@@ -6,7 +6,8 @@
 Each version's emulator process forwards ``--mb`` MB of 64 KiB messages, then of 1 MiB messages, over one link of
 ``--rate`` with no delay (geomx.bench.link.bench_capacity: 64 messages in flight, the emulator in its own
 process as deployments run it), ``--repeats`` times, the versions taking turns so that both see the same machine
-load; prints the median CPU ms per MB and forwarded rate of each.
+load; prints the median CPU ms per MB and forwarded rate of each. This checkout runs twice: relaying every byte
+(as across hosts) and parking the payloads at the receiver (geomx.transport.parking, as on one host).
 """
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ def main() -> int:
     samples: dict[tuple[str, int], list[dict]] = {}
     for _ in range(args.repeats):
         for version, path in (("before", args.before), ("this checkout", None)):
-            for row in bench_capacity(megabytes=args.mb, rate_bps=rate, emulator_path=path):
-                samples.setdefault((version, row["message_bytes"]), []).append(row)
+            modes = ("relayed",) if path else ("relayed", "parked")     # the other checkout may not park
+            for row in bench_capacity(megabytes=args.mb, rate_bps=rate, emulator_path=path, modes=modes):
+                samples.setdefault((f"{version}, {row['mode']}", row["message_bytes"]), []).append(row)
     print(f"| emulator | message size | CPU ms per MB (median of {args.repeats}) | runs | forwarded (Gbit/s) |")
     print("|---|---:|---:|---|---:|")
     for (version, size), rows in samples.items():

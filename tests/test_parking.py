@@ -1,0 +1,158 @@
+"""Payloads that skip the WAN emulator (geomx.transport.parking): a large message to a node on the same host goes
+straight to its receiver, which holds it until the emulator, handed only its route and size, releases it at the
+time the link model gives. The receiver sees what it saw before, when it saw it; the emulator counts the same
+bytes; only the copies through its process are gone. Real vans and a real emulator over 127.0.0.1."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from geomx.errors import ConfigError
+from geomx.netem import WanEmulator
+from geomx.profiles import CENTRAL_DC, custom_profile
+from geomx.transport import parking
+from geomx.transport.message import Message, encode, payload_nbytes
+from geomx.transport.security import Sealed
+from geomx.transport.van import PARK_MIN_BYTES, ZmqVan
+
+BIG = 250_000           # float32 elements: 1 MB, parked
+SMALL = 16              # relayed
+
+
+class Inbox:
+    def __init__(self) -> None:
+        self.got: list[tuple[float, Message]] = []
+        self.cv = threading.Condition()
+
+    def __call__(self, msg: Message) -> None:
+        with self.cv:
+            self.got.append((time.monotonic(), msg))
+            self.cv.notify_all()
+
+    def wait_for(self, n: int, timeout: float = 10.0) -> list[tuple[float, Message]]:
+        with self.cv:
+            assert self.cv.wait_for(lambda: len(self.got) >= n, timeout), f"{len(self.got)} of {n} arrived"
+            return list(self.got)
+
+
+@pytest.fixture
+def deployment():
+    """An emulator and vans made by the test, stopped at teardown."""
+    made: list = []
+
+    def make(rate_bps=1e8, rtt_s=0.04, security=None):
+        em = WanEmulator(profile=custom_profile(rate_bps, rtt_s), security=security)
+        em.start()
+        inbox = Inbox()
+        sender = ZmqVan(node_id="a-server", dc="a", on_message=lambda m: None, emulator=em.address,
+                        emulator_bypass=True, security=security)
+        receiver = ZmqVan(node_id="global-server", dc=CENTRAL_DC, on_message=inbox, emulator=em.address,
+                          security=security)
+        made.extend([sender, receiver, em])
+        sender.start()
+        receiver.start()
+        return em, sender, receiver, inbox
+
+    yield make
+    for thing in made:
+        thing.stop()
+
+
+def test_a_parked_message_arrives_when_the_link_model_says_and_only_its_route_crosses_the_emulator(deployment):
+    """100 Mbit/s, 20 ms one way: 1 MB takes 80 ms on the line, so it arrives after 100 ms, whole; the emulator
+    counted its bytes on the link (as many as the sender handed to ZeroMQ) without receiving them."""
+    em, a, c, inbox = deployment()
+    value = np.arange(BIG, dtype=np.float32)
+    t0 = time.monotonic()
+    a.send(c.address, Message("push", fields={"k": 1}, tensors=[value]), dst_dc=CENTRAL_DC)
+    (t, msg), = inbox.wait_for(1)
+    assert msg.op == "push" and msg.src == "a-server" and msg["k"] == 1 and np.array_equal(msg.tensors[0], value)
+    assert t - t0 >= 0.100 - 0.002                      # never early
+    stats = em.stats()
+    assert stats["parked_messages"] == 1
+    assert stats["links"]["a->central"]["bytes"] == a.sent_bytes[CENTRAL_DC] == payload_nbytes(
+        encode(Message("push", src="a-server", fields={"k": 1}, tensors=[value])))
+    assert len(c._parking) == 0 and c._parking.held_bytes == 0
+
+
+def test_small_messages_are_relayed_and_keep_their_order_with_parked_ones_on_the_link(deployment):
+    """A small message sent after a big one crosses the same link behind it (FIFO at equal priority); a
+    high-priority one overtakes the big one at a chunk boundary, parked or not."""
+    em, a, c, inbox = deployment(rate_bps=5e7)
+    a.send(c.address, Message("big", tensors=[np.zeros(BIG, np.float32)]), dst_dc=CENTRAL_DC)     # 160 ms
+    a.send(c.address, Message("after", tensors=[np.zeros(SMALL, np.float32)]), dst_dc=CENTRAL_DC)
+    time.sleep(0.03)
+    urgent = Message("urgent", tensors=[np.zeros(SMALL, np.float32)])
+    urgent.priority = 5
+    a.send(c.address, urgent, dst_dc=CENTRAL_DC)
+    got = inbox.wait_for(3)
+    assert [m.op for _, m in got] == ["urgent", "big", "after"]
+    assert em.stats()["parked_messages"] == 1 and PARK_MIN_BYTES > SMALL * 4
+
+
+def test_sealed_messages_are_parked_and_opened_as_ever(deployment):
+    secret = "s" * 32
+    em, a, c, inbox = deployment(security=Sealed(secret))
+    value = np.random.default_rng(0).standard_normal(BIG).astype(np.float32)
+    a.send(c.address, Message("push", tensors=[value]), dst_dc=CENTRAL_DC)
+    (_, msg), = inbox.wait_for(1)
+    assert np.array_equal(msg.tensors[0], value) and em.stats()["parked_messages"] == 1
+
+
+def test_many_parked_messages_on_a_fast_link_all_arrive_once_in_order(deployment):
+    """A link too fast to matter: a release may reach the receiver before its payload; every message still
+    arrives exactly once, in the order sent."""
+    em, a, c, inbox = deployment(rate_bps=1e11, rtt_s=0.0)
+    for i in range(60):
+        a.send(c.address, Message("push", fields={"i": i}, tensors=[np.full(BIG // 4, i, np.float32)]),
+               dst_dc=CENTRAL_DC)
+    got = inbox.wait_for(60)
+    assert [m["i"] for _, m in got] == list(range(60))
+    assert all(float(m.tensors[0][0]) == m["i"] for _, m in got)
+    assert em.stats()["parked_messages"] == 60 and len(c._parking) == 0
+
+
+def test_the_parking_store_matches_either_order_and_drops_what_is_never_matched():
+    store = parking.Parking(max_age_s=0.2, max_entries=10, max_bytes=1000)
+    assert store.park(b"x" * 12, "m1", 10) is None and store.release(b"x" * 12) == "m1"      # payload first
+    assert store.release(b"y" * 12) is None and store.park(b"y" * 12, "m2", 10) == "m2"       # release first
+    assert store.park(b"z" * 12, "m3", 10) is None and store.held_bytes == 10
+    time.sleep(0.25)
+    assert store.release(b"w" * 12) is None and store.dropped == 1 and store.held_bytes == 0  # m3 too old
+    for i in range(3):
+        store.park(bytes([i]) * 12, f"big{i}", 400)
+    assert len(store) == 2 and store.held_bytes == 800 and store.dropped == 2     # past 1000 bytes: the oldest
+    assert parking.read_marker(parking.marker(parking.PARK, b"i" * 12)) == (parking.PARK, b"i" * 12)
+    assert parking.read_marker(b"\x81\xa2op") is None and parking.read_marker(b"\x01" + b"e" * 13) is None
+
+
+def test_a_bad_park_cap_is_named(monkeypatch):
+    monkeypatch.setenv("GEOMX_PARK_MB", "lots")
+    with pytest.raises(ConfigError, match="GEOMX_PARK_MB"):
+        parking.Parking()
+
+
+def test_the_emulator_drops_a_malformed_parked_route_and_keeps_forwarding(deployment):
+    import msgpack
+    import zmq
+
+    em, a, c, inbox = deployment()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(em.address)
+    try:
+        base = {"dst": c.address, "src_dc": "a", "dst_dc": CENTRAL_DC, "prio": 0}
+        for bad in ({"park": b"short", "n": 10}, {"park": b"i" * 12, "n": -1}, {"park": b"i" * 12}):
+            sock.send_multipart([msgpack.packb({**base, **bad}, use_bin_type=True)])
+        sock.send_multipart([msgpack.packb({**base, "park": b"i" * 12, "n": 5}, use_bin_type=True), b"extra"])
+        deadline = time.monotonic() + 5
+        while em.dropped_messages < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert em.dropped_messages == 4 and em.stats()["parked_messages"] == 0
+        a.send(c.address, Message("push", tensors=[np.zeros(BIG, np.float32)]), dst_dc=CENTRAL_DC)
+        inbox.wait_for(1)
+    finally:
+        sock.close()
