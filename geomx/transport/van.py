@@ -445,9 +445,7 @@ class ZmqVan(Van):
             if self._seal is not None:      # here, not in send(): counters go out in order on each connection
                 frames = self._seal.seal(frames, item.addr)
             if item.socket != item.addr:    # through the emulator, behind a route frame
-                route = msgpack.packb({"dst": item.addr, "src": self.address, "src_dc": self.dc, "dst_dc": item.dst_dc,
-                                       "prio": -item.neg_priority}, use_bin_type=True)
-                frames = [route] + frames
+                frames = [self._route(item)] + frames
             item.wire = frames
         sock_addr = item.socket
         try:
@@ -465,6 +463,12 @@ class ZmqVan(Van):
         self._count_sent(item, item.wire[1:] if sock_addr != item.addr else item.wire)
         return True
 
+    def _route(self, item: Queued, **parked) -> bytes:
+        """The route frame the emulator reads (geomx.netem.emulator): where to, from where, at what priority; a
+        parked message's id and size (``parked``)."""
+        return msgpack.packb({"dst": item.addr, "src": self.address, "src_dc": self.dc, "dst_dc": item.dst_dc,
+                              "prio": -item.neg_priority, **parked}, use_bin_type=True)
+
     def _count_sent(self, item: Queued, frames: list) -> None:
         dst = item.dst_dc or self.dc
         self.sent_bytes[dst] += payload_nbytes(frames)
@@ -475,9 +479,7 @@ class ZmqVan(Van):
         PARK marker, then its route and size to the emulator; a retry sends only what did not go yet."""
         if item.wire is None:
             frames = item.frames if self._seal is None else self._seal.seal(item.frames, item.addr)
-            route = msgpack.packb({"dst": item.addr, "src": self.address, "src_dc": self.dc, "dst_dc": item.dst_dc,
-                                   "prio": -item.neg_priority, "park": item.park, "n": payload_nbytes(frames)},
-                                  use_bin_type=True)
+            route = self._route(item, park=item.park, n=payload_nbytes(frames))
             item.wire = [[marker(PARK, item.park), *frames], [route]]
         try:
             if not item.parked:
