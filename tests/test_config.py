@@ -336,12 +336,13 @@ def test_the_launcher_sizes_parts_for_the_wan_one_value_for_every_role(tmp_path,
         256, 256, 256, 1024, 8192, 16384]
 
     def parts(**kw):
-        specs = plan(load_topology(None, **kw), ["python", "x.py"], tmp_path, ports=list(range(20000, 20005)))
+        specs = plan(load_topology(None, **kw), ["python", "x.py"], tmp_path, ports=list(range(20000, 20006)))
         return {s.env.get("GEOMX_PARTITION_BYTES") for s in specs}
 
     assert parts(wan="transpacific") == {str(256 << 10)}
     assert parts(wan="regional") == {str(1 << 20)}
     assert parts(wan="regional", wan_links=["b=100mbit/20ms"]) == {str(256 << 10)}   # the slowest link
+    assert parts(wan="regional", global_server_link="100mbit") == {str(256 << 10)}   # a global server's line
     assert parts(wan="lan") == {None}                        # no WAN: the kvstore's default (16 MiB)
     monkeypatch.setenv("GEOMX_PARTITION_BYTES", "1048576")  # the user's choice wins (inherited by every role)
     assert parts(wan="transpacific") == {None}

@@ -230,6 +230,10 @@ def test_global_server_link_gives_each_global_server_a_fixed_port_and_the_emulat
                  ports=list(range(21000, 21006)))
     assert node_links.ENV not in next(s for s in plain if s.kind == "emulator").env
     assert all("PORT" not in s.env for s in plain if s.name.startswith("global-server-"))
+    with pytest.raises(ConfigError, match="binds 8 fixed ports.*6 were given"):
+        plan(topo, ["x"], tmp_path, ports=list(range(21000, 21006)))
+    assert topo.slowest_link_bps == 1e9
+    assert load_topology(None, wan="regional", global_server_link="100mbit").slowest_link_bps == 1e8
     with pytest.raises(ConfigError, match="--global-server-link.*needs an emulated WAN"):
         load_topology(None, wan="lan", global_server_link="1gbit")
     with pytest.raises(ConfigError, match="--global-server-link"):

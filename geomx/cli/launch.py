@@ -100,6 +100,9 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
     n_dcs, G, N = topo.dcs, topo.global_servers, topo.num_all_workers
     flat = topo.topology == "flat"
     ports = sites.ports
+    if len(ports) < topo.fixed_ports:
+        raise ConfigError(f"the deployment binds {topo.fixed_ports} fixed ports (Topology.fixed_ports), {len(ports)} "
+                          f"were given")
     p_global, p_central, p_emu, dc_ports = ports[0], ports[1], ports[2], ports[3:3 + n_dcs]
     # global servers on lines of their own bind fixed ports: the emulator knows their lines by address
     gs_ports = ports[3 + n_dcs:3 + n_dcs + G] if topo.global_server_link_bps else []

@@ -54,11 +54,12 @@ class Topology:
 
     @property
     def slowest_link_bps(self) -> float:
-        """The slowest emulated link's goodput, overrides and the TCP ceiling included (what WAN-sized parts are
-        cut for)."""
+        """The slowest emulated link's goodput, overrides, the TCP ceiling and the global servers' own lines
+        included (what WAN-sized parts are cut for)."""
         p = self.profile
         return min([self.tcp.goodput_bps(rate, p.rtt_s) for rate in (p.uplink_bps, p.downlink_bps)]
-                   + [s.tcp(self.tcp).goodput_bps(s.rate_bps, s.rtt_s) for s in self.wan_links.values()])
+                   + [s.tcp(self.tcp).goodput_bps(s.rate_bps, s.rtt_s) for s in self.wan_links.values()]
+                   + ([self.global_server_link_bps] if self.global_server_link_bps else []))
 
     @property
     def dc_names(self) -> list[str]:
