@@ -31,28 +31,10 @@ from geomx.netem import EmulatedLink, WanEmulator, run_from_env
 from geomx.profiles import CENTRAL_DC, custom_profile
 from geomx.transport.message import Message, encode, payload_nbytes
 from geomx.transport.van import ZmqVan
+from harness import TimedInbox
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 1 << 20
-
-
-class Inbox:
-    """Arrival times and messages of one van, with a deadline-bounded wait."""
-
-    def __init__(self) -> None:
-        self.arrivals: list[tuple[float, Message]] = []
-        self._cv = threading.Condition()
-
-    def __call__(self, msg: Message) -> None:
-        with self._cv:
-            self.arrivals.append((time.monotonic(), msg))
-            self._cv.notify_all()
-
-    def wait_for(self, count: int, timeout: float = 5.0) -> list[tuple[float, Message]]:
-        with self._cv:
-            assert self._cv.wait_for(lambda: len(self.arrivals) >= count, timeout), \
-                f"only {len(self.arrivals)} of {count} messages arrived within {timeout} s"
-            return list(self.arrivals)
 
 
 class Net:
@@ -69,7 +51,7 @@ class Net:
         return em
 
     def van(self, node_id: str, dc: str, emulator: WanEmulator | None = None) -> ZmqVan:
-        inbox = Inbox()
+        inbox = TimedInbox()
         van = ZmqVan(node_id=node_id, dc=dc, on_message=inbox, emulator=emulator.address if emulator else None)
         van.inbox = inbox
         van.start()
@@ -474,8 +456,8 @@ def test_python_m_geomx_netem_forwards_until_sigterm_and_writes_final_stats(net,
             found = re.search(r"WAN emulator listening on (tcp://\S+)", lines.get(timeout=8.0))
             address = found and found.group(1)
         assert address, "the emulator did not report its address"
-        a = ZmqVan(node_id="a0", dc="a", on_message=Inbox(), emulator=address)
-        c_inbox = Inbox()
+        a = ZmqVan(node_id="a0", dc="a", on_message=TimedInbox(), emulator=address)
+        c_inbox = TimedInbox()
         c = ZmqVan(node_id="c0", dc=CENTRAL_DC, on_message=c_inbox, emulator=address)
         net.vans += [a, c]
         a.start()

@@ -4,7 +4,6 @@ time the link model gives. The receiver sees what it saw before, when it saw it;
 bytes; only the copies through its process are gone. Real vans and a real emulator over 127.0.0.1."""
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -17,25 +16,10 @@ from geomx.transport import parking
 from geomx.transport.message import Message, encode, payload_nbytes
 from geomx.transport.security import Sealed
 from geomx.transport.van import PARK_MIN_BYTES, ZmqVan
+from harness import TimedInbox, wait_until
 
 BIG = 250_000           # float32 elements: 1 MB, parked
 SMALL = 16              # relayed
-
-
-class Inbox:
-    def __init__(self) -> None:
-        self.got: list[tuple[float, Message]] = []
-        self.cv = threading.Condition()
-
-    def __call__(self, msg: Message) -> None:
-        with self.cv:
-            self.got.append((time.monotonic(), msg))
-            self.cv.notify_all()
-
-    def wait_for(self, n: int, timeout: float = 10.0) -> list[tuple[float, Message]]:
-        with self.cv:
-            assert self.cv.wait_for(lambda: len(self.got) >= n, timeout), f"{len(self.got)} of {n} arrived"
-            return list(self.got)
 
 
 @pytest.fixture
@@ -46,7 +30,7 @@ def deployment():
     def make(rate_bps=1e8, rtt_s=0.04, security=None):
         em = WanEmulator(profile=custom_profile(rate_bps, rtt_s), security=security)
         em.start()
-        inbox = Inbox()
+        inbox = TimedInbox()
         sender = ZmqVan(node_id="a-server", dc="a", on_message=lambda m: None, emulator=em.address,
                         emulator_bypass=True, security=security)
         receiver = ZmqVan(node_id="global-server", dc=CENTRAL_DC, on_message=inbox, emulator=em.address,
@@ -71,9 +55,8 @@ def test_a_parked_message_arrives_when_the_link_model_says_and_only_its_route_cr
     (t, msg), = inbox.wait_for(1)
     assert msg.op == "push" and msg.src == "a-server" and msg["k"] == 1 and np.array_equal(msg.tensors[0], value)
     assert t - t0 >= 0.100 - 0.002                      # never early
-    deadline = time.monotonic() + 5     # the emulator counts a delivery right after handing its release over
-    while em.stats()["links"]["a->central"]["messages"] < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    # the emulator counts a delivery right after handing its release over
+    wait_until(lambda: em.stats()["links"]["a->central"]["messages"], 5, "the emulator's count")
     stats = em.stats()
     assert stats["parked_messages"] == 1
     assert stats["links"]["a->central"]["bytes"] == a.sent_bytes[CENTRAL_DC] == payload_nbytes(
@@ -151,9 +134,7 @@ def test_the_emulator_drops_a_malformed_parked_route_and_keeps_forwarding(deploy
         for bad in ({"park": b"short", "n": 10}, {"park": b"i" * 12, "n": -1}, {"park": b"i" * 12}):
             sock.send_multipart([msgpack.packb({**base, **bad}, use_bin_type=True)])
         sock.send_multipart([msgpack.packb({**base, "park": b"i" * 12, "n": 5}, use_bin_type=True), b"extra"])
-        deadline = time.monotonic() + 5
-        while em.dropped_messages < 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: em.dropped_messages >= 4, 5, "four dropped routes")
         assert em.dropped_messages == 4 and em.stats()["parked_messages"] == 0
         a.send(c.address, Message("push", tensors=[np.zeros(BIG, np.float32)]), dst_dc=CENTRAL_DC)
         inbox.wait_for(1)

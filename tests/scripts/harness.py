@@ -245,6 +245,25 @@ class Inbox:
         return len(self.messages) >= n
 
 
+class TimedInbox:
+    """An ``on_message`` callback that keeps (arrival time, message), with a deadline-bounded wait."""
+
+    def __init__(self) -> None:
+        self.arrivals: list = []
+        self._cv = threading.Condition()
+
+    def __call__(self, msg) -> None:
+        with self._cv:
+            self.arrivals.append((time.monotonic(), msg))
+            self._cv.notify_all()
+
+    def wait_for(self, count: int, timeout: float = 5.0) -> list:
+        with self._cv:
+            assert self._cv.wait_for(lambda: len(self.arrivals) >= count, timeout), \
+                f"only {len(self.arrivals)} of {count} messages arrived within {timeout} s"
+            return list(self.arrivals)
+
+
 @contextlib.contextmanager
 def listening_van(security, node_id: str = "server"):
     """A started ZmqVan on the loopback with ``security``, and the Inbox of what it receives; stopped after."""
