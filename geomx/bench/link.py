@@ -157,7 +157,8 @@ def _pings(van_a: ZmqVan, van_c: ZmqVan, inbox: _Inbox, pings: int, ping_bytes: 
     return rtts[False], rtts[True]
 
 
-def _process_cpu_s(pid: int) -> float:
+def process_cpu_s(pid: int) -> float:
+    """A process's user + system CPU seconds so far (Linux /proc)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -208,14 +209,14 @@ def bench_capacity(*, sizes: tuple[int, ...] = (64 * KIB, 1 * MIB), megabytes: f
             count = max(window, math.ceil(megabytes * 1e6 / size))
             tensor = np.zeros(size, dtype=np.uint8)
             inbox.clear()
-            cpu0, t0 = _process_cpu_s(proc.pid), time.monotonic()
+            cpu0, t0 = process_cpu_s(proc.pid), time.monotonic()
             for i in range(count):
                 if i >= window:
                     inbox.wait_for(i - window + 1, timeout_s)
                 van_a.send(van_c.address, Message("bulk", fields={"i": i}, tensors=[tensor]), dst_dc=CENTRAL_DC)
             inbox.wait_for(count, timeout_s)
             seconds = inbox.arrivals[-1][0] - t0
-            cpu = _process_cpu_s(proc.pid) - cpu0
+            cpu = process_cpu_s(proc.pid) - cpu0
             rows.append({"mode": mode, "link_bps": rate_bps, "message_bytes": size, "messages": count,
                          "bytes": count * size,
                          "seconds": seconds,

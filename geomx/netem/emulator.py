@@ -17,8 +17,7 @@ the engine's next chunk or delivery: no hand-off between threads per message. (I
 mostly ZeroMQ's and the kernel's, a message's receive and send; docs/benchmarks.md measures it.)
 
 Links count the bytes they forward (header + tensor frames, not the route frame): the ground truth for every
-WAN-traffic figure. With a
-``run_dir`` the counters are written to ``run_dir/wan_links.json`` every 0.5 s and at stop.
+WAN-traffic figure. With a ``run_dir`` the counters are written to ``run_dir/wan_links.json`` every 0.5 s and at stop.
 """
 from __future__ import annotations
 

@@ -111,14 +111,6 @@ class LinkEngine:
     def _push(self, at: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._deliveries, (at, next(self._seq), fn))
 
-    @property
-    def pending(self) -> int:
-        return len(self._deliveries)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def close(self, timeout: float = 2.0) -> None:
         """Stop the engine (its thread, if it has one); deliveries not yet due are dropped."""
         with self.cv:

@@ -15,9 +15,10 @@ import os
 import sys
 import time
 
+from geomx.bench.link import process_cpu_s
+
 
 def sample(run_dir: str) -> dict[str, float]:
-    tick = os.sysconf("SC_CLK_TCK")
     totals: dict[str, float] = collections.defaultdict(float)
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -28,9 +29,7 @@ def sample(run_dir: str) -> dict[str, float]:
             role = (env.get(b"GEOMX_ROLE") or env.get(b"DMLC_ROLE_GLOBAL") or env.get(b"DMLC_ROLE") or b"?").decode()
             if env.get(b"DMLC_ROLE_MASTER_WORKER"):
                 role = "master"
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            totals[role] += (int(fields[11]) + int(fields[12])) / tick
+            totals[role] += process_cpu_s(int(pid))
         except (OSError, ValueError):      # the process ended meanwhile
             continue
     return dict(totals)
