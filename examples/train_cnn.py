@@ -5,7 +5,8 @@
     geomx launch -- python examples/train_cnn.py --data mnist --data-dir ~/data/mnist
 
 The model is GeoMX's: conv 16@5x5, pool, conv 32@5x5, pool, fc 256, fc 128, fc 10 (padding keeps small
-inputs such as the 8x8 digits usable). ``--model wide`` is a >= 5M-parameter MLP for WAN benchmarks. Every
+inputs such as the 8x8 digits usable). ``--model wide`` is a >= 5M-parameter MLP for WAN benchmarks, ``--model
+deep`` a plain 8-layer CNN whose layers are alike in size (P3's case). Every
 worker trains on its own slice of the training set (iid, or ``--split-by-class`` for non-iid as in GeoMX) and
 reports test accuracy. The master worker initializes the model and leaves.
 """
@@ -56,6 +57,28 @@ class WideMLP(nn.Module):
     def forward(self, x):
         x = F.relu(self.fc1(x.flatten(1)))
         return self.fc3(F.relu(self.fc2(x)))
+
+
+class DeepCNN(nn.Module):
+    """A plain deep CNN (no pooling, so every layer costs the same compute and bytes): ``depth`` 3x3 convolutions
+    of ``width`` channels, then global average pooling and one linear layer. About 0.6M parameters in 8 layers
+    of 83k: many layers of similar size, where a wire that lands the first layers first (P3) has something to
+    overlap with the next forward pass."""
+
+    def __init__(self, side: int, classes: int = 10, width: int = 96, depth: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, width, 3, padding=1)
+        self.body = nn.ModuleList(nn.Conv2d(width, width, 3, padding=1) for _ in range(depth - 1))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        x = F.relu(self.stem(x))
+        for conv in self.body:
+            x = F.relu(conv(x))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+MODELS = {"cnn": CNN, "wide": WideMLP, "deep": DeepCNN}
 
 
 def load_digits() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -154,7 +177,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", choices=["digits", "mnist", "fashion-mnist"], default="digits")
     p.add_argument("--data-dir", help="directory with the IDX files for --data mnist/fashion-mnist")
-    p.add_argument("--model", choices=["cnn", "wide"], default="cnn")
+    p.add_argument("--model", choices=list(MODELS), default="cnn")
     p.add_argument("--epochs", type=int, default=20)
     loop.add_arguments(p, steps=0, steps_help="stop after this many steps (0: run every epoch)")
     p.add_argument("--batch-size", type=int, default=32)
@@ -173,7 +196,7 @@ def main(argv=None) -> int:
             raise SystemExit("train_cnn: --data mnist/fashion-mnist needs --data-dir")
         x_train, x_test, y_train, y_test = load_idx(args.data_dir)
     side = x_train.shape[-1]
-    model = CNN(side) if args.model == "cnn" else WideMLP(side)
+    model = MODELS[args.model](side)
     if args.optimizer == "adam":
         inner = adam(list(model.parameters()), args.lr)
     elif args.optimizer == "sgd":

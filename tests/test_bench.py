@@ -165,6 +165,13 @@ def test_wan_matrix_smoke_rows_are_consistent_and_flat_moves_more_wan_bytes(tmp_
     assert by_step["target"] == pytest.approx(fsa["final_acc"]) and by_step["budget_s"] > 0
     # (by step 4, not at 4: accuracy need not rise every step)
     assert step_rows["hips-fsa"]["steps_to_target"] == step_rows["flat"]["steps_to_target"] <= 4
+    # every row's evaluation after as many samples as FSA's target step, and how far it is from FSA's
+    assert step_rows["hips-fsa"]["eval_at_target_step"] == pytest.approx(by_step["target"])
+    assert step_rows["hips-fsa"]["vs_fsa_at_target_step"] == 0
+    assert step_rows["flat"]["vs_fsa_at_target_step"] == pytest.approx(0, abs=1e-5)
+    no_wan_at_4 = step_rows["no-wan"]["eval_at_target_step"]
+    assert 0 < no_wan_at_4 <= 1 and step_rows["no-wan"]["vs_fsa_at_target_step"] == pytest.approx(
+        (no_wan_at_4 - by_step["target"]) / by_step["target"])
     assert main(["bench", "wan", "--from-runs", str(runs), "--target-step", "3"]) == 2     # not an evaluated step
 
 

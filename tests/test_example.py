@@ -177,6 +177,24 @@ def test_example_reads_mnist_idx_files_plain_or_gzipped(tmp_path):
     assert mod.CNN(28)(torch.from_numpy(x_test)).shape == (5, 10)
 
 
+def test_the_deep_model_has_eight_alike_layers_and_classifies_any_side():
+    """``--model deep`` is P3's case: the bytes sit in many layers of one size, not in one big tensor."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("train_cnn", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    model = mod.MODELS["deep"](8)
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert len(convs) == 8 and {c.weight.numel() for c in convs[1:]} == {96 * 96 * 9}
+    total = sum(p.numel() for p in model.parameters())
+    assert 550_000 < total < 700_000 and max(p.numel() for p in model.parameters()) < 0.15 * total
+    for side in (8, 28):
+        assert model(torch.zeros(3, 1, side, side)).shape == (3, 10)
+
+
 def test_the_cached_digits_split_is_scikit_learns_split_and_a_damaged_cache_is_rewritten(tmp_path, monkeypatch):
     """Workers read the split from a cache (importing scikit-learn costs each one ~2 s of CPU): it must be the
     very arrays scikit-learn's split returns, or every accuracy bar above would rest on other data."""

@@ -63,6 +63,18 @@ register(BenchConfig("hips-hfa-overlap", "HiPS HFA (K1=20, K2=10, global average
                      env=launch_env({"algorithm": "hfa", "k1": 20, "k2": 10, "overlap": 5})))
 register(BenchConfig("hips-diloco-overlap", "HiPS DiLoCo (K1=20, K2=10, outer step overlapped, D=5)",
                      env=launch_env({"algorithm": "diloco", "k1": 20, "k2": 10, "overlap": 5})))
+# short schedules for runs of tens of steps (the language model's WAN-bound recipe): a global round every 10 steps,
+# and the same with that round travelling while the next DC period (5 local steps) runs
+register(BenchConfig("hips-hfa-short-overlap", "HiPS HFA (K1=5, K2=2, global average overlapped, D=1)",
+                     env=launch_env({"algorithm": "hfa", "k1": 5, "k2": 2, "overlap": 1})))
+register(BenchConfig("hips-diloco-short", "HiPS DiLoCo (K1=5, K2=2, outer Nesterov 0.7/0.9)",
+                     env=launch_env({"algorithm": "diloco", "k1": 5, "k2": 2})))
+register(BenchConfig("hips-diloco-short-overlap", "HiPS DiLoCo (K1=5, K2=2, outer step overlapped, D=1)",
+                     env=launch_env({"algorithm": "diloco", "k1": 5, "k2": 2, "overlap": 1})))
+# every step a DC average (the DC trains as one data-parallel job), a global average every 10 steps travelling
+# while the next 5 run
+register(BenchConfig("hips-hfa-dc-overlap", "HiPS HFA (K1=1, K2=10, global average overlapped, D=5)",
+                     env=launch_env({"algorithm": "hfa", "k1": 1, "k2": 10, "overlap": 5})))
 # P3 against its fair baseline: both with the servers' optimizer (P3 lands the servers' new weights layer by layer)
 SERVER_OPTIMIZER = ("--update-on", "server")
 register(BenchConfig("hips-fsa-server", "HiPS FSA, servers' optimizer (dist_sync)", train_args=SERVER_OPTIMIZER))

@@ -53,10 +53,11 @@ def run_config(config: BenchConfig, *, profile: str | None, wan_rate: str | None
 
 
 def tabulate_run(config: BenchConfig, run_dir: Path, *, target: float | None, workers: int | None = None,
-                 steps: int | None = None, budget_s: float | None = None) -> dict:
-    """One row of the table from a finished run directory (``geomx report``'s figures)."""
+                 steps: int | None = None, budget_s: float | None = None, target_step: int | None = None) -> dict:
+    """One row of the table from a finished run directory (``geomx report``'s figures). ``target_step``: also
+    the row's evaluation at that step, i.e. after as many samples as HiPS FSA's target took."""
     from geomx.report.run import load_run
-    from geomx.report.summary import eval_at_time, summarize
+    from geomx.report.summary import eval_at_step, eval_at_time, summarize
 
     run = load_run(run_dir)
     if (workers is not None and len(run.workers) != workers) or (steps is not None and run.steps != steps):
@@ -68,7 +69,8 @@ def tabulate_run(config: BenchConfig, run_dir: Path, *, target: float | None, wo
                                                     f"{wan.get('rtt_s', 0) * 1000:g} ms RTT")
     return {"config": config.name, "label": config.label, "profile": wan.get("profile"),
             "profile_description": description, "run_dir": str(run_dir), **summarize(run, target),
-            "eval_at_budget": eval_at_time(run, budget_s) if budget_s is not None else None}
+            "eval_at_budget": eval_at_time(run, budget_s) if budget_s is not None else None,
+            "eval_at_target_step": eval_at_step(run, target_step) if target_step is not None else None}
 
 
 def tabulate(rows: list[BenchConfig], base: Path, *, target: float | None, target_step: int | None,
@@ -91,7 +93,7 @@ def tabulate(rows: list[BenchConfig], base: Path, *, target: float | None, targe
     for c in rows:
         workers, steps = (expected or {}).get(c.name, (None, None))
         results.append(tabulate_run(c, base / c.name, target=target, workers=workers, steps=steps,
-                                    budget_s=budget_s))
+                                    budget_s=budget_s, target_step=target_step))
     _compare(results)
     return {"target": target, "target_step": target_step, "budget_s": budget_s, "rows": results}
 
@@ -233,6 +235,11 @@ def _compare(results: list[dict]) -> None:
         r["byte_reduction"] = base["wan_bytes_per_step"] / r["wan_bytes_per_step"] \
             if r["wan_bytes_per_step"] else math.nan
         r["step_time_vs_flat"] = r["step_s"] / base["step_s"] if base["step_s"] else math.nan
+    fsa = next((r for r in results if r["config"] == TARGET_ROW and r.get("eval_at_target_step") is not None), None)
+    for r in results:        # the same number of samples as FSA's target step: how far from FSA's evaluation
+        mine = r.get("eval_at_target_step")
+        r["vs_fsa_at_target_step"] = (mine - fsa["eval_at_target_step"]) / abs(fsa["eval_at_target_step"]) \
+            if fsa is not None and mine is not None and fsa["eval_at_target_step"] else None
 
 
 def _write_outputs(result: dict, out_dir: Path, run_dirs: list[Path], command: str | None,
@@ -280,8 +287,12 @@ def format_wan_report(r: dict) -> str:
         first_wan = "never" if x.get("first_wan_step") is None else str(x["first_wan_step"])
         speedup = num(x["speedup"], ".2f", "x") if x["speedup"] is not None else (
             "not reached" if target is not None else "-")
+        at_step = "-"
+        if x.get("eval_at_target_step") is not None:
+            rel = x.get("vs_fsa_at_target_step")
+            at_step = num(x["eval_at_target_step"], spec) + ("" if rel is None else f" ({rel:+.1%})")
         rows.append([x["label"], str(x["steps"]), ttt, steps_to, no_eval if reached else "-",
-                     num(x.get("eval_at_budget"), spec) if budget is not None else "-",
+                     num(x.get("eval_at_budget"), spec) if budget is not None else "-", at_step,
                      num(x["final_eval"], spec), first_wan, num(x["train_s"], ".1f"), num(x["step_s"], ".2f"),
                      num(x["wan_bytes_per_step"] / MB, ".2f"), speedup,
                      num(x["byte_reduction"], ".2f", "x"), num(x["step_time_vs_flat"], ".2f"),
@@ -289,7 +300,8 @@ def format_wan_report(r: dict) -> str:
     header = ["configuration", "steps", f"time to {metric} {num(target, '.4g')}" if target is not None
               else "time to target", "steps to target", "without evaluations: time / speedup",
               f"{metric} at {num(budget, '.1f', ' s')}" if budget is not None else f"{metric} at budget",
-              f"final {metric}", "first cross-DC step", "training s", "s / step", "WAN MB / step",
+              f"{metric} at step {r['target_step']} (vs FSA)" if r.get("target_step") is not None
+              else f"{metric} at FSA's target step", f"final {metric}", "first cross-DC step", "training s", "s / step", "WAN MB / step",
               "speedup vs flat", "WAN bytes: flat / this", "step time / flat", "compute util.", "efficiency"]
     basis = {x["speedup_basis"] for x in r["rows"]}
     recipe = f" `{r['train_args']}`" if r.get("train_args") else ""
@@ -311,7 +323,9 @@ def format_wan_report(r: dict) -> str:
         f"Training time starts when the first worker finished set-up (joined, keys initialized, initial model pulled). "
         f"WAN MB / step = training-phase bytes on all DC <-> central links / steps (MB = 10^6 bytes). Speedup = "
         f"flat's {' or '.join(sorted(basis))} / this row's (\"not reached\": this row or flat missed the target). "
-        f"{metric[0].upper() + metric[1:]} at the budget: the mean of every worker's latest evaluation by then. First "
+        f"{metric[0].upper() + metric[1:]} at the budget: the mean of every worker's latest evaluation by then. "
+        f"At step N: the mean evaluation after as many samples as HiPS FSA's target took, and its relative "
+        f"difference from FSA's. First "
         f"cross-DC step: the first step that started a round across the WAN (\"never\": the no-WAN control). "
         f"Efficiency = (max(compute, busiest WAN link's bytes / its rate) + one round trip per cross-DC round the "
         f"workers waited out) / training time. Without evaluations: each worker's clock less the "
@@ -372,8 +386,8 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     p.add_argument("--dcs", type=int, default=2, help="data centers (default 2)")
     p.add_argument("--workers-per-dc", type=int, default=2, help="workers per DC (default 2)")
     p.add_argument("--model", choices=sorted({m for w in WORKLOADS.values() for m in w.models}),
-                   help="the workload's model: digits: wide (~6.7M-parameter MLP, default) or cnn; lm: tiny "
-                        "(default), small or base")
+                   help="the workload's model: digits: wide (~6.7M-parameter MLP, default), cnn or deep (8 alike conv "
+                        "layers, P3's case); lm: tiny (default), small or base")
     p.add_argument("--seed", type=int, default=0, help="training seed, the same for every row (default 0)")
     p.add_argument("--out-dir", help="write the table and the plot here (e.g. docs/benchmarks)")
     p.add_argument("--from-runs", metavar="DIR", help="run nothing: tabulate again the runs an earlier "

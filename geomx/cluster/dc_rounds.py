@@ -36,7 +36,9 @@ class DCRounds:
         if client.tier_role != "worker" or client.kind == "master":
             raise Refused(f"{client.label} does not train; only workers take part in DC rounds")
         n = self.counts[(st.key, msg.src)] = self.counts.get((st.key, msg.src), 0) + 1
-        rnd, held = self.open.setdefault((st.key, n), (Round(), []))
+        if (st.key, n) not in self.open:
+            self.open[(st.key, n)] = (Round(order_free=len(self.server.round_clients()) > 2), [])
+        rnd, held = self.open[(st.key, n)]
         rnd.add(msg.src, value, msg.priority, reusable=msg.private)
         msg.tensors = []        # held until the round completes: the round has the value
         held.append(msg)
@@ -47,7 +49,7 @@ class DCRounds:
         if not self.server.round_complete(st, rnd, n):
             return
         del self.open[(st.key, n)]
-        total = self.server.stand_in_for_departed(rnd).astype(st.dtype, copy=False)
+        total = self.server.stand_in_for_departed(rnd.finish()).astype(st.dtype, copy=False)
         for request in held:
             self.server.reply(request, tensors=[total])
 

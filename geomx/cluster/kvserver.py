@@ -44,10 +44,19 @@ class Refused(Exception):
 
 @dataclass
 class Round:
-    """The pushes of one synchronous round of one key, summed as they arrive."""
+    """The pushes of one synchronous round of one key, summed as they arrive.
+
+    ``order_free``: the round expects three or more pushes. A float sum depends on its order and pushes
+    arrive in a different order every run, so such a round sums in float64 (exact for the few terms of a
+    round unless their magnitudes lie ~2^27 apart) and rounds to float32 once, when it completes
+    (:meth:`finish`): the flat PS then trains the very model HiPS FSA does from the same seed. Two pushes need
+    none of it (a + b == b + a) and keep the float32 sum.
+    """
     total: np.ndarray | None = None
     contributors: list[str] = field(default_factory=list)
     priority: int = 0
+    order_free: bool = False
+    narrow: np.dtype | None = None   # the sum's dtype once finished (set by the first push)
     owned: bool = False         # total may be summed into in place (not saved: a restored total is a copy)
     opened: float = field(default_factory=time.monotonic)   # its first push (not saved: restored rounds restart)
 
@@ -57,15 +66,23 @@ class Round:
         acc = accumulator_dtype(value.dtype)
         if self.total is None:
             # keep the first push as it came (no copy): a round of one client costs no pass over the data
-            self.total, self.priority = value.astype(acc, copy=False), priority
+            self.total, self.priority, self.narrow = value.astype(acc, copy=False), priority, acc
             self.owned = reusable and self.total is value and value.flags.writeable
         else:
-            if len(self.contributors) == 1 and not self.owned:   # the first push is someone else's buffer
+            if self.order_free and self.total.dtype != np.float64:       # the second push: widen once
+                self.total, self.owned = np.add(self.total, value, dtype=np.float64), True
+            elif len(self.contributors) == 1 and not self.owned:   # the first push is someone else's buffer
                 self.total = np.add(self.total, value, dtype=acc, casting="unsafe")   # a new array, one pass
             else:
                 np.add(self.total, value, out=self.total, casting="unsafe")
             self.priority = max(self.priority, priority)
         self.contributors.append(src)
+
+    def finish(self) -> Round:
+        """The round is complete: its sum in the pushes' precision (an order-free sum is rounded once, here)."""
+        if self.total is not None and self.narrow is not None and self.total.dtype != self.narrow:
+            self.total = self.total.astype(self.narrow)
+        return self
 
     def scale(self, factor: float) -> np.ndarray:
         """Multiply the sum by ``factor`` (in place where the round owns it); the new total."""
@@ -76,12 +93,15 @@ class Round:
         return self.total
 
     def state_dict(self) -> dict:
-        return {"total": self.total, "contributors": list(self.contributors), "priority": self.priority}
+        return {"total": self.total, "contributors": list(self.contributors), "priority": self.priority,
+                "order_free": self.order_free, "narrow": None if self.narrow is None else self.narrow.str}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> Round:
-        total = state["total"]
-        return cls(None if total is None else np.array(total), list(state["contributors"]), state["priority"])
+        total, narrow = state["total"], state.get("narrow")
+        return cls(None if total is None else np.array(total), list(state["contributors"]), state["priority"],
+                   order_free=bool(state.get("order_free", False)),
+                   narrow=np.dtype(narrow) if narrow else (None if total is None else np.asarray(total).dtype))
 
 
 class OwnedState(Protocol):
@@ -286,13 +306,15 @@ class KVServer:
                     reusable: bool = False) -> None:
         """Default (synchronous) aggregation: sum the round, complete it when everyone pushed. ``reusable``: see
         :meth:`Round.add`."""
-        rnd = st.rounds.setdefault(number, Round())
+        rnd = st.rounds.get(number)
+        if rnd is None:
+            rnd = st.rounds[number] = Round(order_free=len(self.round_clients()) > 2)
         rnd.add(src, value, priority, reusable=reusable)
         if self.round_complete(st, rnd, number):
             self.complete_round(st, number)
 
     def complete_round(self, st: KeyState, number: int) -> None:
-        rnd = st.rounds.pop(number)
+        rnd = st.rounds.pop(number).finish()
         self.stuck_rounds.completed(rnd)
         try:
             self.on_round(st, number, rnd)
