@@ -80,15 +80,8 @@ def test_a_dc_of_three_workers_sums_the_same_whichever_push_arrives_first():
     cluster = HipsCluster(dcs=("a",), per_dc=3, reduction=None)
     try:
         kvs = cluster.init_everywhere("g", np.zeros(3, np.float32))
-        pushes = PUSHES[:3]
-        results = []
-        for order in ([0, 1, 2], [2, 1, 0]):
-            handles = {}
-            for i in order:
-                handles[i] = kvs[i].pushpull("g", pushes[i].copy())
-                time.sleep(0.05)
-            results += [np.array(handles[i].wait(WAIT_S)) for i in range(3)]
+        results = _push_in_order(kvs, [0, 1, 2], "g") + _push_in_order(kvs, [2, 1, 0], "g")
     finally:
         cluster.close()
     for got in results:
-        np.testing.assert_array_equal(got, _exact_sum(pushes))
+        np.testing.assert_array_equal(got, _exact_sum(PUSHES[:3]))

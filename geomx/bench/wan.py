@@ -301,7 +301,8 @@ def format_wan_report(r: dict) -> str:
               else "time to target", "steps to target", "without evaluations: time / speedup",
               f"{metric} at {num(budget, '.1f', ' s')}" if budget is not None else f"{metric} at budget",
               f"{metric} at step {r['target_step']} (vs FSA)" if r.get("target_step") is not None
-              else f"{metric} at FSA's target step", f"final {metric}", "first cross-DC step", "training s", "s / step", "WAN MB / step",
+              else f"{metric} at FSA's target step", f"final {metric}", "first cross-DC step", "training s",
+              "s / step", "WAN MB / step",
               "speedup vs flat", "WAN bytes: flat / this", "step time / flat", "compute util.", "efficiency"]
     basis = {x["speedup_basis"] for x in r["rows"]}
     recipe = f" `{r['train_args']}`" if r.get("train_args") else ""
