@@ -37,7 +37,7 @@ class DCRounds:
             raise Refused(f"{client.label} does not train; only workers take part in DC rounds")
         n = self.counts[(st.key, msg.src)] = self.counts.get((st.key, msg.src), 0) + 1
         if (st.key, n) not in self.open:
-            self.open[(st.key, n)] = (Round(order_free=len(self.server.round_clients()) > 2), [])
+            self.open[(st.key, n)] = (self.server.new_round(), [])
         rnd, held = self.open[(st.key, n)]
         rnd.add(msg.src, value, msg.priority, reusable=msg.private)
         msg.tensors = []        # held until the round completes: the round has the value

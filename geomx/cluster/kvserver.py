@@ -56,7 +56,7 @@ class Round:
     contributors: list[str] = field(default_factory=list)
     priority: int = 0
     order_free: bool = False
-    narrow: np.dtype | None = None   # the sum's dtype once finished (set by the first push)
+    widened: bool = False       # an order-free float32 sum now held in float64, until finish()
     owned: bool = False         # total may be summed into in place (not saved: a restored total is a copy)
     opened: float = field(default_factory=time.monotonic)   # its first push (not saved: restored rounds restart)
 
@@ -66,11 +66,11 @@ class Round:
         acc = accumulator_dtype(value.dtype)
         if self.total is None:
             # keep the first push as it came (no copy): a round of one client costs no pass over the data
-            self.total, self.priority, self.narrow = value.astype(acc, copy=False), priority, acc
+            self.total, self.priority = value.astype(acc, copy=False), priority
             self.owned = reusable and self.total is value and value.flags.writeable
         else:
             if self.order_free and self.total.dtype != np.float64:       # the second push: widen once
-                self.total, self.owned = np.add(self.total, value, dtype=np.float64), True
+                self.total, self.owned, self.widened = np.add(self.total, value, dtype=np.float64), True, True
             elif len(self.contributors) == 1 and not self.owned:   # the first push is someone else's buffer
                 self.total = np.add(self.total, value, dtype=acc, casting="unsafe")   # a new array, one pass
             else:
@@ -80,8 +80,8 @@ class Round:
 
     def finish(self) -> Round:
         """The round is complete: its sum in the pushes' precision (an order-free sum is rounded once, here)."""
-        if self.total is not None and self.narrow is not None and self.total.dtype != self.narrow:
-            self.total = self.total.astype(self.narrow)
+        if self.widened:
+            self.total, self.widened = self.total.astype(np.float32), False
         return self
 
     def scale(self, factor: float) -> np.ndarray:
@@ -94,14 +94,13 @@ class Round:
 
     def state_dict(self) -> dict:
         return {"total": self.total, "contributors": list(self.contributors), "priority": self.priority,
-                "order_free": self.order_free, "narrow": None if self.narrow is None else self.narrow.str}
+                "order_free": self.order_free, "widened": self.widened}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> Round:
-        total, narrow = state["total"], state.get("narrow")
+        total = state["total"]
         return cls(None if total is None else np.array(total), list(state["contributors"]), state["priority"],
-                   order_free=bool(state.get("order_free", False)),
-                   narrow=np.dtype(narrow) if narrow else (None if total is None else np.asarray(total).dtype))
+                   order_free=bool(state.get("order_free", False)), widened=bool(state.get("widened", False)))
 
 
 class OwnedState(Protocol):
@@ -308,10 +307,14 @@ class KVServer:
         :meth:`Round.add`."""
         rnd = st.rounds.get(number)
         if rnd is None:
-            rnd = st.rounds[number] = Round(order_free=len(self.round_clients()) > 2)
+            rnd = st.rounds[number] = self.new_round()
         rnd.add(src, value, priority, reusable=reusable)
         if self.round_complete(st, rnd, number):
             self.complete_round(st, number)
+
+    def new_round(self) -> Round:
+        """A round of this tier's clients: order-free when three or more push (see :class:`Round`)."""
+        return Round(order_free=len(self.round_clients()) > 2)
 
     def complete_round(self, st: KeyState, number: int) -> None:
         rnd = st.rounds.pop(number).finish()
