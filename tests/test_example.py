@@ -195,6 +195,34 @@ def test_the_deep_model_has_eight_alike_layers_and_classifies_any_side():
         assert model(torch.zeros(3, 1, side, side)).shape == (3, 10)
 
 
+def test_the_deep_model_learns_the_digits_in_a_hundred_and_twenty_steps():
+    """Eight plain ReLU layers at PyTorch's default initialization predicted one class (accuracy 0.10) for 200
+    steps; with He initialization, at its own learning rate, three seeds reached 0.79-0.89 at step 120 (batch 8,
+    one process). The bar is below the lowest of them."""
+    import importlib.util
+
+    import torch
+    import torch.nn.functional as F
+
+    spec = importlib.util.spec_from_file_location("train_cnn", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    x_train, x_test, y_train, y_test = (torch.as_tensor(a) for a in mod.load_digits())
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    model = mod.MODELS["deep"](8)
+    opt = torch.optim.Adam(model.parameters(), lr=model.lr)
+    for _ in range(120):
+        idx = torch.randint(0, len(x_train), (8,), generator=generator)
+        loss = F.cross_entropy(model(x_train[idx].float().reshape(8, 1, 8, 8)), y_train[idx].long())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        accuracy = (model(x_test.float().reshape(-1, 1, 8, 8)).argmax(1) == y_test).float().mean().item()
+    assert accuracy > 0.6, accuracy
+
+
 def test_the_cached_digits_split_is_scikit_learns_split_and_a_damaged_cache_is_rewritten(tmp_path, monkeypatch):
     """Workers read the split from a cache (importing scikit-learn costs each one ~2 s of CPU): it must be the
     very arrays scikit-learn's split returns, or every accuracy bar above would rest on other data."""

@@ -379,7 +379,10 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=6, help="training steps per configuration (default 6)")
     p.add_argument("--row-steps", metavar="CONFIG=N,...",
                    help="rows that train another number of steps than --steps, e.g. hips-hfa=200 (HFA with K1 x K2 = "
-                        "200 averages across DCs first at step 200); speedups compare times to the target")
+                        "200 averages across DCs first at step 200); speedups compare times to the target. The "
+                        "language model's learning-rate schedule (warm-up, cosine decay) spans a row's own steps, "
+                        "so a longer row also learns at other rates: for a like-for-like table give every row "
+                        "the same --steps")
     p.add_argument("--train-args", metavar="ARGS",
                    help="extra arguments of the workload's script for every row (the training recipe), e.g. "
                         "\"--optimizer sgd --lr 0.1\"")

@@ -383,6 +383,9 @@ class EmulatedLink:
         return min([self.rate_bps, *(rate for start, end, rate in self._outages if rate and start <= t < end)])
 
     def _delivered(self, transit: _Transit, at: float) -> None:
+        # a transit and its legs point at each other: untie them, so that reference counting frees the message
+        # here and the garbage collector has nothing to chase (it cost the emulator ~10% of its CPU at 64 KiB)
+        transit.legs = ()
         for link in transit.path:
             with link._stats_lock:
                 link._queued_bytes -= transit.nbytes
