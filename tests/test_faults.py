@@ -251,8 +251,9 @@ def test_killed_worker_stops_every_other_worker_naming_it_within_20s_when_its_dc
                 continue
             text = (run_dir / f"{name}.log").read_text()
             assert running[name].returncode not in (0, None), f"{name} exited 0\n{text}"
-            # PeerLostError, or KVError when its local server's global round failed first
-            assert re.search(r"geomx\.errors\.(PeerLostError|KVError)", text), text
+            # PeerLostError, or KVError when its local server's global round failed first. Only the class name:
+            # the worker's abort line, logged from another thread, can land inside "geomx.errors.PeerLostError"
+            assert re.search(r"\b(PeerLostError|KVError): ", text), text
             assert "worker 1 of DC a" in text and f"pid {victim.pid}" in text, f"{name} does not name it:\n{text}"
             assert "fewer than GEOMX_MIN_WORKERS_PER_DC=2" in text and "lost its connection" in text, text
     finally:
