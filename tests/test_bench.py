@@ -6,6 +6,7 @@ import math
 import pytest
 
 from geomx.bench import common
+from geomx.bench.wan import format_wan_report
 from geomx.cli.main import main
 from geomx.errors import ConfigError, GeomxError
 
@@ -139,6 +140,9 @@ def test_wan_matrix_smoke_rows_are_consistent_and_flat_moves_more_wan_bytes(tmp_
     assert set(r["files"]) >= {"table"}
     if "plot" in r["files"]:
         assert (out / "wan-cnn-custom.png").stat().st_size > 10_000
+    # rows of other lengths: the LM's learning-rate schedule follows each row's steps, and the table says so
+    assert "learning-rate schedule" not in format_wan_report(r)       # train_cnn.py: one rate throughout
+    assert "learning-rate schedule" in format_wan_report({**r, "workload": "lm"})
     # the kept runs tabulate again to the same figures, without running anything
     js2 = tmp_path / "again.json"
     assert main(["bench", "wan", "--from-runs", str(runs), "--target-acc", "0.15", "--json", str(js2)]) == 0

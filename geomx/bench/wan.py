@@ -315,6 +315,10 @@ def format_wan_report(r: dict) -> str:
         lines += [f"Target: {metric} {num(target, '.4g')}, what HiPS FSA reached at step {r['target_step']} in this "
                   f"run. Budget: {num(budget, '.1f', ' s')} of training (flat PS's time for "
                   f"{max(1, r['target_step'] // 10)} steps).", ""]
+    if work.schedule_spans_steps and len({x["steps"] for x in r["rows"]}) > 1:
+        lines += [f"**The rows train different numbers of steps, and examples/{work.script}'s learning-rate schedule "
+                  f"(warm-up, cosine decay) spans a row's own steps: a longer row also learns at other rates. "
+                  f"Give every row the same --steps to compare like with like.**", ""]
     control = next((x for x in r["rows"] if x["config"] == "no-wan"), None)
     if control is not None and target is not None and control["time_to_target_s"] is not None:
         lines += ["**The target is too easy: the no-WAN control (each DC training alone, nothing crossing the WAN) "

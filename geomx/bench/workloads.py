@@ -15,13 +15,16 @@ class Workload:
     models: tuple[str, ...]
     default_model: str
     description: str
+    # the script's learning-rate schedule spans its --steps, so rows of other lengths also learn at other rates
+    schedule_spans_steps: bool = False
 
 
 WORKLOADS = {w.name: w for w in (
     Workload("digits", "train_cnn.py", "--model", ("wide", "cnn", "deep"), "wide",
              "examples/train_cnn.py on scikit-learn's 8x8 digits (test accuracy)"),
     Workload("lm", "train_lm.py", "--model-size", ("tiny", "small", "base"), "tiny",
-             "examples/train_lm.py, a byte-level GPT on the Python standard library's source (validation loss)"),
+             "examples/train_lm.py, a byte-level GPT on the Python standard library's source (validation loss)",
+             schedule_spans_steps=True),
 )}
 
 
