@@ -12,6 +12,16 @@ from geomx.cli.topology import load_topology
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_cnn.py"
 
 
+def example_module():
+    """examples/train_cnn.py imported as a module (it is a script, not part of the package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_cnn", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def run_example(run_dir: Path, args: list[str], **topology) -> list[dict]:
     out = io.StringIO()
     topo = load_topology(**topology)
@@ -153,13 +163,9 @@ def _write_idx(path: Path, array, gz: bool) -> None:
 
 
 def test_example_reads_mnist_idx_files_plain_or_gzipped(tmp_path):
-    import importlib.util
-
     import numpy as np
 
-    spec = importlib.util.spec_from_file_location("train_cnn", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = example_module()
     rng = np.random.default_rng(0)
     train_x, test_x = rng.integers(0, 256, (12, 28, 28)), rng.integers(0, 256, (5, 28, 28))
     train_y, test_y = rng.integers(0, 10, 12), rng.integers(0, 10, 5)
@@ -179,13 +185,9 @@ def test_example_reads_mnist_idx_files_plain_or_gzipped(tmp_path):
 
 def test_the_deep_model_has_eight_alike_layers_and_classifies_any_side():
     """``--model deep`` is P3's case: the bytes sit in many layers of one size, not in one big tensor."""
-    import importlib.util
-
     import torch
 
-    spec = importlib.util.spec_from_file_location("train_cnn", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = example_module()
     model = mod.MODELS["deep"](8)
     convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
     assert len(convs) == 8 and {c.weight.numel() for c in convs[1:]} == {96 * 96 * 9}
@@ -199,14 +201,10 @@ def test_the_deep_model_learns_the_digits_in_a_hundred_and_twenty_steps():
     """Eight plain ReLU layers at PyTorch's default initialization predicted one class (accuracy 0.10) for 200
     steps; with He initialization, at its own learning rate, three seeds reached 0.79-0.89 at step 120 (batch 8,
     one process). The bar is below the lowest of them."""
-    import importlib.util
-
     import torch
     import torch.nn.functional as F
 
-    spec = importlib.util.spec_from_file_location("train_cnn", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = example_module()
     x_train, x_test, y_train, y_test = (torch.as_tensor(a) for a in mod.load_digits())
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(0)
@@ -226,14 +224,10 @@ def test_the_deep_model_learns_the_digits_in_a_hundred_and_twenty_steps():
 def test_the_cached_digits_split_is_scikit_learns_split_and_a_damaged_cache_is_rewritten(tmp_path, monkeypatch):
     """Workers read the split from a cache (importing scikit-learn costs each one ~2 s of CPU): it must be the
     very arrays scikit-learn's split returns, or every accuracy bar above would rest on other data."""
-    import importlib.util
-
     import numpy as np
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    spec = importlib.util.spec_from_file_location("train_cnn", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = example_module()
     fresh = mod._split_digits()
     for attempt in ("absent", "cached", "damaged"):
         if attempt == "damaged":
