@@ -189,3 +189,23 @@ def test_a_target_counts_as_reached_within_float_summation_noise_but_not_one_tes
     assert not loss.reached(3.1096, 3.1093185)
     assert acc.reached(0.9, 0.9) and acc.reached(0.95, 0.9)
     assert not acc.reached(0.9 - 1 / 360, 0.9)
+
+
+def test_compute_utilization_leaves_the_workers_evaluations_out_of_both_compute_and_training_time():
+    """10 s of training after set-up: 4 s waiting for the network, 3 s evaluating, 3 s computing. Counted as
+    compute, the evaluations made it 6 / 10 = 0.6; left out, the worker computed 3 of its 7 training seconds."""
+    from pathlib import Path
+
+    from geomx.report.run import Run, WorkerSeries
+    from geomx.report.summary import summarize
+
+    w = WorkerSeries(dc="a", pid=1, steps=[10], times=[11.0], evals=[(5, 6.0, 0.5), (10, 11.0, 0.6)],
+                     eval_spent=[1.0, 3.0], elapsed_s=11.0, comm_wait_s=4.5, ready_elapsed_s=1.0,
+                     ready_comm_wait_s=0.5)
+    assert w.compute_s == 6.0 and w.eval_s == 3.0
+    assert abs(w.utilization - 3 / 7) < 1e-12
+    run = Run(path=Path("."), name="x", manifest={"topology": "hips", "dcs": ["a"]}, workers=[w], sent={},
+              sent_messages={}, dense_bytes=None, links=None, start_t=0.0, server_queues=[])
+    assert abs(summarize(run)["compute_utilization"] - 3 / 7) < 1e-12
+    # a worker that never evaluated: as before, compute over training time
+    assert WorkerSeries(dc="a", pid=2, elapsed_s=10.0, comm_wait_s=2.5).utilization == 0.75

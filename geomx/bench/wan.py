@@ -333,7 +333,8 @@ def format_wan_report(r: dict) -> str:
         f"difference from FSA's. First "
         f"cross-DC step: the first step that started a round across the WAN (\"never\": the no-WAN control). "
         f"Efficiency = (max(compute, busiest WAN link's bytes / its rate) + one round trip per cross-DC round the "
-        f"workers waited out) / training time. Without evaluations: each worker's clock less the "
+        f"workers waited out) / training time. Compute util. = the share of the workers' training time, their "
+        f"evaluations left out, not spent waiting for the network. Without evaluations: each worker's clock less the "
         f"time it spent evaluating (the benchmark's probe, every {r['eval_every']} steps), and the speedup on that "
         f"basis. Definitions: `geomx report` (geomx/report/summary.py)."]
     return "\n".join(lines)

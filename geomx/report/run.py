@@ -69,8 +69,21 @@ class WorkerSeries:
 
     @property
     def compute_s(self) -> float:
-        """Time after set-up not spent waiting for the network."""
+        """Time after set-up not spent waiting for the network (its evaluations included)."""
         return (self.elapsed_s - self.ready_elapsed_s) - (self.comm_wait_s - self.ready_comm_wait_s)
+
+    @property
+    def eval_s(self) -> float:
+        """Time spent evaluating (the probe every few steps), all of it after set-up."""
+        return self.eval_spent[-1] if self.eval_spent else 0.0
+
+    @property
+    def utilization(self) -> float:
+        """The share of the training time, evaluations left out, not spent waiting for the network. Evaluations
+        are neither training nor waiting: counted as compute, every 10 steps they lifted a model-averaging row's
+        figure from 0.82 to 0.89."""
+        training = self.elapsed_s - self.ready_elapsed_s - self.eval_s
+        return max(0.0, self.compute_s - self.eval_s) / max(1e-9, training)
 
 
 @dataclass

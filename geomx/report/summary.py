@@ -15,7 +15,8 @@ initial model pulled) to the last step; set-up is reported apart. Definitions:
   initial model download, dense and one-time, would be charged to the steps);
 * compression ratio = the dense fp32 bytes the same protocol would move per step (one model copy up and one
   down per DC in HiPS, per worker in the flat topology) / the measured WAN bytes per step;
-* compute utilization = share of the workers' training time not spent waiting for the network;
+* compute utilization = share of the workers' training time, their evaluations left out, not spent waiting for the
+  network;
 * cross-DC rounds = what the workers' step records count (``wan_rounds``: every step in FSA and MixedSync,
   every global average in HFA/DiLoCo; runs recorded before the count existed: every step); round trips = one
   WAN RTT per round whose round trip a worker waits out (``wan_rounds_waited``: not HFA's overlapped global
@@ -153,8 +154,7 @@ def summarize(run: Run, target: float | None = None) -> dict:
     dense_per_step = 2 * run.dense_bytes * senders if run.dense_bytes else None
     per_step = (up + down) / steady_steps if steady_steps else math.nan
     compute = mean(w.compute_s for w in run.workers) if run.workers else math.nan
-    utilization = mean(w.compute_s / max(1e-9, w.elapsed_s - w.ready_elapsed_s) for w in run.workers) \
-        if run.workers else math.nan
+    utilization = mean(w.utilization for w in run.workers) if run.workers else math.nan
     wire = _wire_time(link_bytes, wan)
     rtt = float(wan.get("rtt_s") or 0.0)
     rounds, waited_rounds, first_wan_step = wan_rounds(run)
