@@ -279,7 +279,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=16, help="windows per step and worker (default 16)")
     p.add_argument("--lr", type=float, default=0.002, help="peak learning rate of AdamW (default 0.002)")
     p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=0, help="warm-up steps (default: steps / 20)")
+    p.add_argument("--warmup", type=int, default=0, help="warm-up steps (default: schedule steps / 20)")
+    p.add_argument("--schedule-steps", type=int, default=0, metavar="N",
+                   help="the learning-rate schedule's length (default: --steps): with N > --steps the run is the "
+                        "first steps of an N-step training, at the rates that training would use")
     p.add_argument("--eval-windows", type=int, default=64, help="validation windows per evaluation (default 64)")
     p.add_argument("--split-by-package", action="store_true",
                    help="non-iid: each DC trains on whole top-level packages")
@@ -288,6 +291,8 @@ def main(argv=None) -> int:
     context = args.context or size.context
     if not 2 <= context <= size.context:
         raise SystemExit(f"train_lm: --context must be in [2, {size.context}] for --model-size {args.model_size}")
+    if args.schedule_steps < 0:
+        raise SystemExit(f"train_lm: --schedule-steps must be >= 0 (0: --steps), got {args.schedule_steps}")
 
     started = time.perf_counter()
     corpus = load_corpus(args.data_dir)
@@ -320,9 +325,10 @@ def main(argv=None) -> int:
     windows = validation_windows(corpus, args.eval_windows, context)
     source = torch.from_numpy(data)
     rng = np.random.default_rng(args.seed + 1000 + index)
-    warmup = args.warmup or max(1, args.steps // 20)
+    horizon = args.schedule_steps or args.steps
+    warmup = args.warmup or max(1, horizon // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        inner, lambda s: lr_schedule(s, warmup=warmup, total=args.steps))
+        inner, lambda s: lr_schedule(s, warmup=warmup, total=horizon))
     offsets = torch.arange(context + 1)
 
     def batches():

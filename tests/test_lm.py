@@ -87,6 +87,11 @@ def test_model_sizes_and_schedule(lm):
     assert lm.lr_schedule(100, warmup=10, total=100) == pytest.approx(0.1)
 
 
+def test_a_negative_schedule_length_is_refused_with_the_flag_named(lm):
+    with pytest.raises(SystemExit, match="--schedule-steps must be >= 0"):
+        lm.main(["--schedule-steps", "-1"])
+
+
 def test_the_language_model_learns_under_geomx_launch(tmp_path):
     """2 DCs x 1 worker over the default (regional) emulated WAN, dense FSA, 16 steps of 8 windows of 32 bytes.
     The validation loss starts at ln 256 = 5.55 nats per byte; measured at the end (step 16) over seeds 0, 1,
