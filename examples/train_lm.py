@@ -8,7 +8,8 @@
 The model: a decoder of pre-norm blocks (causal self-attention, GELU MLP), learned positions, the byte
 embedding tied to the output layer (vocabulary 256: no tokenizer, nothing to download). Sizes (exact
 parameter counts, printed at start): tiny 1,040,768 (width 128, 5 layers, context 128), small 6,449,664
-(256, 8, 256), base 25,482,240 (512, 8, 256). AdamW with linear warm-up and cosine decay.
+(256, 8, 256), base 25,482,240 (512, 8, 256). AdamW with linear warm-up and cosine decay over ``--steps``, or over
+``--schedule-steps N`` (a run that is the first steps of an N-step training).
 
 The corpus exists wherever Python does: every ``.py`` file of the standard library
 (``sysconfig.get_paths()["stdlib"]``, sorted, site-packages excluded), or every text file under ``--data-dir``.
