@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import inspect
 import itertools
 import os
 import struct
@@ -187,8 +188,9 @@ def main(argv=None) -> int:
     p.add_argument("--data", choices=["digits", "mnist", "fashion-mnist"], default="digits")
     p.add_argument("--data-dir", help="directory with the IDX files for --data mnist/fashion-mnist")
     p.add_argument("--model", choices=list(MODELS), default="cnn")
-    p.add_argument("--width", type=int, default=96,
-                   help="channels of every layer of --model deep (default 96: 0.6M parameters; 384: 10M)")
+    p.add_argument("--width", type=int,
+                   help="--model deep: channels of every layer (default 96: 0.6M parameters; 384: 10M); --model "
+                        "wide: units of the hidden layers (default 2560)")
     p.add_argument("--epochs", type=int, default=20)
     loop.add_arguments(p, steps=0, steps_help="stop after this many steps (0: run every epoch)")
     p.add_argument("--batch-size", type=int, default=32)
@@ -198,6 +200,9 @@ def main(argv=None) -> int:
     p.add_argument("--momentum", type=float, default=0.9, help="for --optimizer sgd and dcasgd")
     p.add_argument("--split-by-class", action="store_true", help="non-iid slices (sorted by label)")
     args = p.parse_args(argv)
+    shape = {} if args.width is None else {"width": args.width}
+    if shape and "width" not in inspect.signature(MODELS[args.model]).parameters:
+        raise SystemExit(f"train_cnn: --width applies to --model wide and deep, not {args.model}")
 
     kv = loop.start(args)
     if args.data == "digits":
@@ -207,7 +212,7 @@ def main(argv=None) -> int:
             raise SystemExit("train_cnn: --data mnist/fashion-mnist needs --data-dir")
         x_train, x_test, y_train, y_test = load_idx(args.data_dir)
     side = x_train.shape[-1]
-    model = MODELS[args.model](side, width=args.width) if args.model == "deep" else MODELS[args.model](side)
+    model = MODELS[args.model](side, **shape)
     lr = args.lr if args.lr is not None else getattr(model, "lr", 0.003)
     if args.optimizer == "adam":
         inner = adam(list(model.parameters()), lr)

@@ -197,6 +197,11 @@ def test_the_deep_model_has_eight_alike_layers_and_classifies_any_side():
         assert model(torch.zeros(3, 1, side, side)).shape == (3, 10)
 
 
+def test_width_is_refused_for_a_model_that_has_none_with_the_flag_named():
+    with pytest.raises(SystemExit, match="--width applies to --model wide and deep, not cnn"):
+        example_module().main(["--model", "cnn", "--width", "8"])
+
+
 def test_the_deep_model_learns_the_digits_in_a_hundred_and_twenty_steps():
     """Eight plain ReLU layers at PyTorch's default initialization predicted one class (accuracy 0.10) for 200
     steps; with He initialization, at its own learning rate, three seeds reached 0.79-0.89 at step 120 (batch 8,

@@ -172,7 +172,7 @@ def summarize(run: Run, target: float | None = None) -> dict:
         "target": target, "time_to_target_s": reached[1] - ready_t if reached else None,
         "steps_to_target": reached[0] if reached else None,
         "time_to_target_no_eval_s": reached_train[1] - ready_t if reached_train else None,
-        "eval_s": mean(w.eval_spent[-1] if w.eval_spent else 0.0 for w in run.workers) if run.workers else 0.0,
+        "eval_s": mean(w.eval_s for w in run.workers) if run.workers else 0.0,
         "wan_bytes_total": run.wan_bytes("all"),
         "wan_bytes_up_per_step": up / steady_steps if steady_steps else math.nan,
         "wan_bytes_down_per_step": down / steady_steps if steady_steps else math.nan, "wan_bytes_per_step": per_step,
