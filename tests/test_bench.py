@@ -89,6 +89,17 @@ def test_intra_smoke(tmp_path):
     assert len(r["gloo_iters"]) == 4                                      # 2 ranks x (before, after)
 
 
+def test_fusion_smoke_averages_the_lm_as_a_key_per_tensor_and_as_one_bucket(tmp_path, capsys):
+    js = tmp_path / "f.json"
+    assert main(["bench", "fusion", "--model", "tiny", "--buckets", "0,16m", "--repeats", "2", "--json", str(js)]) == 0
+    r = json.loads(js.read_text())
+    # the tiny LM: 64 tensors, 1,040,768 float32 parameters; 16 MiB holds them all in one bucket
+    assert r["tensors"] == 64 and r["bytes"] == 4 * 1_040_768
+    assert [(row["bucket_bytes"], row["keys"]) for row in r["rows"]] == [(0, 64), (16 << 20, 1)]
+    assert all(_finite_positive(row["seconds"]) for row in r["rows"])
+    assert "| 0 (a key per tensor) | 64 |" in capsys.readouterr().out
+
+
 def test_wan_matrix_smoke_rows_are_consistent_and_flat_moves_more_wan_bytes(tmp_path):
     js, out, runs = tmp_path / "w.json", tmp_path / "bench-out", tmp_path / "runs"
     assert main(["bench", "wan", "--wan-rate", "1gbit", "--wan-rtt", "2ms", "--steps", "4", "--eval-every", "2",
@@ -247,7 +258,7 @@ def test_incast_smoke_spreads_the_keys_over_the_global_servers_lines(tmp_path):
 
 
 def test_every_bench_is_registered():
-    for name in ("transport", "intra", "wan", "link", "codec", "incast"):
+    for name in ("transport", "intra", "wan", "link", "codec", "incast", "fusion"):
         with pytest.raises(SystemExit) as exc:
             main(["bench", name, "--help"])
         assert exc.value.code == 0

@@ -219,6 +219,55 @@ def test_hfa_composes_with_compression_its_global_averages_travel_as_compressed_
     assert all(np.array_equal(models[i]["w@3"], models[0]["w@3"]) for i in range(4))   # the global average agrees
 
 
+@pytest.fixture
+def pushed_keys(monkeypatch) -> list:
+    """Every key (a tuple for a list of keys) a KVStore.pushpull of this test names, in order."""
+    from geomx.kvstore.kvstore import KVStore
+
+    sent, pushpull = [], KVStore.pushpull
+
+    def recording(self, key, *args, **kwargs):
+        sent.append(key if isinstance(key, str) else tuple(key))
+        return pushpull(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(KVStore, "pushpull", recording)
+    return sent
+
+
+def test_fused_averages_send_one_key_per_bucket_and_give_the_models_of_one_key_per_tensor_bit_for_bit(
+        monkeypatch, pushed_keys):
+    """Tensor fusion (geomx.sync.fusion) packs w and b into one bucket: the servers sum the same numbers in the same
+    order, so every model at every step is identical to the run with a key per tensor (GEOMX_FUSION_BYTES=0)."""
+    case = CASES["hfa-weighted"]
+    run = lambda: _run_inproc(_sync_table(case), case["per_dc"], case["steps"], case["samples"])  # noqa: E731
+    fused, _ = run()
+    fused_keys = list(pushed_keys)
+    pushed_keys.clear()
+    monkeypatch.setenv("GEOMX_FUSION_BYTES", "0")
+    alone, _ = run()
+    averages = 4 * case["steps"] // case["k1"]          # every worker averages at every K1 boundary
+    assert fused_keys.count("__geomx.fused/average/w+2") == averages
+    assert not any(k in ("w", "b", ("w", "b")) for k in fused_keys), fused_keys
+    assert pushed_keys.count(("w", "b")) == averages and not any("fused" in str(k) for k in pushed_keys)
+    for i in range(4):
+        for name, model in fused[i].items():
+            np.testing.assert_array_equal(model, alone[i][name], err_msg=f"worker {i}, {name}")
+
+
+def test_fsa_pushes_its_dense_gradients_fused_and_steps_exactly_as_with_a_key_per_parameter(pushed_keys):
+    """FSA's buckets (geomx.sync.fusion.GradientBuckets): one push per bucket per step, and the mean gradient the
+    servers return is ((g0 + g1) + (g2 + g3)) / 4 for every element, as with a key per parameter."""
+    steps = 3
+    models, infos = _run_inproc({"algorithm": "fsa"}, [2, 2], steps, [1, 1, 1, 1])
+    assert infos[0]["algorithm"] == "FSA(backward_passes_per_step=1)"
+    assert pushed_keys.count("__geomx.fused/gradients/w+2") == 4 * steps
+    assert not any(k in ("w", "b") for k in pushed_keys), pushed_keys
+    for key, shape in KEYS.items():
+        for step, expected in enumerate(_fsa_reference(key, shape, steps)):
+            for i in range(4):
+                np.testing.assert_array_equal(models[i][f"{key}@{step}"], expected, err_msg=f"{key} step {step}")
+
+
 def _fsa_reference(key, shape, steps: int) -> list[np.ndarray]:
     """FSA with SGD as the servers and torch compute it in float32: w -= lr * ((g0 + g1) + (g2 + g3)) / 4."""
     w, out = torch.from_numpy(kvhelp.value(0, key, shape)), []

@@ -6,6 +6,7 @@
     geomx bench link [--profile transpacific | --wan-rate 100mbit --wan-rtt 180ms]
     geomx bench codec [--elements 25000000] [--repeats 3] [--threads N]
     geomx bench incast [--dcs 8] [--global-servers 1,2,4] [--global-server-link 1gbit] [--mb 32]
+    geomx bench fusion [--model tiny] [--buckets 0,1m,4m,16m] [--workers 2] [--repeats 40]
 
 Each prints a markdown report; ``--output FILE`` also appends it, with the command line, the date and the
 machine, to FILE (e.g. docs/benchmarks.md). Every figure is measured in the run that prints it.
@@ -29,14 +30,14 @@ def _common(p: argparse.ArgumentParser, default_timeout: float) -> None:
 
 
 def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: transport, intra, wan, link, codec, incast",
+    p = sub.add_parser("bench", help="benchmarks: transport, intra, wan, link, codec, incast, fusion",
                        description="Benchmarks that print markdown reports (transport, intra and wan start real "
                                    "deployments on this machine). Every figure is measured in the run.")
-    bsub = p.add_subparsers(dest="bench", required=True, metavar="{transport,intra,wan,link,codec,incast}")
+    bsub = p.add_subparsers(dest="bench", required=True, metavar="{transport,intra,wan,link,codec,incast,fusion}")
 
-    from geomx.bench import codec, incast, intra, transport, wan
+    from geomx.bench import codec, fusion, incast, intra, transport, wan
 
-    for module, timeout in ((transport, 600.0), (intra, 600.0), (wan, 900.0), (incast, 900.0)):
+    for module, timeout in ((transport, 600.0), (intra, 600.0), (wan, 900.0), (incast, 900.0), (fusion, 600.0)):
         sp = module.add_parser(bsub)
         _common(sp, timeout)
         sp.set_defaults(bench_parser=sp)

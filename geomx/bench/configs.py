@@ -49,6 +49,9 @@ def select(names: str | None) -> list[BenchConfig]:
 
 register(BenchConfig("flat", "flat PS (dense, dist_sync)", topology="flat"))
 register(BenchConfig("hips-fsa", "HiPS FSA (dense, dist_sync)"))
+# the control of tensor fusion (geomx.sync.fusion): the same FSA with every tensor its own key
+register(BenchConfig("hips-fsa-unfused", "HiPS FSA, a key per tensor (dense, dist_sync, GEOMX_FUSION_BYTES=0)",
+                     env={"GEOMX_FUSION_BYTES": "0"}))
 register(BenchConfig("hips-mixedsync", "HiPS MixedSync (dense, dist_async)", mode="dist_async"))
 register(BenchConfig("hips-mixedsync-overlap", "HiPS MixedSync, WAN overlapped (dense, dist_async)",
                      mode="dist_async", mixedsync="overlap"))
@@ -75,6 +78,10 @@ register(BenchConfig("hips-diloco-short-overlap", "HiPS DiLoCo (K1=5, K2=2, oute
 # while the next 5 run
 register(BenchConfig("hips-hfa-dc-overlap", "HiPS HFA (K1=1, K2=10, global average overlapped, D=5)",
                      env=launch_env({"algorithm": "hfa", "k1": 1, "k2": 10, "overlap": 5})))
+register(BenchConfig("hips-hfa-dc-overlap-unfused",
+                     "HiPS HFA (K1=1, K2=10, global average overlapped, D=5), a key per tensor (GEOMX_FUSION_BYTES=0)",
+                     env={**launch_env({"algorithm": "hfa", "k1": 1, "k2": 10, "overlap": 5}),
+                          "GEOMX_FUSION_BYTES": "0"}))
 # P3 against its fair baseline: both with the servers' optimizer (P3 lands the servers' new weights layer by layer)
 SERVER_OPTIMIZER = ("--update-on", "server")
 register(BenchConfig("hips-fsa-server", "HiPS FSA, servers' optimizer (dist_sync)", train_args=SERVER_OPTIMIZER))

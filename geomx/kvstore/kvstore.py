@@ -97,6 +97,7 @@ class KVStore:
         self.po.on_data = self._on_data
         self._outstanding: list[Handle] = []
         self._initialized_keys: set = set()
+        self._packed_keys: set = set()          # keys of packed tensors (tensor fusion): not the model
         self._layout: dict = {}           # key -> (shape, dtype, parts or None), from this worker's init
         self._compression: dict | None = None   # this worker's own set_gradient_compression, to check
         self._closed = False
@@ -287,11 +288,12 @@ class KVStore:
         self._client.load_wire_state_dict(state)
 
     # key-value operations -----------------------------------------------------------------------------------
-    def init(self, key, value, *, slice_elements: int = 0) -> None:
+    def init(self, key, value, *, slice_elements: int = 0, packed: bool = False) -> None:
         """Initialize one key (or a list of keys with a list of values). Blocks until the key exists
         everywhere; the master worker's value is the one every worker will pull. ``slice_elements`` (P3): cut
         each value into parts of at most that many elements (and of at most ``GEOMX_PARTITION_BYTES``); every
-        process that initializes the key must give the same."""
+        process that initializes the key must give the same. ``packed``: the keys carry other keys' values
+        packed together (tensor fusion, geomx.sync.fusion), so the model's dense size leaves them out."""
         keys, values = _pairs(key, value)
         handles = []
         for k, v in zip(keys, values, strict=False):
@@ -313,8 +315,11 @@ class KVStore:
                 _, info = h.wait()
                 self._check_info(info)
             self._initialized_keys.add(k)
+            if packed:
+                self._packed_keys.add(k)
         if self.po.metrics is not None:
-            dense = sum(int(np.prod(shape)) * 4 for shape, _, _ in self._layout.values())
+            dense = sum(int(np.prod(shape)) * 4 for k, (shape, _, _) in self._layout.items()
+                        if k not in self._packed_keys)
             self.po.metrics.write("model", keys=len(self._layout), dense_bytes=dense)
 
     def push(self, key, value, priority: int = 0) -> Handle | list[Handle]:

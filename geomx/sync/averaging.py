@@ -30,6 +30,7 @@ import torch
 
 from geomx.compat import check_kvstore
 from geomx.errors import ConfigError
+from geomx.sync.fusion import Fusion, compressed
 from geomx.sync.settings import check, check_saved_algorithm
 
 WEIGHTS_KEY = "__geomx.sync.weights"
@@ -57,6 +58,9 @@ class HFA:
         self.kv = kv
         self.params = [(n, p) for n, p in params if p.requires_grad]
         kv.init(WEIGHTS_KEY, np.zeros(2, np.float64))
+        # dense averages travel fused (geomx.sync.fusion): a few buckets instead of a key per tensor
+        self.fusion = Fusion("average", [n for n, _ in self.params], [p for _, p in self.params])
+        self.fusion.init(kv, [p.detach() for _, p in self.params])
         if kv.is_master_worker:
             return
         samples = 1.0 if num_samples is None else float(num_samples)
@@ -199,6 +203,9 @@ class HFA:
 
     def start_average(self, scope: str | None, scale: float, tensors: list[torch.Tensor],
                       into: list[torch.Tensor]) -> list:
+        if not compressed(self.kv):
+            return self.fusion.pushpull(self.kv, tensors, into, scale=scale, scope=scope)
+        # a codec sees each tensor as it is (its shape, its size against the codec's bound)
         names = [n for n, _ in self.params]
         with torch.no_grad():
             # scale 1 (equal shares): the tensor itself is sent, zero-copy (the caller leaves it alone until
@@ -285,12 +292,6 @@ class DiLoCo(HFA):
                 a.grad = a.detach() - avg
             self.outer.step()
         return [a.detach() for a in self.anchor]
-
-
-def compressed(kv) -> bool:
-    """Whether the deployment compresses gradients on some tier (the master worker's setting)."""
-    policy = kv.compression or {}
-    return any((policy.get(tier) or {}).get("type", "none") != "none" for tier in ("lan", "wan", "small"))
 
 
 def _clones(tensors: list[torch.Tensor] | None) -> list[torch.Tensor] | None:

@@ -19,6 +19,7 @@ import time
 import torch
 
 from geomx.errors import ConfigError
+from geomx.sync.fusion import Fusion, GradientBuckets, compressed
 from geomx.sync.settings import check_saved_algorithm
 
 
@@ -45,6 +46,19 @@ class FSA:
         for _, p in params:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._on_grad)
+        self.buckets = self._plan_buckets()
+
+    def _plan_buckets(self) -> GradientBuckets | None:
+        """Dense mean gradients travel fused (geomx.sync.fusion) where the servers only sum them: synchronous,
+        worker-side update. A server optimizer keeps each parameter's weights under its own key (what a restarted
+        worker pulls), and MixedSync's servers answer per key; those push a key per parameter."""
+        if self.server_updates or self.kv.type != "dist_sync":
+            return None
+        trainable = [i for i, (_, p) in enumerate(self.params) if p.requires_grad]
+        fusion = Fusion("gradients", [self.params[i][0] for i in trainable],
+                        [self.params[i][1].detach() for i in trainable])
+        fusion.init(self.kv, [self.params[i][1].detach() for i in trainable])
+        return GradientBuckets(fusion, trainable) if fusion.buckets else None
 
     def step(self, optimizer: torch.optim.Optimizer, *, compute_s: float = 0.0) -> float:
         """Wait for every parameter's result, then update (locally, or by copying the servers' weights)."""
@@ -86,7 +100,7 @@ class FSA:
         return results, time.perf_counter() - start
 
     def state_dict(self) -> dict:
-        if self._handles:
+        if self._handles or (self.buckets is not None and self.buckets.pending):
             raise ConfigError("state_dict() between backward() and step(): gradients are on the wire; save after "
                               "step()")
         return {"algorithm": self.name, "steps": self.steps}
@@ -101,7 +115,7 @@ class FSA:
         round completes everywhere)."""
         for i, (_, p) in enumerate(self.params):
             if p.requires_grad and i not in self._handles:
-                self._push(i, p, p.grad if p.grad is not None else torch.zeros_like(p))
+                self._send(i, p, p.grad if p.grad is not None else torch.zeros_like(p))
 
     def _on_grad(self, p: torch.Tensor) -> None:
         i = self._index[id(p)]
@@ -113,7 +127,15 @@ class FSA:
                               f"call step() after every {k} backward pass(es), or pass "
                               f"backward_passes_per_step={passes} to sum {passes} passes")
         if passes == k and i not in self._handles:
-            self._push(i, p, p.grad)
+            self._send(i, p, p.grad)
+
+    def _send(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """Push parameter ``i``'s gradient: into its bucket where it has one and the round is dense (a codec
+        sees each tensor as it is), else alone."""
+        if self.buckets is not None and i in self.buckets.bucket_of and not compressed(self.kv):
+            self.buckets.add(self.kv, i, grad, self._handles)
+        else:
+            self._push(i, p, grad)
 
     def _push(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> None:
         # zero-copy both ways: the reply lands in the buffer the gradient was sent from, which nothing writes

@@ -1,0 +1,184 @@
+"""Tensor fusion: a model's many small tensors travel packed into a few flat buffers ("buckets").
+
+Why: every key costs a message each way at every hop, about 0.2 ms of Python and ZeroMQ per key and round
+trip on this machine, whatever its size. The tiny language model has 64 tensors (42 of them LayerNorm
+weights and biases of 128-512 elements); a DC average of its 4.2 MB took 15-18 ms as 64 keys and 4.2 ms as one
+(1 DC x 2 workers, ``lan``; docs/benchmarks.md, "Tensor fusion"). Horovod's tensor fusion and DDP's gradient
+buckets exist for the same reason. ``geomx bench fusion`` measures it.
+
+A :class:`Fusion` is planned from the tensors' names, shapes and dtypes alone, so every worker plans the same
+buckets: tensors in order, each bucket holding consecutive tensors of one dtype up to ``bucket_bytes``; a
+tensor larger than that travels alone under its own name (the kvstore cuts it into parts). Bucket keys are
+``"__geomx.fused/<prefix>/<first member's name>+<members>"``; :meth:`Fusion.init` creates them on the servers
+(every process, the master worker too, as for any key).
+
+Only exact for the servers' element-wise sum, which is what a model average asks of them: a codec that looks at
+a tensor's shape (PowerSGD's matrices) or size (Bi-Sparse's bound) would see a bucket instead, so the policies
+fuse only dense rounds. ``GEOMX_FUSION_BYTES`` sets the bucket size (0: every tensor travels alone); every
+process of a deployment must read the same value, which the launcher's environment gives them.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from geomx.errors import ConfigError
+
+FUSION_ENV = "GEOMX_FUSION_BYTES"
+DEFAULT_BUCKET_BYTES = 4 << 20
+KEY_PREFIX = "__geomx.fused/"
+
+
+@dataclass(frozen=True)
+class Bucket:
+    key: str
+    dtype: torch.dtype
+    members: tuple[int, ...]      # indices of the fused tensors, in order
+    offsets: tuple[int, ...]      # each member's first element in the flat buffer
+    numel: int
+
+    def slices(self, tensors: list[torch.Tensor]):
+        """(member tensor, its flat range in the buffer) pairs."""
+        for i, start in zip(self.members, self.offsets, strict=True):
+            yield tensors[i], start, start + tensors[i].numel()
+
+
+def compressed(kv) -> bool:
+    """Whether the deployment compresses gradients on some tier (the master worker's setting)."""
+    policy = kv.compression or {}
+    return any((policy.get(tier) or {}).get("type", "none") != "none" for tier in ("lan", "wan", "small"))
+
+
+def bucket_bytes_from_env(env: Mapping[str, str] | None = None) -> int:
+    raw = (os.environ if env is None else env).get(FUSION_ENV, "").strip()
+    if not raw:
+        return DEFAULT_BUCKET_BYTES
+    if not raw.isdigit():
+        raise ConfigError(f"{FUSION_ENV}={raw!r}: bytes per fused bucket must be a whole number >= 0 (0: no fusion)")
+    return int(raw)
+
+
+class Fusion:
+    """The buckets of one list of tensors, and packing them to and from the kvstore."""
+
+    def __init__(self, prefix: str, names: list[str], tensors: list[torch.Tensor], *,
+                 bucket_bytes: int | None = None) -> None:
+        if bucket_bytes is None:
+            bucket_bytes = bucket_bytes_from_env()
+        if bucket_bytes < 0:
+            raise ConfigError(f"bucket_bytes must be >= 0 (0: no fusion), got {bucket_bytes}")
+        self.names = list(names)
+        self.buckets: list[Bucket] = []
+        self.alone: list[int] = []              # tensors that travel under their own name
+        open_: dict[torch.dtype, list[int]] = {}
+
+        def close(dtype: torch.dtype) -> None:
+            members = open_.pop(dtype, [])
+            if len(members) == 1:               # a bucket of one would only add a copy
+                self.alone.append(members[0])
+            elif members:
+                offsets, total = [], 0
+                for i in members:
+                    offsets.append(total)
+                    total += tensors[i].numel()
+                # named by its first tensor: unique wherever the tensors' own keys are (several optimizers on
+                # one kvstore), the same on every worker
+                key = f"{KEY_PREFIX}{prefix}/{self.names[members[0]]}+{len(members)}"
+                self.buckets.append(Bucket(key, dtype, tuple(members), tuple(offsets), total))
+
+        for i, t in enumerate(tensors):
+            size = t.numel() * t.element_size()
+            if size > bucket_bytes or not t.is_floating_point():
+                self.alone.append(i)
+                continue
+            current = open_.setdefault(t.dtype, [])
+            if (sum(tensors[j].numel() for j in current) * t.element_size() + size) > bucket_bytes:
+                close(t.dtype)
+                open_[t.dtype] = []
+            open_[t.dtype].append(i)
+        for dtype in list(open_):
+            close(dtype)
+        self.alone.sort()
+
+    @property
+    def keys(self) -> int:
+        """Keys one round of these tensors sends."""
+        return len(self.buckets) + len(self.alone)
+
+    def init(self, kv, tensors: list[torch.Tensor]) -> None:
+        """Create the bucket keys on the servers, valued ``tensors`` packed (every process of the deployment
+        calls it; the master worker's values count, as for any key)."""
+        if self.buckets:
+            kv.init([b.key for b in self.buckets], [self.pack(b, tensors) for b in self.buckets], packed=True)
+
+    def pack(self, bucket: Bucket, tensors: list[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+        """A new flat CPU buffer holding the bucket's members of ``tensors`` (times ``scale``)."""
+        buf = torch.empty(bucket.numel, dtype=bucket.dtype)
+        with torch.no_grad():
+            for t, start, stop in bucket.slices(tensors):
+                buf[start:stop].view_as(t).copy_(t)
+            if scale != 1.0:
+                buf.mul_(scale)
+        return buf
+
+    def pushpull(self, kv, values: list[torch.Tensor], into: list[torch.Tensor], *, scale: float = 1.0,
+                 scope: str | None = None) -> list:
+        """``kv.pushpull`` of every tensor times ``scale``, the results landing in ``into``; returns the
+        handles (a bucket's results are unpacked into ``into`` before its handle finishes)."""
+        handles = []
+        for b in self.buckets:
+            buf = self.pack(b, values, scale)
+            handles.append(kv.pushpull(b.key, buf, out=buf, scope=scope).then(_unpacker(b, buf, into)))
+        if self.alone:
+            with torch.no_grad():
+                alone = [values[i] if scale == 1.0 else values[i] * scale for i in self.alone]
+            handles += kv.pushpull([self.names[i] for i in self.alone], alone, out=[into[i] for i in self.alone],
+                                   scope=scope)
+        return handles
+
+
+def _unpacker(bucket: Bucket, buf: torch.Tensor, into: list[torch.Tensor]):
+    def unpack(result):
+        with torch.no_grad():
+            for t, start, stop in bucket.slices(into):
+                t.copy_(buf[start:stop].view_as(t))
+        return result
+    return unpack
+
+
+class GradientBuckets:
+    """FSA's gradients through a :class:`Fusion`: a bucket is pushed once backward has produced every member's
+    gradient (DDP's buckets; the last layers' bucket fills first), with the priority of its first member, and
+    each member's reply is a view of the bucket's buffer, where the bucket's reply lands."""
+
+    def __init__(self, fusion: Fusion, indices: list[int]) -> None:
+        """``indices``: the parameter index of each tensor the fusion was planned over."""
+        self.fusion = fusion
+        self.bucket_of = {indices[m]: b for b in fusion.buckets for m in b.members}
+        self._members = {id(b): [indices[m] for m in b.members] for b in fusion.buckets}
+        self._filled: dict[int, dict[int, torch.Tensor]] = {}     # id(bucket) -> parameter index -> gradient
+
+    @property
+    def pending(self) -> bool:
+        """Some bucket has some, not all, of its gradients."""
+        return bool(self._filled)
+
+    def add(self, kv, i: int, grad: torch.Tensor, handles: dict[int, tuple]) -> None:
+        """Parameter ``i``'s gradient is ready; when its bucket is full, push it and record each member's
+        (handle, reply view) in ``handles``."""
+        b = self.bucket_of[i]
+        filled = self._filled.setdefault(id(b), {})
+        filled[i] = grad
+        members = self._members[id(b)]
+        if len(filled) < len(members):
+            return
+        del self._filled[id(b)]
+        grads = [filled[m] for m in members]
+        buf = self.fusion.pack(b, dict(zip(b.members, grads, strict=True)))
+        h = kv.pushpull(b.key, buf, out=buf, priority=-members[0])
+        for m, g, (_, start, stop) in zip(members, grads, b.slices(dict(zip(b.members, grads, strict=True))),
+                                          strict=True):
+            handles[m] = (h, buf[start:stop].view_as(g))
