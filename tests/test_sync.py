@@ -254,6 +254,15 @@ def test_fused_averages_send_one_key_per_bucket_and_give_the_models_of_one_key_p
             np.testing.assert_array_equal(model, alone[i][name], err_msg=f"worker {i}, {name}")
 
 
+def test_under_wan_only_compression_dc_averages_travel_fused_and_global_ones_a_key_per_tensor(pushed_keys):
+    """fp16 on the WAN only: a DC-only round crosses the LAN alone, dense, so it is fused; the global averages
+    go through the codec tensor by tensor (as model changes)."""
+    case = CASES["hfa-weighted"]           # K1 = 2, K2 = 2, 6 steps: DC averages at steps 2 and 6, global at 4
+    _run_inproc(_sync_table(case), case["per_dc"], case["steps"], case["samples"], compression={"wan": "fp16"})
+    assert pushed_keys.count("__geomx.fused/average/w+2") == 4 * 2
+    assert pushed_keys.count(("w", "b")) == 4 * 1
+
+
 def test_fsa_pushes_its_dense_gradients_fused_and_steps_exactly_as_with_a_key_per_parameter(pushed_keys):
     """FSA's buckets (geomx.sync.fusion.GradientBuckets): one push per bucket per step, and the mean gradient the
     servers return is ((g0 + g1) + (g2 + g3)) / 4 for every element, as with a key per parameter."""

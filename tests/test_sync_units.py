@@ -225,3 +225,17 @@ def test_fusion_of_zero_bytes_sends_every_tensor_alone(monkeypatch):
     monkeypatch.setenv("GEOMX_FUSION_BYTES", "4MiB")
     with pytest.raises(ConfigError, match=r"GEOMX_FUSION_BYTES='4MiB'.*whole number"):
         Fusion("x", ["a", "b"], tensors)
+
+
+def test_buckets_of_a_round_that_crosses_the_wan_are_at_most_one_part(monkeypatch):
+    from types import SimpleNamespace
+
+    from geomx.sync.fusion import bucket_bytes_for
+
+    over_wan = SimpleNamespace(cfg=SimpleNamespace(partition_bytes=256 << 10))
+    assert bucket_bytes_for(over_wan, crosses_wan=True) == 256 << 10
+    assert bucket_bytes_for(over_wan, crosses_wan=False) == 4 << 20          # a DC-only round: the whole size
+    unpartitioned = SimpleNamespace(cfg=SimpleNamespace(partition_bytes=0))
+    assert bucket_bytes_for(unpartitioned, crosses_wan=True) == 4 << 20
+    monkeypatch.setenv("GEOMX_FUSION_BYTES", "0")
+    assert bucket_bytes_for(over_wan, crosses_wan=True) == 0 == bucket_bytes_for(over_wan, crosses_wan=False)

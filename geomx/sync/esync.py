@@ -23,7 +23,7 @@ import torch
 
 from geomx.errors import ConfigError
 from geomx.compat import check_kvstore
-from geomx.sync.fusion import Fusion, compressed
+from geomx.sync.fusion import Fusion, bucket_bytes_for, compressed
 from geomx.sync.settings import check, check_saved_algorithm
 
 STATE_KEY = "__geomx.esync.state"
@@ -53,7 +53,8 @@ class ESync:
         self.params = [(n, p) for n, p in params if p.requires_grad]
         kv.init(STATE_KEY, np.zeros(kv.num_all_workers, np.float64))
         # dense model deltas travel fused (geomx.sync.fusion): a few buckets instead of a key per tensor
-        self.fusion = Fusion("esync", [n for n, _ in self.params], [p.detach() for _, p in self.params])
+        self.fusion = Fusion("esync", [n for n, _ in self.params], [p.detach() for _, p in self.params],
+                             bucket_bytes=bucket_bytes_for(kv, crosses_wan=True))
         self.fusion.init(self.kv, [p.detach() for _, p in self.params])
         if kv.is_master_worker:
             return

@@ -19,7 +19,7 @@ import time
 import torch
 
 from geomx.errors import ConfigError
-from geomx.sync.fusion import Fusion, GradientBuckets, compressed
+from geomx.sync.fusion import Fusion, GradientBuckets, bucket_bytes_for, compressed
 from geomx.sync.settings import check_saved_algorithm
 
 
@@ -56,7 +56,8 @@ class FSA:
             return None
         trainable = [i for i, (_, p) in enumerate(self.params) if p.requires_grad]
         fusion = Fusion("gradients", [self.params[i][0] for i in trainable],
-                        [self.params[i][1].detach() for i in trainable])
+                        [self.params[i][1].detach() for i in trainable],
+                        bucket_bytes=bucket_bytes_for(self.kv, crosses_wan=True))
         fusion.init(self.kv, [self.params[i][1].detach() for i in trainable])
         return GradientBuckets(fusion, trainable) if fusion.buckets else None
 

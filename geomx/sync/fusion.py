@@ -46,10 +46,14 @@ class Bucket:
             yield tensors[i], start, start + tensors[i].numel()
 
 
-def compressed(kv) -> bool:
-    """Whether the deployment compresses gradients on some tier (the master worker's setting)."""
+ALL_TIERS, DC_TIERS = ("lan", "wan", "small"), ("lan", "small")
+
+
+def compressed(kv, tiers: tuple[str, ...] = ALL_TIERS) -> bool:
+    """Whether the deployment compresses gradients on one of ``tiers`` (the master worker's setting); a DC-only
+    round crosses the LAN alone (``DC_TIERS``)."""
     policy = kv.compression or {}
-    return any((policy.get(tier) or {}).get("type", "none") != "none" for tier in ("lan", "wan", "small"))
+    return any((policy.get(tier) or {}).get("type", "none") != "none" for tier in tiers)
 
 
 def bucket_bytes_from_env(env: Mapping[str, str] | None = None) -> int:
@@ -61,6 +65,19 @@ def bucket_bytes_from_env(env: Mapping[str, str] | None = None) -> int:
     return int(raw)
 
 
+def bucket_bytes_for(kv, *, crosses_wan: bool) -> int:
+    """The bucket size for rounds of ``kv``'s deployment. A round that crosses the WAN gets buckets of at most
+    one part (``GEOMX_PARTITION_BYTES``, sized for the slowest link), so that each bucket is one message with
+    its own priority: where several workers share a link (the flat topology), the same bucket of every worker
+    then arrives together and the server answers it while the next ones are still on the wire. One 4 MiB
+    bucket cut into 16 parts of one priority crossed as worker 0's parts, then worker 1's, and the flat PS's
+    step took 1.35 s instead of 1.09 (tiny LM, ``transpacific``, docs/benchmarks.md "Tensor fusion"). DC-only
+    rounds cross no emulated link and take the whole size."""
+    size = bucket_bytes_from_env()
+    parts = kv.cfg.partition_bytes
+    return min(size, parts) if crosses_wan and parts > 0 else size
+
+
 class Fusion:
     """The buckets of one list of tensors, and packing them to and from the kvstore."""
 
@@ -70,7 +87,7 @@ class Fusion:
             bucket_bytes = bucket_bytes_from_env()
         if bucket_bytes < 0:
             raise ConfigError(f"bucket_bytes must be >= 0 (0: no fusion), got {bucket_bytes}")
-        self.names = list(names)
+        self.names, self.bucket_bytes = list(names), bucket_bytes
         self.buckets: list[Bucket] = []
         self.alone: list[int] = []              # tensors that travel under their own name
         open_: dict[torch.dtype, list[int]] = {}
