@@ -78,6 +78,12 @@ register(BenchConfig("hips-diloco-short-overlap", "HiPS DiLoCo (K1=5, K2=2, oute
 # while the next 5 run
 register(BenchConfig("hips-hfa-dc-overlap", "HiPS HFA (K1=1, K2=10, global average overlapped, D=5)",
                      env=launch_env({"algorithm": "hfa", "k1": 1, "k2": 10, "overlap": 5})))
+# a global average every 5 steps, travelling while the next 4 run: dense, and with its model changes in fp16 on
+# the WAN (half the bytes, so the round fits behind fewer steps)
+HFA_DC5 = launch_env({"algorithm": "hfa", "k1": 1, "k2": 5, "overlap": 4})
+register(BenchConfig("hips-hfa-dc5-overlap", "HiPS HFA (K1=1, K2=5, global average overlapped, D=4)", env=HFA_DC5))
+register(BenchConfig("hips-hfa-dc5-overlap-fp16", "HiPS HFA (K1=1, K2=5, D=4), global averages in fp16 on the WAN",
+                     env=HFA_DC5, train_args=("--compression", json.dumps({"wan": "fp16"}))))
 register(BenchConfig("hips-hfa-dc-overlap-unfused",
                      "HiPS HFA (K1=1, K2=10, global average overlapped, D=5), a key per tensor (GEOMX_FUSION_BYTES=0)",
                      env={**launch_env({"algorithm": "hfa", "k1": 1, "k2": 10, "overlap": 5}),

@@ -113,8 +113,9 @@ def format_fusion_report(r: dict) -> str:
     for row in r["rows"]:
         b = row["bucket_bytes"]
         label = "0 (a key per tensor)" if b == 0 else f"{b / MIB:g} MiB"
+        versus = "-" if base is None else f"{base / row['seconds']:.2f}x"
         rows.append([label, str(row["keys"]), f"{row['seconds'] * 1e3:.2f}",
-                     f"{r['bytes'] / row['seconds'] / 1e9:.2f}", "-" if base is None else f"{base / row['seconds']:.2f}x"])
+                     f"{r['bytes'] / row['seconds'] / 1e9:.2f}", versus])
     table = markdown_table(["bucket size", "keys per average", "ms per DC average", "GB/s of model",
                             "vs a key per tensor"], rows)
     return "\n".join([
