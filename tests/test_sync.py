@@ -248,7 +248,8 @@ def test_fused_averages_send_one_key_per_bucket_and_give_the_models_of_one_key_p
     averages = 4 * case["steps"] // case["k1"]          # every worker averages at every K1 boundary
     assert fused_keys.count("__geomx.fused/average/w+2") == averages
     assert not any(k in ("w", "b", ("w", "b")) for k in fused_keys), fused_keys
-    assert pushed_keys.count(("w", "b")) == averages and not any("fused" in str(k) for k in pushed_keys)
+    assert pushed_keys.count("w") == averages == pushed_keys.count("b")
+    assert not any("fused" in str(k) for k in pushed_keys)
     for i in range(4):
         for name, model in fused[i].items():
             np.testing.assert_array_equal(model, alone[i][name], err_msg=f"worker {i}, {name}")
@@ -287,9 +288,11 @@ def _fsa_reference(key, shape, steps: int) -> list[np.ndarray]:
     return out
 
 
-def test_dga_with_delay_zero_is_fsa_exactly(tmp_path):
+def test_dga_with_delay_zero_is_fsa_exactly(tmp_path, pushed_keys):
     models, infos = _run_inproc({"algorithm": "dga", "delay": 0}, [2, 2], 3, [1, 1, 1, 1])
     assert infos[0]["algorithm"] == "DGA(delay=0)"
+    # its gradients travel fused: one bucket a step and worker
+    assert pushed_keys.count("__geomx.fused/dga/w+2") == 4 * 3 and "w" not in pushed_keys
     for key, shape in KEYS.items():
         for step, expected in enumerate(_fsa_reference(key, shape, 3)):
             for i in range(4):

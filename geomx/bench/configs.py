@@ -84,6 +84,10 @@ HFA_DC5 = launch_env({"algorithm": "hfa", "k1": 1, "k2": 5, "overlap": 4})
 register(BenchConfig("hips-hfa-dc5-overlap", "HiPS HFA (K1=1, K2=5, global average overlapped, D=4)", env=HFA_DC5))
 register(BenchConfig("hips-hfa-dc5-overlap-fp16", "HiPS HFA (K1=1, K2=5, D=4), global averages in fp16 on the WAN",
                      env=HFA_DC5, train_args=("--compression", json.dumps({"wan": "fp16"}))))
+register(BenchConfig("hips-hfa-dc-overlap-fp16",
+                     "HiPS HFA (K1=1, K2=10, D=5), global averages in fp16 on the WAN",
+                     env=launch_env({"algorithm": "hfa", "k1": 1, "k2": 10, "overlap": 5}),
+                     train_args=("--compression", json.dumps({"wan": "fp16"}))))
 register(BenchConfig("hips-hfa-dc-overlap-unfused",
                      "HiPS HFA (K1=1, K2=10, global average overlapped, D=5), a key per tensor (GEOMX_FUSION_BYTES=0)",
                      env={**launch_env({"algorithm": "hfa", "k1": 1, "k2": 10, "overlap": 5}),

@@ -18,6 +18,7 @@ import torch
 
 from geomx.errors import ConfigError
 from geomx.compat import check_kvstore
+from geomx.sync.fusion import Fusion, bucket_bytes_for, compressed
 from geomx.sync.settings import check, check_saved_algorithm
 
 
@@ -26,8 +27,8 @@ class DGA:
 
     def __init__(self, *, delay: int = 1) -> None:
         self.delay = check(self.name, {"delay": delay}).delay
-        # per step: [(handle, own gradient, buffer the mean lands in)]
-        self.in_flight: deque[list[tuple]] = deque()
+        # per step: (handles, own gradients, buffers the means land in); no handles once landed (restored)
+        self.in_flight: deque[tuple[list, list[torch.Tensor], list[torch.Tensor]]] = deque()
         self.steps = 0
 
     def __repr__(self) -> str:
@@ -37,6 +38,11 @@ class DGA:
         check_kvstore(kv, self.name)
         self.kv = kv
         self.params = [(n, p) for n, p in params if p.requires_grad]
+        # dense gradients travel fused (geomx.sync.fusion): a few buckets instead of a key per tensor
+        tensors = [p.detach() for _, p in self.params]
+        self.fusion = Fusion("dga", [n for n, _ in self.params], tensors,
+                             bucket_bytes=bucket_bytes_for(kv, crosses_wan=True))
+        self.fusion.init(kv, tensors)
 
     @property
     def wan_rounds(self) -> tuple[int, int]:
@@ -45,40 +51,40 @@ class DGA:
         return self.steps, self.steps // (self.delay + 1)
 
     def step(self, optimizer: torch.optim.Optimizer, *, compute_s: float = 0.0) -> float:
-        sent = []
-        for i, (name, p) in enumerate(self.params):
-            own = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-            buf = own.cpu().clone()              # sent zero-copy, then overwritten by the mean
-            sent.append((self.kv.pushpull(name, buf, out=buf, priority=-i), own, buf))
-        self.in_flight.append(sent)
+        owns = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for _, p in self.params]
+        means = [own.cpu().clone() for own in owns]       # sent, then overwritten by the mean
+        if compressed(self.kv):                           # a codec sees each tensor as it is
+            handles = [self.kv.pushpull(name, m, out=m, priority=-i)
+                       for i, ((name, _), m) in enumerate(zip(self.params, means, strict=True))]
+        else:
+            handles = self.fusion.pushpull(self.kv, means, means, first_tensors_first=True)
+        self.in_flight.append((handles, owns, means))
         self.steps += 1
         waited = 0.0
         if len(self.in_flight) > self.delay:
             started = time.perf_counter()
-            arrived = self.in_flight.popleft()
-            for h, _, _ in arrived:
-                if h is not None:           # None: restored by load_state_dict, landed before it was saved
-                    h.wait()
+            arrived, stale, mean_of = self.in_flight.popleft()
+            for h in arrived:
+                h.wait()
             waited = time.perf_counter() - started
             with torch.no_grad():
-                for (_, p), (_, stale, mean) in zip(self.params, arrived, strict=False):
+                for (_, p), own, mean in zip(self.params, stale, mean_of, strict=True):
                     mean = mean.to(p.device)
                     if self.delay == 0:       # the mean itself: bit for bit FSA
                         p.grad = mean
                     else:                     # swap the stale own gradient for the mean
                         current = p.grad.detach() if p.grad is not None else torch.zeros_like(p)
-                        p.grad = current.sub(stale).add_(mean)
+                        p.grad = current.sub(own).add_(mean)
         optimizer.step()
         return waited
 
     def state_dict(self) -> dict:
         """The steps and the last D steps' gradients: each one's own and, waited for, its global mean."""
         history = []
-        for sent in self.in_flight:
-            for h, _, _ in sent:
-                if h is not None:
-                    h.wait()
-            history.append([(own.clone(), mean.clone()) for _, own, mean in sent])
+        for handles, owns, means in self.in_flight:
+            for h in handles:
+                h.wait()
+            history.append([(own.clone(), mean.clone()) for own, mean in zip(owns, means, strict=True)])
         return {"algorithm": self.name, "delay": self.delay, "steps": self.steps, "history": history}
 
     def load_state_dict(self, state: dict) -> None:
@@ -86,4 +92,5 @@ class DGA:
         if state["delay"] != self.delay:
             raise ConfigError(f"the saved dga state has delay {state['delay']}, this optimizer {self.delay}")
         self.steps = state["steps"]
-        self.in_flight = deque([(None, own.clone(), mean.clone()) for own, mean in sent] for sent in state["history"])
+        self.in_flight = deque(([], [own.clone() for own, _ in sent], [mean.clone() for _, mean in sent])
+                               for sent in state["history"])

@@ -142,18 +142,22 @@ class Fusion:
         return buf
 
     def pushpull(self, kv, values: list[torch.Tensor], into: list[torch.Tensor], *, scale: float = 1.0,
-                 scope: str | None = None) -> list:
+                 scope: str | None = None, first_tensors_first: bool = False) -> list:
         """``kv.pushpull`` of every tensor times ``scale``, the results landing in ``into``; returns the
-        handles (a bucket's results are unpacked into ``into`` before its handle finishes)."""
+        handles (a bucket's results are unpacked into ``into`` before its handle finishes).
+        ``first_tensors_first``: priority -index (a bucket's: its first tensor's), as FSA's gradients travel."""
+        def priority(i: int) -> int:
+            return -i if first_tensors_first else 0
+
         handles = []
         for b in self.buckets:
             buf = self.pack(b, values, scale)
-            handles.append(kv.pushpull(b.key, buf, out=buf, scope=scope).then(_unpacker(b, buf, into)))
-        if self.alone:
+            handles.append(kv.pushpull(b.key, buf, out=buf, priority=priority(b.members[0]), scope=scope)
+                           .then(_unpacker(b, buf, into)))
+        for i in self.alone:
             with torch.no_grad():
-                alone = [values[i] if scale == 1.0 else values[i] * scale for i in self.alone]
-            handles += kv.pushpull([self.names[i] for i in self.alone], alone, out=[into[i] for i in self.alone],
-                                   scope=scope)
+                value = values[i] if scale == 1.0 else values[i] * scale
+            handles.append(kv.pushpull(self.names[i], value, out=into[i], priority=priority(i), scope=scope))
         return handles
 
 
