@@ -197,9 +197,9 @@ class GradientBuckets:
         if len(filled) < len(members):
             return
         del self._filled[id(b)]
-        grads = [filled[m] for m in members]
-        buf = self.fusion.pack(b, dict(zip(b.members, grads, strict=True)))
+        # the bucket's members by their index in the fusion's plan, as pack and slices read them
+        grads = {fused: filled[param] for fused, param in zip(b.members, members, strict=True)}
+        buf = self.fusion.pack(b, grads)
         h = kv.pushpull(b.key, buf, out=buf, priority=-members[0])
-        for m, g, (_, start, stop) in zip(members, grads, b.slices(dict(zip(b.members, grads, strict=True))),
-                                          strict=True):
-            handles[m] = (h, buf[start:stop].view_as(g))
+        for param, (g, start, stop) in zip(members, b.slices(grads), strict=True):
+            handles[param] = (h, buf[start:stop].view_as(g))
