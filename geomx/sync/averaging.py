@@ -30,7 +30,7 @@ import torch
 
 from geomx.compat import check_kvstore
 from geomx.errors import ConfigError
-from geomx.sync.fusion import DC_TIERS, Fusion, bucket_bytes_for, compressed
+from geomx.sync.fusion import Fusion, bucket_bytes_for, compressed
 from geomx.sync.settings import check, check_saved_algorithm
 
 WEIGHTS_KEY = "__geomx.sync.weights"
@@ -60,14 +60,10 @@ class HFA:
         kv.init(WEIGHTS_KEY, np.zeros(2, np.float64))
         # dense averages travel fused (geomx.sync.fusion): a few buckets instead of a key per tensor; a DC-only
         # round's buckets may be larger than one that crosses the WAN
-        names, tensors = [n for n, _ in self.params], [p.detach() for _, p in self.params]
-        self.fusion = Fusion("average", names, tensors, bucket_bytes=bucket_bytes_for(kv, crosses_wan=True))
-        self.fusion.init(kv, tensors)
-        dc_bytes = bucket_bytes_for(kv, crosses_wan=False)
+        self.fusion = Fusion.of(kv, "average", self.params)
         self.dc_fusion = self.fusion
-        if dc_bytes != self.fusion.bucket_bytes:
-            self.dc_fusion = Fusion("average-dc", names, tensors, bucket_bytes=dc_bytes)
-            self.dc_fusion.init(kv, tensors)
+        if bucket_bytes_for(kv, crosses_wan=False) != self.fusion.bucket_bytes:
+            self.dc_fusion = Fusion.of(kv, "average-dc", self.params, crosses_wan=False)
         if kv.is_master_worker:
             return
         samples = 1.0 if num_samples is None else float(num_samples)
@@ -210,17 +206,8 @@ class HFA:
 
     def start_average(self, scope: str | None, scale: float, tensors: list[torch.Tensor],
                       into: list[torch.Tensor]) -> list:
-        if scope == "dc" and not compressed(self.kv, DC_TIERS):
-            return self.dc_fusion.pushpull(self.kv, tensors, into, scale=scale, scope=scope)
-        if scope is None and not compressed(self.kv):
-            return self.fusion.pushpull(self.kv, tensors, into, scale=scale)
-        # a codec sees each tensor as it is (its shape, its size against the codec's bound)
-        names = [n for n, _ in self.params]
-        with torch.no_grad():
-            # scale 1 (equal shares): the tensor itself is sent, zero-copy (the caller leaves it alone until
-            # the handles finished)
-            values = [t if scale == 1.0 else t * scale for t in tensors]
-        return self.kv.pushpull(names, values, out=into, scope=scope)
+        fusion = self.dc_fusion if scope == "dc" else self.fusion
+        return fusion.pushpull(self.kv, tensors, into, scale=scale, scope=scope)
 
 
 class InFlight:

@@ -18,7 +18,7 @@ import torch
 
 from geomx.errors import ConfigError
 from geomx.compat import check_kvstore
-from geomx.sync.fusion import Fusion, bucket_bytes_for, compressed
+from geomx.sync.fusion import Fusion
 from geomx.sync.settings import check, check_saved_algorithm
 
 
@@ -39,10 +39,7 @@ class DGA:
         self.kv = kv
         self.params = [(n, p) for n, p in params if p.requires_grad]
         # dense gradients travel fused (geomx.sync.fusion): a few buckets instead of a key per tensor
-        tensors = [p.detach() for _, p in self.params]
-        self.fusion = Fusion("dga", [n for n, _ in self.params], tensors,
-                             bucket_bytes=bucket_bytes_for(kv, crosses_wan=True))
-        self.fusion.init(kv, tensors)
+        self.fusion = Fusion.of(kv, "dga", self.params)
 
     @property
     def wan_rounds(self) -> tuple[int, int]:
@@ -53,11 +50,7 @@ class DGA:
     def step(self, optimizer: torch.optim.Optimizer, *, compute_s: float = 0.0) -> float:
         owns = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for _, p in self.params]
         means = [own.cpu().clone() for own in owns]       # sent, then overwritten by the mean
-        if compressed(self.kv):                           # a codec sees each tensor as it is
-            handles = [self.kv.pushpull(name, m, out=m, priority=-i)
-                       for i, ((name, _), m) in enumerate(zip(self.params, means, strict=True))]
-        else:
-            handles = self.fusion.pushpull(self.kv, means, means, first_tensors_first=True)
+        handles = self.fusion.pushpull(self.kv, means, means, first_tensors_first=True)
         self.in_flight.append((handles, owns, means))
         self.steps += 1
         waited = 0.0

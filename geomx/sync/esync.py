@@ -23,7 +23,7 @@ import torch
 
 from geomx.errors import ConfigError
 from geomx.compat import check_kvstore
-from geomx.sync.fusion import Fusion, bucket_bytes_for, compressed
+from geomx.sync.fusion import Fusion
 from geomx.sync.settings import check, check_saved_algorithm
 
 STATE_KEY = "__geomx.esync.state"
@@ -53,9 +53,7 @@ class ESync:
         self.params = [(n, p) for n, p in params if p.requires_grad]
         kv.init(STATE_KEY, np.zeros(kv.num_all_workers, np.float64))
         # dense model deltas travel fused (geomx.sync.fusion): a few buckets instead of a key per tensor
-        self.fusion = Fusion("esync", [n for n, _ in self.params], [p.detach() for _, p in self.params],
-                             bucket_bytes=bucket_bytes_for(kv, crosses_wan=True))
-        self.fusion.init(self.kv, [p.detach() for _, p in self.params])
+        self.fusion = Fusion.of(kv, "esync", self.params)
         if kv.is_master_worker:
             return
         index = os.environ.get("GEOMX_WORKER_INDEX", "")
@@ -83,11 +81,7 @@ class ESync:
         state[self.index] = per_step * n          # the servers divide by n: everyone reads every time back
         with torch.no_grad():
             deltas = [p.detach() - s for (_, p), s in zip(self.params, self.start, strict=False)]
-        if compressed(self.kv):          # a codec sees each tensor as it is
-            handles = self.kv.pushpull([name for name, _ in self.params], deltas, out=deltas)
-        else:
-            handles = self.fusion.pushpull(self.kv, deltas, deltas)
-        for h in [*handles, self.kv.pushpull(STATE_KEY, state, out=state)]:
+        for h in [*self.fusion.pushpull(self.kv, deltas, deltas), self.kv.pushpull(STATE_KEY, state, out=state)]:
             h.wait()
         with torch.no_grad():
             for (_, p), s, d in zip(self.params, self.start, deltas, strict=False):

@@ -19,7 +19,7 @@ import time
 import torch
 
 from geomx.errors import ConfigError
-from geomx.sync.fusion import Fusion, GradientBuckets, bucket_bytes_for, compressed
+from geomx.sync.fusion import Fusion, GradientBuckets
 from geomx.sync.settings import check_saved_algorithm
 
 
@@ -55,10 +55,7 @@ class FSA:
         if self.server_updates or self.kv.type != "dist_sync":
             return None
         trainable = [i for i, (_, p) in enumerate(self.params) if p.requires_grad]
-        fusion = Fusion("gradients", [self.params[i][0] for i in trainable],
-                        [self.params[i][1].detach() for i in trainable],
-                        bucket_bytes=bucket_bytes_for(self.kv, crosses_wan=True))
-        fusion.init(self.kv, [self.params[i][1].detach() for i in trainable])
+        fusion = Fusion.of(self.kv, "gradients", [self.params[i] for i in trainable])
         return GradientBuckets(fusion, trainable) if fusion.buckets else None
 
     def step(self, optimizer: torch.optim.Optimizer, *, compute_s: float = 0.0) -> float:
@@ -133,7 +130,7 @@ class FSA:
     def _send(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> None:
         """Push parameter ``i``'s gradient: into its bucket where it has one and the round is dense (a codec
         sees each tensor as it is), else alone."""
-        if self.buckets is not None and i in self.buckets.bucket_of and not compressed(self.kv):
+        if self.buckets is not None and i in self.buckets.bucket_of and Fusion.fuses(self.kv):
             self.buckets.add(self.kv, i, grad, self._handles)
         else:
             self._push(i, p, grad)

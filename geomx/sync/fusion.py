@@ -90,10 +90,10 @@ class Fusion:
         self.names, self.bucket_bytes = list(names), bucket_bytes
         self.buckets: list[Bucket] = []
         self.alone: list[int] = []              # tensors that travel under their own name
-        open_: dict[torch.dtype, list[int]] = {}
+        open_: dict[torch.dtype, tuple[list[int], int]] = {}      # dtype -> (members, bytes) of its open bucket
 
         def close(dtype: torch.dtype) -> None:
-            members = open_.pop(dtype, [])
+            members, _ = open_.pop(dtype, ([], 0))
             if len(members) == 1:               # a bucket of one would only add a copy
                 self.alone.append(members[0])
             elif members:
@@ -111,14 +111,29 @@ class Fusion:
             if size > bucket_bytes or not t.is_floating_point():
                 self.alone.append(i)
                 continue
-            current = open_.setdefault(t.dtype, [])
-            if (sum(tensors[j].numel() for j in current) * t.element_size() + size) > bucket_bytes:
+            members, used = open_.get(t.dtype, ([], 0))
+            if used + size > bucket_bytes:
                 close(t.dtype)
-                open_[t.dtype] = []
-            open_[t.dtype].append(i)
+                members, used = [], 0
+            open_[t.dtype] = (members + [i], used + size)
         for dtype in list(open_):
             close(dtype)
         self.alone.sort()
+
+    @classmethod
+    def of(cls, kv, use: str, named: list[tuple[str, torch.Tensor]], *, crosses_wan: bool = True) -> Fusion:
+        """The buckets of ``named`` tensors for ``kv``'s rounds (sized by :func:`bucket_bytes_for`), created on
+        the servers."""
+        tensors = [t.detach() for _, t in named]
+        fusion = cls(use, [n for n, _ in named], tensors, bucket_bytes=bucket_bytes_for(kv, crosses_wan=crosses_wan))
+        fusion.init(kv, tensors)
+        return fusion
+
+    @staticmethod
+    def fuses(kv, scope: str | None = None) -> bool:
+        """Whether a round of ``scope`` travels fused: only where it is dense on every tier it crosses (a codec
+        sees each tensor as it is: its shape, its size against the codec's bound)."""
+        return not compressed(kv, DC_TIERS if scope == "dc" else ALL_TIERS)
 
     @property
     def keys(self) -> int:
@@ -144,17 +159,20 @@ class Fusion:
     def pushpull(self, kv, values: list[torch.Tensor], into: list[torch.Tensor], *, scale: float = 1.0,
                  scope: str | None = None, first_tensors_first: bool = False) -> list:
         """``kv.pushpull`` of every tensor times ``scale``, the results landing in ``into``; returns the
-        handles (a bucket's results are unpacked into ``into`` before its handle finishes).
-        ``first_tensors_first``: priority -index (a bucket's: its first tensor's), as FSA's gradients travel."""
+        handles (a bucket's results are unpacked into ``into`` before its handle finishes). Under compression
+        (:meth:`fuses`) every tensor travels alone. ``first_tensors_first``: priority -index (a bucket's: its
+        first tensor's), as FSA's gradients travel."""
         def priority(i: int) -> int:
             return -i if first_tensors_first else 0
 
+        fused = self.fuses(kv, scope)
+        alone = self.alone if fused else range(len(self.names))
         handles = []
-        for b in self.buckets:
+        for b in self.buckets if fused else []:
             buf = self.pack(b, values, scale)
             handles.append(kv.pushpull(b.key, buf, out=buf, priority=priority(b.members[0]), scope=scope)
                            .then(_unpacker(b, buf, into)))
-        for i in self.alone:
+        for i in alone:
             with torch.no_grad():
                 value = values[i] if scale == 1.0 else values[i] * scale
             handles.append(kv.pushpull(self.names[i], value, out=into[i], priority=priority(i), scope=scope))
