@@ -38,11 +38,13 @@ if not kv.is_master_worker:
 
 
 def simulate(*, algorithm: str, k1: int, k2: int, weights: str, samples: list[float], dcs: list[list[int]],
-             steps: int, outer_lr: float = 0.7, outer_momentum: float = 0.9, overlap: int = 0) -> dict:
+             steps: int, outer_lr: float = 0.7, outer_momentum: float = 0.9, overlap: int = 0,
+             dc_sync: str = "models") -> dict:
     """Float64 reference: {(worker, key, step): model}; local SGD, DC and global (weighted) averages, and for
     DiLoCo torch's Nesterov SGD on the pseudo-gradient. ``overlap`` D: a global average is computed from the
     models at its boundary and adopted D DC periods later, each worker keeping its progress since then;
-    (worker, key, "final"): after the last one landed."""
+    ``dc_sync="gradients"``: a DC's workers step on their DC's weighted mean gradient every step (with SGD from
+    equal models: the DC's mean model after every step); (worker, key, "final"): after the last one landed."""
     n = sum(len(d) for d in dcs)
     out = {}
     for key, shape in KEYS.items():
@@ -62,6 +64,11 @@ def simulate(*, algorithm: str, k1: int, k2: int, weights: str, samples: list[fl
         for step in range(steps):
             for i in range(n):
                 w[i] = w[i] - LR * kvhelp.grad(SEED, i, step, key, shape).astype(np.float64)
+            if dc_sync == "gradients":
+                means = [dc_mean(d, w) for d in dcs]
+                for d, m in zip(dcs, means, strict=False):
+                    for i in d:
+                        w[i] = m.copy()
             t = step + 1
             if t % k1 == 0:
                 period = t // k1
@@ -111,12 +118,16 @@ CASES = {
                         samples=[10, 20, 30, 40], steps=8, slowdown=None),
     "diloco-overlap": dict(algorithm="diloco", k1=1, k2=2, overlap=2, weights="equal", per_dc=[2, 1],
                            samples=[5, 7, 9], steps=7, slowdown=None),
+    # the DC's workers step on their mean gradient every step, global averages overlapped as in hfa-overlap
+    "hfa-dc-gradients": dict(algorithm="hfa", k1=1, k2=3, overlap=2, dc_sync="gradients", weights="samples",
+                             per_dc=[2, 2], samples=[10, 20, 30, 40], steps=8, slowdown=None),
 }
 
 
 def _sync_table(case: dict) -> dict:
     return {"algorithm": case["algorithm"], "k1": case["k1"], "k2": case["k2"], "weights": case["weights"],
-            **({"overlap": case["overlap"]} if case.get("overlap") else {})}
+            **({"overlap": case["overlap"]} if case.get("overlap") else {}),
+            **({"dc_sync": case["dc_sync"]} if case.get("dc_sync") else {})}
 
 
 def _run_case(tmp_path, case: dict, name: str) -> tuple[list[dict], list[dict]]:
@@ -169,7 +180,7 @@ def test_model_averaging_matches_the_reference_at_every_step(tmp_path, name):
     dcs = [list(range(sum(per_dc[:d]), sum(per_dc[:d + 1]))) for d in range(len(per_dc))]
     ref = simulate(algorithm=case["algorithm"], k1=case["k1"], k2=case["k2"], weights=case["weights"],
                    samples=[float(s) for s in case["samples"]], dcs=dcs, steps=case["steps"],
-                   overlap=case.get("overlap", 0))
+                   overlap=case.get("overlap", 0), dc_sync=case.get("dc_sync", "models"))
     n = sum(per_dc)
     for (i, key, step), expected in ref.items():
         np.testing.assert_allclose(models[i][f"{key}@{step}"], expected, rtol=0, atol=2e-5,
@@ -184,6 +195,14 @@ def test_model_averaging_matches_the_reference_at_every_step(tmp_path, name):
         assert np.abs(models[0]["w@3"] - models[2]["w@3"]).max() > 1e-3
         assert np.abs(blocking[(0, "w", 3)] - ref[(0, "w", 3)]).max() > 1e-3
         assert "overlap=2" in infos[0]["algorithm"]
+    elif name == "hfa-dc-gradients":
+        # at a global boundary (step 3: index 2) a DC's workers are still one model, where averaging models
+        # leaves them apart until the next DC average
+        models_ref = simulate(algorithm="hfa", k1=1, k2=3, weights="samples", samples=[10.0, 20.0, 30.0, 40.0],
+                              dcs=dcs, steps=8, overlap=2)
+        np.testing.assert_array_equal(models[0]["w@2"], models[1]["w@2"])
+        assert np.abs(models_ref[(0, "w", 2)] - models_ref[(1, "w", 2)]).max() > 1e-3
+        assert "dc_sync='gradients'" in infos[0]["algorithm"]
     elif name == "diloco-overlap":
         assert "overlap=2" in infos[0]["algorithm"]
     elif name == "hfa-weighted":
@@ -197,7 +216,7 @@ def test_model_averaging_matches_the_reference_at_every_step(tmp_path, name):
         assert [x["factor"] for x in infos] == [1.0, 1.0, 1.0, 3.0]
         assert infos[3]["slept_s"] >= 2 * 0.02 * case["steps"] and all(x["slept_s"] == 0 for x in infos[:3])
     else:
-        assert "DiLoCo(k1=1, k2=2, weights='equal', overlap=0, outer_lr=0.7" in infos[0]["algorithm"]
+        assert "DiLoCo(k1=1, k2=2, weights='equal', overlap=0, dc_sync='models', outer_lr=0.7" in infos[0]["algorithm"]
         # the outer step is not a plain average: HFA's reference differs
         hfa = simulate(algorithm="hfa", k1=1, k2=2, weights="equal", samples=[5.0, 7.0, 9.0], dcs=dcs, steps=6)
         assert np.abs(hfa[(0, "w", last)] - ref[(0, "w", last)]).max() > 1e-3

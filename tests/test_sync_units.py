@@ -99,6 +99,9 @@ def test_sync_table_in_toml(tmp_path):
     ({"GEOMX_SYNC": "esync", "GEOMX_ESYNC_STEPS": "0"}, ["esync steps (GEOMX_ESYNC_STEPS)", ">= 1", "got 0"]),
     ({"GEOMX_SYNC": "hfa", "MXNET_KVSTORE_HFA_K2": "4", "GEOMX_HFA_OVERLAP": "5"},
      ["hfa overlap (GEOMX_HFA_OVERLAP)", "[0, K2 = 4]", "got 5"]),
+    ({"GEOMX_SYNC": "hfa", "GEOMX_HFA_DC_SYNC": "grads"}, ["GEOMX_HFA_DC_SYNC", "models, gradients", "'grads'"]),
+    ({"GEOMX_SYNC": "diloco", "GEOMX_HFA_DC_SYNC": "gradients", "MXNET_KVSTORE_HFA_K1": "5"},
+     ["dc_sync=gradients (GEOMX_HFA_DC_SYNC)", "K1 (MXNET_KVSTORE_HFA_K1) must be 1", "got 5"]),
     ({"GEOMX_SYNC": "dga", "GEOMX_HFA_OVERLAP": "1"}, []),       # another algorithm's variable is not read
 ])
 def test_bad_sync_settings_are_refused_naming_the_variable(env, words):
@@ -120,6 +123,16 @@ def test_k1_below_one_is_refused_by_the_class_and_by_geomx_launch(capsys):
     assert "hfa K1 (MXNET_KVSTORE_HFA_K1) must be >= 1" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="setup"):
         create(object())
+
+
+def test_dc_gradient_averages_are_refused_on_the_flat_topology_naming_it():
+    from types import SimpleNamespace
+
+    from geomx.sync import HFA
+
+    kv = SimpleNamespace(type="dist_sync", cfg=SimpleNamespace(topology="flat"), server_updates=False)
+    with pytest.raises(ConfigError, match=r"dc_sync='gradients' \(GEOMX_HFA_DC_SYNC\).*'flat' topology"):
+        HFA(k2=1, dc_sync="gradients").setup(kv, [])
 
 
 # DCASGD ------------------------------------------------------------------------------------------------------

@@ -33,6 +33,9 @@ def _add_topology_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hfa-overlap", type=int, metavar="D",
                    help="hfa/diloco: let the global average travel while training goes on, applying it D DC "
                         "periods (D x K1 steps) after it was sent, 1 <= D <= K2 (default 0: wait for it)")
+    p.add_argument("--hfa-dc-sync", choices=["models", "gradients"],
+                   help="hfa/diloco: within a DC average the workers' models every K1 steps (default), or their "
+                        "gradients before every step (K1 = 1; one model and optimizer state per DC)")
     p.add_argument("--dga-delay", type=int, help="dga: steps between pushing a gradient and applying its average "
                                                   "(default 1)")
     p.add_argument("--esync-steps", type=int, help="esync: local steps of the slowest worker per round (default 1)")
@@ -69,6 +72,7 @@ def topology_from_args(args: argparse.Namespace):
                          wan_rtt=args.wan_rtt, mode=args.mode, mixedsync=args.mixedsync, topology=args.topology,
                          sync=args.sync,
                          sync_k1=args.hfa_k1, sync_k2=args.hfa_k2, sync_overlap=args.hfa_overlap,
+                         sync_dc_sync=args.hfa_dc_sync,
                          sync_delay=args.dga_delay,
                          sync_steps=args.esync_steps, sync_slice=args.p3_slice,
                          slowdown=args.slowdown, wan_links=args.wan_link, wan_loss=args.wan_loss,

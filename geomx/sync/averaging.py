@@ -39,9 +39,10 @@ WEIGHTS_KEY = "__geomx.sync.weights"
 class HFA:
     name = "hfa"
 
-    def __init__(self, *, k1: int = 1, k2: int = 1, weights: str = "samples", overlap: int = 0) -> None:
-        s = check(self.name, {"k1": k1, "k2": k2, "weights": weights, "overlap": overlap})
-        self.k1, self.k2, self.weights, self.overlap = s.k1, s.k2, s.weights, s.overlap
+    def __init__(self, *, k1: int = 1, k2: int = 1, weights: str = "samples", overlap: int = 0,
+                 dc_sync: str = "models") -> None:
+        s = check(self.name, {"k1": k1, "k2": k2, "weights": weights, "overlap": overlap, "dc_sync": dc_sync})
+        self.k1, self.k2, self.weights, self.overlap, self.dc_sync = s.k1, s.k2, s.weights, s.overlap, s.dc_sync
         self.in_flight: InFlight | None = None     # the global average travelling (overlap > 0)
         self.steps = 0               # local steps taken
         self.dc_averages = 0         # K1 boundaries passed (each one a DC or a global average)
@@ -49,12 +50,17 @@ class HFA:
         self.kv = None
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(k1={self.k1}, k2={self.k2}, weights={self.weights!r}, overlap={self.overlap})"
+        return (f"{type(self).__name__}(k1={self.k1}, k2={self.k2}, weights={self.weights!r}, "
+                f"overlap={self.overlap}, dc_sync={self.dc_sync!r})")
 
     # set-up ---------------------------------------------------------------------------------------------------
     def setup(self, kv, params: list[tuple[str, torch.nn.Parameter]], *, num_samples: float | None = None) -> None:
         """After the initial model was pulled: check the deployment, learn every worker's share."""
         check_kvstore(kv, self.name, k2=self.k2, weights=self.weights)
+        if self.dc_sync == "gradients" and kv.cfg.topology != "hips":
+            raise ConfigError(f"{self.name} dc_sync='gradients' (GEOMX_HFA_DC_SYNC) averages gradients in DC rounds, "
+                              f"which the {kv.cfg.topology!r} topology has none of (GEOMX_TOPOLOGY, --topology): use "
+                              f"hips")
         self.kv = kv
         self.params = [(n, p) for n, p in params if p.requires_grad]
         kv.init(WEIGHTS_KEY, np.zeros(2, np.float64))
@@ -89,8 +95,24 @@ class HFA:
     def step(self, optimizer: torch.optim.Optimizer, *, compute_s: float = 0.0) -> float:
         """One training step: the local step, then an average when one is due. Returns the seconds spent
         waiting for the network."""
+        waited = self.dc_gradient_average() if self.dc_sync == "gradients" else 0.0
         optimizer.step()
-        return self.after_step()
+        return waited + self.after_step()
+
+    def dc_gradient_average(self) -> float:
+        """``dc_sync="gradients"``: the DC's workers step on their mean gradient (a DC-only round), so they keep
+        one optimizer state and one model, as data-parallel training within the DC does; returns the seconds
+        waited. A parameter without a gradient this step counts zeros, so the round completes in the DC."""
+        if self.kv.num_workers == 1:
+            return 0.0
+        started = time.perf_counter()
+        with torch.no_grad():
+            for _, p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        grads = [p.grad for _, p in self.params]
+        self.average("dc", self.dc_scale, grads, grads)
+        return time.perf_counter() - started
 
     def after_step(self) -> float:
         """Called after each local optimizer step; returns the seconds spent waiting for the network."""
@@ -102,7 +124,8 @@ class HFA:
         if self.dc_averages % self.k2:
             if self.in_flight is not None and self.dc_averages - self.in_flight.period == self.overlap:
                 self.land()
-            if self.kv.num_workers > 1:       # a DC of one worker is its own average
+            # a DC of one worker is its own average; one that averages its gradients has one model already
+            if self.kv.num_workers > 1 and self.dc_sync == "models":
                 models = [p.data for _, p in self.params]
                 self.average("dc", self.dc_scale, models, models)
         else:
@@ -250,15 +273,15 @@ class DiLoCo(HFA):
     name = "diloco"
 
     def __init__(self, *, k1: int = 1, k2: int = 1, weights: str = "samples", overlap: int = 0,
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9) -> None:
-        s = check(self.name, {"k1": k1, "k2": k2, "weights": weights, "overlap": overlap, "outer_lr": outer_lr,
-                              "outer_momentum": outer_momentum})
-        super().__init__(k1=s.k1, k2=s.k2, weights=s.weights, overlap=s.overlap)
+                 dc_sync: str = "models", outer_lr: float = 0.7, outer_momentum: float = 0.9) -> None:
+        s = check(self.name, {"k1": k1, "k2": k2, "weights": weights, "overlap": overlap, "dc_sync": dc_sync,
+                              "outer_lr": outer_lr, "outer_momentum": outer_momentum})
+        super().__init__(k1=s.k1, k2=s.k2, weights=s.weights, overlap=s.overlap, dc_sync=s.dc_sync)
         self.outer_lr, self.outer_momentum = s.outer_lr, s.outer_momentum
 
     def __repr__(self) -> str:
         return (f"DiLoCo(k1={self.k1}, k2={self.k2}, weights={self.weights!r}, overlap={self.overlap}, "
-                f"outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum})")
+                f"dc_sync={self.dc_sync!r}, outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum})")
 
     def start(self) -> None:
         super().start()

@@ -56,6 +56,9 @@ DC_ROUND_ALGORITHMS = tuple(name for name, a in REGISTRY.items() if a.dc_rounds)
 SERVER_OPTIMIZER_ALGORITHMS = tuple(name for name, a in REGISTRY.items() if a.needs_server_optimizer)
 ROUND_PER_STEP_ALGORITHMS = tuple(name for name, a in REGISTRY.items() if a.round_per_step)
 WEIGHTINGS = ("samples", "equal")
+# what a DC's workers average within the DC: their models every K1 steps, or (K1 = 1) their gradients before every
+# local step, as data-parallel training does, so one optimizer state and one model per DC
+DC_SYNCS = ("models", "gradients")
 
 # option -> (environment variable, type, default); GeoMX's names where GeoMX has the option
 OPTIONS = {
@@ -63,14 +66,16 @@ OPTIONS = {
     "k2": ("MXNET_KVSTORE_HFA_K2", int, 1),
     "weights": ("GEOMX_HFA_WEIGHTS", str, "samples"),
     "overlap": ("GEOMX_HFA_OVERLAP", int, 0),
+    "dc_sync": ("GEOMX_HFA_DC_SYNC", str, "models"),
     "outer_lr": ("GEOMX_DILOCO_LR", float, 0.7),
     "outer_momentum": ("GEOMX_DILOCO_MOMENTUM", float, 0.9),
     "delay": ("GEOMX_DGA_DELAY", int, 1),
     "steps": ("GEOMX_ESYNC_STEPS", int, 1),
     "slice": ("GEOMX_P3_SLICE", int, 50_000),
 }
-ALGORITHM_OPTIONS = {"fsa": (), "p3": ("slice",), "hfa": ("k1", "k2", "weights", "overlap"),
-                     "diloco": ("k1", "k2", "weights", "overlap", "outer_lr", "outer_momentum"), "dga": ("delay",),
+ALGORITHM_OPTIONS = {"fsa": (), "p3": ("slice",), "hfa": ("k1", "k2", "weights", "overlap", "dc_sync"),
+                     "diloco": ("k1", "k2", "weights", "overlap", "dc_sync", "outer_lr", "outer_momentum"),
+                     "dga": ("delay",),
                      "esync": ("steps",)}
 SYNC_ENV = "GEOMX_SYNC"
 GEOMX_HFA_ENV = "MXNET_KVSTORE_USE_HFA"
@@ -84,6 +89,7 @@ class SyncSettings:
     k2: int = 1
     weights: str = "samples"
     overlap: int = 0
+    dc_sync: str = "models"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     delay: int = 1
@@ -128,6 +134,13 @@ def check(algorithm: str, options: Mapping, where: str = "") -> SyncSettings:
     if s.weights not in WEIGHTINGS:
         raise ConfigError(f"{algorithm} weights ({OPTIONS['weights'][0]}){where} must be one of "
                           f"{', '.join(WEIGHTINGS)}, got {s.weights!r}")
+    if s.dc_sync not in DC_SYNCS:
+        raise ConfigError(f"{algorithm} dc_sync ({OPTIONS['dc_sync'][0]}){where} must be one of "
+                          f"{', '.join(DC_SYNCS)}, got {s.dc_sync!r}")
+    if s.dc_sync == "gradients" and s.k1 != 1:
+        raise ConfigError(f"{algorithm} dc_sync=gradients ({OPTIONS['dc_sync'][0]}){where} averages gradients "
+                          f"within the DC before every local step, so K1 ({OPTIONS['k1'][0]}) must be 1, got "
+                          f"{s.k1}")
     if not s.outer_lr > 0:
         raise ConfigError(f"diloco outer_lr ({OPTIONS['outer_lr'][0]}){where} must be > 0, got {s.outer_lr}")
     if not 0 <= s.outer_momentum < 1:
