@@ -82,6 +82,14 @@ class NodeConfig:
     scheduler_tier: str | None = None      # the tier of this DC's (or the central party's) scheduler, if not dc:DC
     van: str = "zmq"                       # the transport (geomx.transport.base.Van.create); "inproc": in one process
     van_options: dict = field(default_factory=dict)   # extra arguments of that van (inproc: its Hub)
+    # the DC whose network this node sits in, if not ``dc`` (GEOMX_SITE): a global server placed inside a DC
+    # (MultiGPS) belongs to the central party's tier but reaches that DC's nodes without crossing the WAN
+    site: str | None = None
+
+    @property
+    def network_dc(self) -> str:
+        """The DC messages to and from this node are routed by (the WAN emulator's links)."""
+        return self.site or self.dc
 
     @property
     def local_tier(self) -> str:
@@ -292,6 +300,10 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
         cfg.dc = env.get("GEOMX_DC") or scheduler_name  # type: ignore[assignment]
     if scheduler_name is not None:
         cfg.scheduler_tier = f"dc:{env.get('GEOMX_DC') or scheduler_name}"
+    cfg.site = (env.get("GEOMX_SITE") or "").strip() or None
+    if cfg.site is not None and role != "global_server":
+        raise ConfigError(f"GEOMX_SITE={cfg.site!r} places a node inside a DC's network, which only a global server "
+                          f"may be (MultiGPS); this process is a {role}")
     _check_counts(cfg)
     return cfg
 

@@ -257,6 +257,29 @@ def test_incast_smoke_spreads_the_keys_over_the_global_servers_lines(tmp_path):
         assert _finite_positive(row["step_s"]) and 0 < row["efficiency"] <= 1.0 + 1e-9
 
 
+def test_incast_with_global_servers_inside_dcs_keeps_each_dcs_share_off_the_wan(tmp_path):
+    """2 DCs, 4 equal keys. One global server inside DC a: DC b's pushes cross b -> a and its replies a -> b,
+    DC a's cross no link, and nothing but set-up goes to the central party. Two, inside a and b: each DC's link
+    to the other carries its pushes for the other's half and the other's replies for its own half."""
+    js = tmp_path / "i.json"
+    assert main(["bench", "incast", "--dcs", "2", "--global-servers", "1,2", "--placement", "dcs", "--mb", "1",
+                 "--keys", "4", "--steps", "2", "--json", str(js)]) == 0
+    r = json.loads(js.read_text())
+    control, one, two = r["rows"]
+    assert control["global_server_dcs"] == [] and one["global_server_dcs"] == ["a"]
+    assert two["global_server_dcs"] == ["a", "b"]
+    model, rounds = r["model_bytes"], 1 + 2          # pushes: the warm-up and the timed steps (replies: + init)
+    assert control["link_bytes"]["b->central"] >= rounds * model
+    assert one["link_bytes"]["b->a"] >= rounds * model and one["link_bytes"]["a->b"] >= (rounds + 1) * model
+    assert one["link_bytes"].get("b->central", 0) < 0.05 * model        # registration and heartbeats only
+    assert one["link_bytes"].get("a->central", 0) < control["link_bytes"]["a->central"] / 2   # the master's init
+    for link in ("a->b", "b->a"):
+        assert two["link_bytes"][link] >= rounds * model      # half the pushes and half the replies
+    assert one["wan_bytes"] < 0.75 * control["wan_bytes"]
+    for row in r["rows"]:
+        assert _finite_positive(row["step_s"]) and 0 < row["efficiency"] <= 1.0 + 1e-9
+
+
 def test_every_bench_is_registered():
     for name in ("transport", "intra", "wan", "link", "codec", "incast", "fusion"):
         with pytest.raises(SystemExit) as exc:

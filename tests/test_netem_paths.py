@@ -1,4 +1,5 @@
-"""The emulator's links in tandem (a node's own line: the in-cast MultiGPS relieves), slow start after idle, and
+"""The emulator's links in tandem (a node's own line: the in-cast MultiGPS relieves; a DC's own line: what all
+its pair links share), slow start after idle, and
 one engine driving every link. Delivery times are checked in the model's virtual time (a recorder stands in
 for the delivery scheduler), free of the machine's noise; the end-to-end test checks what crossed which line.
 """
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 
 from geomx.errors import ConfigError
-from geomx.netem import EmulatedLink, LinkEngine, WanEmulator, node_links
-from geomx.netem.link import NODE_EGRESS, NODE_INGRESS
+from geomx.netem import EmulatedLink, LinkEngine, WanEmulator, dc_lines, node_links
+from geomx.netem.link import DC_EGRESS, NODE_EGRESS, NODE_INGRESS
 from geomx.netem.tcp_model import INITIAL_WINDOW_SEGMENTS, MSS_BYTES, TcpPath, tcp_path
 from geomx.profiles import CENTRAL_DC, custom_profile
 from geomx.transport.message import Message
@@ -48,6 +49,20 @@ class Recorder:
         return {name: at - t0 for name, at in zip(self.names, self.times, strict=True)}
 
 
+def inboxes(*names: str):
+    """(messages received by name, the condition notified on each, inbox(name): a van's on_message)."""
+    got: dict[str, list] = {name: [] for name in names}
+    cv = threading.Condition()
+
+    def inbox(name):
+        def on(msg):
+            with cv:
+                got[name].append(msg)
+                cv.notify_all()
+        return on
+    return got, cv, inbox
+
+
 @pytest.fixture
 def engine():
     eng = LinkEngine()
@@ -81,6 +96,24 @@ def test_dcs_pushing_into_one_node_link_share_its_rate_and_without_it_each_has_i
         assert all(lk.snapshot()["bytes"] == 2 * 2_000_000 for lk in links)   # both rounds crossed each WAN link
     finally:
         for lk in (*links, nic):
+            lk.close()
+
+
+def test_a_dcs_line_makes_its_messages_to_other_dcs_share_one_rate(engine, rec):
+    """DC a sends 2 MB to each of three DCs at once, over three 1 Gbit/s pair links (10 ms one-way): alone they
+    arrive after 16 ms + 10 ms; through a's 1 Gbit/s egress line the last arrives after 3 x 16 ms + 10 ms."""
+    pairs = [EmulatedLink(name=f"a->{dc}", rate_bps=1e9, one_way_delay_s=0.01, engine=engine, scheduler=rec)
+             for dc in "bcd"]
+    uplink = EmulatedLink(name="DC a out", rate_bps=1e9, one_way_delay_s=0.0, engine=engine, scheduler=rec,
+                          stage=DC_EGRESS)
+    try:
+        alone = rec.send_and_wait([(lk, lk.name, 2_000_000, ()) for lk in pairs])
+        assert max(alone.values()) == pytest.approx(0.016 + 0.010, abs=0.004)
+        shared = rec.send_and_wait([(uplink, lk.name, 2_000_000, (lk,)) for lk in pairs])
+        assert max(shared.values()) == pytest.approx(3 * 0.016 + 0.010, abs=0.004)
+        assert uplink.snapshot()["bytes"] == 3 * 2_000_000
+    finally:
+        for lk in (*pairs, uplink):
             lk.close()
 
 
@@ -166,19 +199,66 @@ def test_the_node_link_variable_round_trips_and_names_bad_entries():
         assert node_links.ENV in str(exc.value)
 
 
+def test_the_dc_line_variable_round_trips_and_names_bad_entries_and_unknown_dcs():
+    lines = {"a": 1e9, "b": 2.5e8}
+    assert dc_lines.parse(dc_lines.to_env(lines)) == lines
+    assert dc_lines.parse("a=1gbit, b=100mbit") == {"a": 1e9, "b": 1e8}
+    for text, named in [("a", "is not DC=RATE"), ("=1gbit", "is not DC=RATE"), ("a=fast", "a=fast"),
+                        ("a=0", "must be > 0")]:
+        with pytest.raises(ConfigError, match=named) as exc:
+            dc_lines.parse(text)
+        assert dc_lines.ENV in str(exc.value)
+    with pytest.raises(ConfigError, match="GEOMX_WAN_DC_LINES: DC line.*for x, which is no DC"):
+        WanEmulator(profile=custom_profile(1e9, 0.002), dcs=["central", "a"], dc_lines={"x": 1e9})
+
+
+def test_through_the_emulator_a_dcs_messages_to_every_other_dc_cross_its_line():
+    """DC a with a line of its own: its messages to b and to the central party both cross it (one egress line,
+    two pair links), and what it receives crosses its ingress line; DC b has none."""
+    got, cv, inbox = inboxes("a", "b", "c")
+    em = WanEmulator(profile=custom_profile(1e9, 0.002), dc_lines={"a": 5e8})
+    em.start()
+    a = ZmqVan(node_id="a", dc="a", on_message=inbox("a"), emulator=em.address)
+    b = ZmqVan(node_id="b", dc="b", on_message=inbox("b"), emulator=em.address)
+    c = ZmqVan(node_id="c", dc=CENTRAL_DC, on_message=inbox("c"), emulator=em.address)
+    try:
+        for van in (a, b, c):
+            van.start()
+        payload = np.zeros(250_000, dtype=np.uint8)
+        a.send(b.address, Message("push", tensors=[payload]), dst_dc="b")
+        a.send(c.address, Message("push", tensors=[payload]), dst_dc=CENTRAL_DC)
+        b.send(a.address, Message("reply", tensors=[payload]), dst_dc="a")
+        with cv:
+            assert cv.wait_for(lambda: all(len(v) == 1 for v in got.values()), 10.0), got
+        stats = em.stats()
+        lines = stats["dc_lines"]
+        assert set(lines) == {"DC a out", "DC a in"} and lines["DC a out"]["rate_bps"] == 5e8
+        assert lines["DC a out"]["messages"] == 2 and lines["DC a in"]["messages"] == 1
+        assert lines["DC a out"]["bytes"] == stats["links"]["a->b"]["bytes"] + stats["links"]["a->central"]["bytes"]
+        assert lines["DC a in"]["bytes"] == stats["links"]["b->a"]["bytes"]
+    finally:
+        for van in (a, b, c):
+            van.stop(flush_timeout=0.5)
+        em.stop()
+
+
+def test_wan_dc_lines_give_the_emulator_each_dcs_line_at_its_links_rate(tmp_path):
+    from geomx.cli.launch import plan
+    from geomx.cli.topology import load_topology
+
+    topo = load_topology(None, dcs=2, wan="regional", wan_dc_lines=True, wan_links=["b=100mbit/50ms"])
+    emulator = next(s for s in plan(topo, ["x"], tmp_path, ports=list(range(21000, 21005))) if s.kind == "emulator")
+    assert dc_lines.parse(emulator.env[dc_lines.ENV]) == {"a": 1e9, "b": 1e8}
+    plain = plan(load_topology(None, dcs=2, wan="regional"), ["x"], tmp_path, ports=list(range(21000, 21005)))
+    assert dc_lines.ENV not in next(s for s in plain if s.kind == "emulator").env
+    with pytest.raises(ConfigError, match="--wan-dc-lines.*needs an emulated WAN"):
+        load_topology(None, wan="lan", wan_dc_lines=True)
+
+
 def test_through_the_emulator_a_node_with_a_line_receives_and_sends_across_it():
     """A global server's van at an address with a node link: a DC's push crosses a->central and the node's
     ingress line, the reply the node's egress line and central->a; a node without one crosses only the WAN."""
-    got = {"gs": [], "other": [], "a": []}
-    cv = threading.Condition()
-
-    def inbox(name):
-        def on(msg):
-            with cv:
-                got[name].append(msg)
-                cv.notify_all()
-        return on
-
+    got, cv, inbox = inboxes("gs", "other", "a")
     probe = ZmqVan(node_id="probe", dc=CENTRAL_DC, on_message=lambda m: None)
     probe.start()
     gs_port = probe.port
@@ -238,3 +318,31 @@ def test_global_server_link_gives_each_global_server_a_fixed_port_and_the_emulat
         load_topology(None, wan="lan", global_server_link="1gbit")
     with pytest.raises(ConfigError, match="--global-server-link"):
         load_topology(None, wan="regional", global_server_link="fast")
+
+
+def test_global_server_dcs_place_each_global_server_in_a_dcs_network_and_bad_places_are_named(tmp_path):
+    from geomx.cli.launch import plan
+    from geomx.cli.topology import load_topology
+    from geomx.config import config_from_env
+
+    topo = load_topology(None, dcs=3, global_servers=3, wan="regional", global_server_dcs="a,central,c")
+    specs = plan(topo, ["python", "train.py"], tmp_path, ports=list(range(21000, 21006)))
+    servers = sorted((s for s in specs if s.name.startswith("global-server-")), key=lambda s: s.name)
+    assert [s.env.get("GEOMX_SITE") for s in servers] == ["a", None, "c"]
+    assert all("GEOMX_SITE" not in s.env for s in specs if not s.name.startswith("global-server-"))
+    # the node's configuration: its tier stays the central party's, its network is the DC's
+    cfg = config_from_env({**servers[0].env, "DMLC_ROLE": "server"})
+    assert (cfg.role, cfg.dc, cfg.network_dc, cfg.local_tier) == ("global_server", "central", "a", "dc:central")
+    assert config_from_env({**servers[1].env, "DMLC_ROLE": "server"}).network_dc == "central"
+    worker = next(s for s in specs if s.name == "a-worker-0")
+    with pytest.raises(ConfigError, match="GEOMX_SITE='b'.*only a global server.*worker"):
+        config_from_env({**worker.env, "GEOMX_SITE": "b"})
+    for flags, words in [
+        (dict(global_servers=2, global_server_dcs="a"), "names 1 place(s) but there are 2 global server(s)"),
+        (dict(global_servers=1, global_server_dcs="x"), "global server 0 is placed in 'x', which is no DC"),
+        (dict(global_servers=1, global_server_dcs="a", wan="lan"), "needs one (--wan lan has none)"),
+        (dict(global_servers=1, global_server_dcs="a", topology="flat"), "the 'flat' topology"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            load_topology(None, **{"wan": "regional", **flags})
+        assert "--global-server-dcs" in str(err.value) and words in str(err.value), str(err.value)

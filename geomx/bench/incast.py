@@ -88,16 +88,32 @@ def kv_worker_main(argv: list[str]) -> int:
 
 def _bound(topo, model_bytes: int, servers: int, node_bps: float | None) -> float:
     """The model's lower bound of one step: the busiest line's bytes in one direction at its rate (pushes and
-    replies of different keys cross at once, in opposite directions), plus one round trip."""
+    replies of different keys cross at once, in opposite directions), plus one round trip. Each directed link
+    x -> y carries the pushes of DC x to the global servers in y and the replies of the servers in x to DC y: a
+    share of the keys each (the master worker balances them by bytes), nothing of what stays inside a DC."""
+    from geomx.profiles import CENTRAL_DC
+
     wan_bps = min(topo.profile.uplink_bps, topo.profile.downlink_bps)
-    busiest = model_bytes * 8 / wan_bps
+    places = topo.global_server_dcs or [CENTRAL_DC] * servers
+    share = {p: places.count(p) / servers for p in [CENTRAL_DC, *topo.dc_names]}
+    pair = {(x, y): (share[y] if x != CENTRAL_DC else 0.0) + (share[x] if y != CENTRAL_DC else 0.0)
+            for x in share for y in share if x != y}
+    loads = list(pair.values())
+    if topo.dc_lines:          # a DC's line carries all of its links' bytes, in each direction
+        for dc in topo.dc_names:
+            loads += [sum(v for (x, _), v in pair.items() if x == dc), sum(v for (_, y), v in pair.items() if y == dc)]
+    busiest = max(loads) * model_bytes * 8 / wan_bps
     if node_bps:
         busiest = max(busiest, topo.dcs * model_bytes / servers * 8 / node_bps)
     return busiest + topo.profile.rtt_s
 
 
 def bench_incast(*, dcs: int, servers: list[int], link: str, mb: float, keys: int, steps: int, profile: str,
-                 run_dir: str | None = None, timeout: float = 900.0) -> dict:
+                 run_dir: str | None = None, timeout: float = 900.0, placement: str = "lines",
+                 dc_lines: bool = False) -> dict:
+    """``placement``: "lines", each global server at the central party on a line of its own; "dcs", global server
+    i inside DC i (no line of its own), MultiGPS's other deployment. ``dc_lines``: each DC's traffic to all
+    others shares one line (geomx.netem.dc_lines) in every row."""
     from geomx.cli.topology import load_topology
     from geomx.profiles import parse_rate
 
@@ -106,31 +122,46 @@ def bench_incast(*, dcs: int, servers: list[int], link: str, mb: float, keys: in
                           f">= 1 each, got {dcs}, {steps}, {mb}, {keys}, {servers}")
     node_bps = parse_rate(link)
     model_bytes = sum(_key_elements(mb, keys)) * 4
-    rows = [("control: 1 global server, no node link", 1, None)] + [
-        (f"{g} global server{'s' if g > 1 else ''}, each on its own {node_bps / 1e9:g} Gbit/s line", g, link)
-        for g in servers]
+    if placement not in ("lines", "dcs"):
+        raise ConfigError(f"incast bench: --placement is lines or dcs, got {placement!r}")
+    if placement == "dcs" and max(servers) > dcs:
+        raise ConfigError(f"incast bench: --placement dcs puts global server i inside DC i, so --global-servers "
+                          f"must be <= --dcs ({dcs}), got {max(servers)}")
+    dc_names = load_topology(None, dcs=dcs, workers_per_dc=1).dc_names
+    rows = [("control: 1 global server, no node link", 1, None, None)]
+    for g in servers:
+        if placement == "lines":
+            rows.append((f"{g} global server{'s' if g > 1 else ''}, each on its own {node_bps / 1e9:g} Gbit/s line",
+                         g, link, None))
+        else:
+            rows.append((f"{g} global server{'s' if g > 1 else ''} inside DC{'s' if g > 1 else ''} "
+                         f"{', '.join(dc_names[:g])}", g, None, ",".join(dc_names[:g])))
     results = []
     with run_directory(run_dir, "incast") as rd:
-        for name, g, line in rows:
+        for name, g, line, places in rows:
             topo = load_topology(None, dcs=dcs, workers_per_dc=1, global_servers=g, wan=profile,
-                                 global_server_link=line)
-            row_dir = rd / (f"g{g}" + ("-node" if line else "-control"))
+                                 global_server_link=line, global_server_dcs=places, wan_dc_lines=dc_lines or None)
+            row_dir = rd / (f"g{g}" + ("-node" if line else "-dcs" if places else "-control"))
             command = [sys.executable, "-m", "geomx.bench.incast", "kv-worker", "--mb", str(mb), "--keys", str(keys),
                        "--steps", str(steps)]
             wall = launch(topo, command, row_dir, timeout, f"incast bench ({name})")
             per_dc = [read_json(row_dir / f"incast-{dc}.json", "incast bench") for dc in topo.dc_names]
             links = read_json(row_dir / "wan_links.json", "incast bench")
             step_s = max(r["loop_s"] for r in per_dc) / steps
+            wan_bytes = sum(v["bytes"] for v in links.get("links", {}).values())
             bound = _bound(topo, model_bytes, g, node_bps if line else None)
             results.append({"row": name, "global_servers": g, "node_link_bps": node_bps if line else None,
+                            "global_server_dcs": topo.global_server_dcs, "wan_bytes": wan_bytes,
+                            "link_bytes": {k: v["bytes"] for k, v in links.get("links", {}).items()},
                             "step_s": step_s, "bound_s": bound, "efficiency": bound / step_s, "deployment_s": wall,
                             "node_bytes": {k: v["bytes"] for k, v in links.get("node_links", {}).items()},
                             "steps": [r["step_s"] for r in per_dc]})
-    one = next(r for r in results if r["node_link_bps"] and r["global_servers"] == min(servers))
+    # the baseline: the fewest global servers placed as this run places them
+    one = next(r for r in results[1:] if r["global_servers"] == min(servers))
     for r in results:
         r["speedup_vs_one"] = ratio(one["step_s"], r["step_s"])
     return {"dcs": dcs, "profile": profile, "mb": mb, "model_bytes": model_bytes, "keys": keys, "steps": steps,
-            "node_link_bps": node_bps, "rows": results}
+            "node_link_bps": node_bps, "placement": placement, "dc_lines": dc_lines, "rows": results}
 
 
 def format_incast_report(res: dict) -> str:
@@ -138,25 +169,33 @@ def format_incast_report(res: dict) -> str:
 
     p = get_profile(res["profile"])
     rows = [[r["row"], f"{r['step_s']:.3f}", f"{r['bound_s']:.3f}", f"{r['efficiency']:.2f}",
-             f"{r['speedup_vs_one']:.2f}x"] for r in res["rows"]]
+             f"{r['speedup_vs_one']:.2f}x", f"{r['wan_bytes'] / 1e6:.0f}"] for r in res["rows"]]
+    placed = "on node links" if res.get("placement", "lines") == "lines" else "inside DCs"
     table = markdown_table(["configuration", "s / step", "model's bound, s", "bound / measured",
-                            f"speedup vs {min(r['global_servers'] for r in res['rows'] if r['node_link_bps'])} "
-                            f"global server(s) on node links"], rows)
+                            f"speedup vs {min(r['global_servers'] for r in res['rows'][1:])} "
+                            f"global server(s) {placed}", "WAN MB, whole run"], rows)
     return "\n".join([
         f"{res['dcs']} DCs x 1 worker, HiPS FSA, WAN `{res['profile']}` ({p.description}) from every DC, a dense "
         f"model of {res['model_bytes'] / 1e6:.1f} MB in {res['keys']} float32 keys; {res['steps']} timed steps per "
-        f"row after a checked warm-up step.", "", table, "",
+        f"row after a checked warm-up step"
+        f"{'; each DC on one line of its own to the WAN (--wan-dc-lines)' if res.get('dc_lines') else ''}.",
+        "", table, "",
         "Seconds per step = the slowest worker's timed loop / steps. The model's bound: the busiest line's bytes "
         "in one direction at its rate (a global server's node link carries every DC's share of its keys, a DC's "
-        "WAN link its own model; pushes and replies cross at once), plus one round trip. The control row has no "
+        "WAN link its own model; pushes and replies cross at once), plus one round trip. WAN MB: every emulated "
+        "DC link's bytes over the whole run (keys' initialization, the warm-up step and the timed steps). The "
+        "control row has no "
         "node link: each DC's traffic crosses only its own WAN link, so the gap between it and the single global "
-        "server on its line is the in-cast."])
+        "server on its line is the in-cast. A global server inside a DC: that DC's share of its keys crosses no "
+        "WAN link, the other DCs' cross their link to that DC and back (the emulator's link per directed DC pair, "
+        "full duplex: a link x -> y carries x's pushes to the servers in y and the replies of the servers in x)."])
 
 
 def cmd_incast(args) -> int:
     servers = [int(x) for x in str(args.global_servers).split(",") if x.strip()]
     result = bench_incast(dcs=args.dcs, servers=servers, link=args.global_server_link, mb=args.mb, keys=args.keys,
-                          steps=args.steps, profile=args.profile, run_dir=args.run_dir, timeout=args.timeout)
+                          steps=args.steps, profile=args.profile, run_dir=args.run_dir, timeout=args.timeout,
+                          placement=args.placement, dc_lines=args.dc_lines)
     emit_report(args, "geomx bench incast: global servers on lines of their own (MultiGPS)",
                 format_incast_report(result), result)
     return 0
@@ -174,6 +213,12 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     p.add_argument("--mb", type=float, default=32, help="model size in MiB (default 32)")
     p.add_argument("--keys", type=int, default=32, help="tensors the model is made of (default 32: 1 MiB each)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per row (default 5)")
+    p.add_argument("--placement", choices=["lines", "dcs"], default="lines",
+                   help="lines: each global server at the central party on a line of its own (default); dcs: global "
+                        "server i inside DC i, with no line of its own")
+    p.add_argument("--dc-lines", action="store_true",
+                   help="each DC's traffic to all others shares one line at its link's rate (geomx launch "
+                        "--wan-dc-lines), as a real DC's uplink does")
     p.set_defaults(fn=cmd_incast)
     return p
 

@@ -31,7 +31,7 @@ from geomx.dropped import FILE as DROPPED_FILE
 from geomx.dropped import DropLog
 from geomx.errors import ConfigError
 from geomx.metrics import METRICS_DIR
-from geomx.netem import link_matrix, node_links
+from geomx.netem import dc_lines, link_matrix, node_links
 from geomx.netem import outages as outage_plan
 from geomx.netem.emulator import STATS_FILE
 from geomx.cli.fault_domains import MIN_DCS_ENV, MIN_WORKERS_ENV, DcRole, Losses
@@ -130,6 +130,7 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
             **({link_matrix.ENV: link_matrix.to_env(topo.wan_links)} if topo.wan_links else {}),
             **topo.tcp.to_env(),
             **({node_links.ENV: node_links.to_env(node_lines)} if node_lines else {}),
+            **({dc_lines.ENV: dc_lines.to_env(topo.dc_line_rates())} if topo.dc_lines else {}),
             **({"GEOMX_WAN_PROFILE": p.name} if p.name != "custom" else
                {"GEOMX_WAN_RATE": str(p.uplink_bps), "GEOMX_WAN_RTT": str(p.rtt_s),
                 "GEOMX_WAN_JITTER": str(p.jitter_s)})}, pinned=True))
@@ -145,7 +146,8 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
     for i in range(G):
         specs.append(RoleSpec(f"global-server-{i}", "server", node, {
             **base, **glob, **central, "DMLC_ROLE_GLOBAL": "global_server", "DMLC_ROLE": "server",
-            "DMLC_NUM_ALL_WORKER": str(N), "GEOMX_RANK": str(i), **({"PORT": str(gs_ports[i])} if gs_ports else {})},
+            "DMLC_NUM_ALL_WORKER": str(N), "GEOMX_RANK": str(i), **({"PORT": str(gs_ports[i])} if gs_ports else {}),
+            **_site(topo, i)},
             pinned=bool(gs_ports)))
     specs.append(RoleSpec("master", "master", list(command), {
         **base, **central, "DMLC_ROLE": "worker", "DMLC_ROLE_MASTER_WORKER": "1", "DMLC_NUM_ALL_WORKER": str(N)},
@@ -169,6 +171,12 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
             specs.append(RoleSpec(f"{dc}-worker-{r}", "worker", list(command), env, echo=True, dc=dc))
             index += 1
     return specs
+
+
+def _site(topo: Topology, server: int) -> dict[str, str]:
+    """Global server ``server``'s placement inside a DC's network (--global-server-dcs), if not central."""
+    dcs = topo.global_server_dcs
+    return {"GEOMX_SITE": dcs[server]} if dcs and dcs[server] != CENTRAL_DC else {}
 
 
 def run_files(run_dir: Path, roles: list[str]) -> list[Path]:

@@ -57,6 +57,12 @@ def _add_topology_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-server-link", metavar="RATE",
                    help="put each global server on a line of its own of this rate (e.g. 1gbit), both directions, "
                         "which every DC's traffic to it shares: the in-cast that several global servers relieve")
+    p.add_argument("--global-server-dcs", metavar="DC,...",
+                   help="where each global server sits, one name per global server: central (the default) or a DC "
+                        "(e.g. a,b): its traffic with that DC's nodes then crosses no WAN link (MultiGPS placement)")
+    p.add_argument("--wan-dc-lines", action="store_true", default=None,
+                   help="each DC's traffic to every other DC shares one line (its link's rate, each direction), as "
+                        "a real DC's uplink does; without it every DC pair has a link of its own")
     p.add_argument("--wan-link", action="append", metavar="LINK=RATE/RTT[/LOSS]",
                    help="one link's own rate and RTT, and loss (repeatable): b=50mbit/250ms (both directions between "
                         "DC b and the central party), a->central=1gbit/20ms (one direction), b=50mbit/250ms/0.1%%")
@@ -77,7 +83,8 @@ def topology_from_args(args: argparse.Namespace):
                          sync_steps=args.esync_steps, sync_slice=args.p3_slice,
                          slowdown=args.slowdown, wan_links=args.wan_link, wan_loss=args.wan_loss,
                          wan_streams=args.wan_streams, wan_window=args.wan_window,
-                         wan_slow_start=args.wan_slow_start, global_server_link=args.global_server_link)
+                         wan_slow_start=args.wan_slow_start, global_server_link=args.global_server_link,
+                         global_server_dcs=args.global_server_dcs, wan_dc_lines=args.wan_dc_lines)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

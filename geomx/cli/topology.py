@@ -12,6 +12,8 @@ Read from a TOML file and/or command-line flags (flags win). Example topo.toml:
     slowdown = ["b=3", "a:1=2"]  # DC[:RANK]=FACTOR: those workers compute FACTOR times slower
     sync = "hfa"                 # or a table: sync = { algorithm = "hfa", k1 = 20, k2 = 10 } (geomx.sync)
     global_server_link = "1gbit" # each global server on a line of its own (geomx.netem.node_links)
+    global_server_dcs = ["a", "b"]  # where each global server sits: "central" (default) or inside a DC
+    wan_dc_lines = true          # each DC's cross-DC traffic shares one line (geomx.netem.dc_lines)
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from geomx.config import MIXEDSYNC, MODES, TOPOLOGIES, env_checkpoint_seconds
 from geomx.errors import ConfigError
 from geomx.netem.link_matrix import assignments, parse_link_overrides
 from geomx.netem.tcp_model import TcpPath, tcp_path
-from geomx.profiles import WanProfile, custom_profile, get_profile, parse_duration, parse_rate
+from geomx.profiles import CENTRAL_DC, WanProfile, custom_profile, get_profile, parse_duration, parse_rate
 from geomx.sync.settings import launch_env, settings_from_env
 from geomx.sync.slowdown import parse_factor
 
@@ -44,6 +46,17 @@ class Topology:
     wan_links: dict = field(default_factory=dict)   # (src, dst) -> link_matrix.LinkSpec: per-link overrides
     tcp: TcpPath = field(default_factory=TcpPath)   # loss, streams, window, slow start: every link's TCP
     global_server_link_bps: float | None = None     # each global server's own line (node link), if any
+    # the DC each global server's network is (MultiGPS placement): CENTRAL_DC, or a DC's name; its traffic with
+    # that DC's nodes then crosses no WAN link
+    global_server_dcs: list[str] = field(default_factory=list)
+    dc_lines: bool = False          # each DC's traffic to every other shares one line, at its link's rate
+
+    def dc_line_rates(self) -> dict[str, float]:
+        """Each DC's line (``dc_lines``): the rate of its link to the central party (an override included)."""
+        if not self.dc_lines:
+            return {}
+        return {dc: (self.wan_links[(dc, CENTRAL_DC)].rate_bps if (dc, CENTRAL_DC) in self.wan_links
+                     else self.profile.rate_for(dc, CENTRAL_DC)) for dc in self.dc_names}
 
     @property
     def fixed_ports(self) -> int:
@@ -121,7 +134,7 @@ def load_topology(path: str | None = None, **flags) -> Topology:
             raise ConfigError(f"topology file {path} is not valid TOML: {exc}") from None
         known = {"dcs", "workers_per_dc", "global_servers", "mode", "mixedsync", "topology", "wan", "env", "host",
                  "slowdown", "wan_links", "wan_loss", "wan_streams", "wan_window", "wan_slow_start",
-                 "global_server_link", "sync"}
+                 "global_server_link", "global_server_dcs", "wan_dc_lines", "sync"}
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"topology file {path}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
@@ -172,6 +185,15 @@ def load_topology(path: str | None = None, **flags) -> Topology:
             raise ConfigError(f"global_server_link{where} (--global-server-link): {exc}") from None
         if not topo.global_server_link_bps > 0:
             raise ConfigError(f"global_server_link{where} (--global-server-link) must be > 0 bit/s")
+    if data.get("wan_dc_lines"):
+        if not topo.profile.emulated:
+            raise ConfigError(f"wan_dc_lines{where} (--wan-dc-lines) needs an emulated WAN (--wan {topo.profile.name} "
+                              f"has none)")
+        if not isinstance(data["wan_dc_lines"], bool):
+            raise ConfigError(f"wan_dc_lines{where} must be true or false, got {data['wan_dc_lines']!r}")
+        topo.dc_lines = True
+    if data.get("global_server_dcs") is not None:
+        topo.global_server_dcs = parse_global_server_dcs(data["global_server_dcs"], topo, where)
     sync = data.get("sync")
     if sync is not None and not isinstance(sync, (str, dict)):
         raise ConfigError(f"sync{where} must be an algorithm name or a table, got {sync!r}")
@@ -182,6 +204,30 @@ def load_topology(path: str | None = None, **flags) -> Topology:
         topo.env.update(launch_env(sync, where))
         topo.validate()          # again, with the synchronization algorithm
     return topo
+
+
+def parse_global_server_dcs(value, topo: Topology, where: str = "") -> list[str]:
+    """``"central,a"`` or ``["central", "a"]`` -> one network DC per global server, checked against the
+    deployment (hips, an emulated WAN, as many names as global servers, each the central party or a DC)."""
+    what = f"global_server_dcs{where} (--global-server-dcs)"
+    names = [n.strip() for n in value.split(",")] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"{what} must list DC names, got {value!r}")
+    if topo.topology != "hips":
+        raise ConfigError(f"{what} places the global servers of the hips topology; the {topo.topology!r} topology "
+                          f"has its workers talk to them directly")
+    if not topo.profile.emulated:
+        raise ConfigError(f"{what} places global servers in the emulated WAN's DCs: it needs one (--wan "
+                          f"{topo.profile.name} has none)")
+    if len(names) != topo.global_servers:
+        raise ConfigError(f"{what} names {len(names)} place(s) but there are {topo.global_servers} global "
+                          f"server(s) (--global-servers): one place each")
+    known = [CENTRAL_DC, *topo.dc_names]
+    for i, name in enumerate(names):
+        if name not in known:
+            raise ConfigError(f"{what}: global server {i} is placed in {name!r}, which is no DC of this deployment "
+                              f"({', '.join(known)})")
+    return names
 
 
 def parse_slowdown(entries, dc_names: list[str], workers_per_dc: list[int],

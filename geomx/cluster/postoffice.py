@@ -116,7 +116,7 @@ class Tier:
                          dst_dc=self.scheduler_dc)
 
     def register(self, requested_rank: int | None) -> None:
-        self.send_to_scheduler(Op.REGISTER, tier_role=self.tier_role, kind=self.po.cfg.role, dc=self.po.cfg.dc,
+        self.send_to_scheduler(Op.REGISTER, tier_role=self.tier_role, kind=self.po.cfg.role, dc=self.po.cfg.network_dc,
                                addr=self.po.van.address, rank=requested_rank, declared=self.declared,
                                pid=os.getpid(), hostname=socket.gethostname(), token=self.token)
         deadline = self.po.cfg.connect_timeout
@@ -215,12 +215,13 @@ class Postoffice:
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         # metrics: the van's byte counters every second (and at close), plus what roles add (queue depths)
-        self.metrics = metrics.open_process_writer(cfg.run_dir, cfg.role, cfg.dc)
+        # bytes are counted from the network the process sits in (a global server inside a DC: that DC's)
+        self.metrics = metrics.open_process_writer(cfg.run_dir, cfg.role, cfg.network_dc)
         self.metrics_fields: list[Callable[[], dict]] = []
         self._metrics_thread: threading.Thread | None = None
-        self.van = Van.create(cfg.van, node_id=self.node_id, dc=cfg.dc, on_message=self._dispatch, host=cfg.host,
-                              port=cfg.port, bind_host=cfg.bind_host, emulator=cfg.emulator, security=cfg.security,
-                              **cfg.van_options)
+        self.van = Van.create(cfg.van, node_id=self.node_id, dc=cfg.network_dc, on_message=self._dispatch,
+                              host=cfg.host, port=cfg.port, bind_host=cfg.bind_host, emulator=cfg.emulator,
+                              security=cfg.security, **cfg.van_options)
 
     def start(self) -> None:
         self.van.start()

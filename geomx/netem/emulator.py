@@ -7,8 +7,9 @@ A van that sends to a node of another DC connects a DEALER to the emulator's ROU
 one-way delay and jitter) and, once it has crossed the link, forwards exactly ``frames`` (the same zmq frames,
 not copied) to ``dst`` through a DEALER of its own. Because all flows between two DCs cross one link object,
 they really share its rate. Where the sender or the receiver has a node link of its own
-(geomx.netem.node_links), the message crosses that too, in tandem: the sender's egress line, the DC pair's
-link, the receiver's ingress line.
+(geomx.netem.node_links), or its DC a line that all its cross-DC traffic shares (geomx.netem.dc_lines), the
+message crosses those too, in tandem: the sender's egress line, its DC's egress line, the DC pair's link, the
+receiving DC's ingress line, the receiver's ingress line.
 
 One thread does the work and owns every socket (ZeroMQ sockets are not thread-safe): it receives (the ROUTER),
 queues each message on its links, pumps the :class:`~geomx.netem.link.LinkEngine` that serializes every link's
@@ -38,7 +39,8 @@ from geomx.errors import ConfigError
 from geomx.netem import link_matrix
 from geomx.netem import outages as outage_plan
 from geomx.netem import node_links as node_link_plan
-from geomx.netem.link import NODE_EGRESS, NODE_INGRESS, EmulatedLink, LinkEngine
+from geomx.netem import dc_lines as dc_line_plan
+from geomx.netem.link import DC_EGRESS, DC_INGRESS, NODE_EGRESS, NODE_INGRESS, EmulatedLink, LinkEngine
 from geomx.netem.tcp_model import TcpPath, tcp_path_from_env
 from geomx.transport.security import Curve, Plain, Sealed, link_security
 from geomx.profiles import WanProfile, custom_profile, get_profile, parse_duration, parse_rate
@@ -73,13 +75,15 @@ class WanEmulator:
                  hosts: Iterable[str] | None = None,
                  links: dict[tuple[str, str], link_matrix.LinkSpec] | None = None,
                  outages: outage_plan.Outages | None = None, tcp: TcpPath | None = None,
-                 node_links: dict[str, float] | None = None) -> None:
+                 node_links: dict[str, float] | None = None, dc_lines: dict[str, float] | None = None) -> None:
         """``dcs``: the DCs of the deployment (the central party included); a route naming another is dropped.
         ``hosts``: the hosts messages may be relayed to (default: this host and the loopback); the emulator
         never forwards anywhere else, so it cannot be used to reach a third party. ``links``: per-link rate
         and RTT that replace the profile's on those links (geomx.netem.link_matrix). ``outages``: partitions
         that heal, by DC, in seconds after :meth:`start` (geomx.netem.outages). ``tcp``: loss, streams and window
-        that cap every link at what its TCP streams can move (geomx.netem.tcp_model)."""
+        that cap every link at what its TCP streams can move (geomx.netem.tcp_model). ``node_links``: nodes with
+        a line of their own, by address (geomx.netem.node_links); ``dc_lines``: DCs whose cross-DC traffic shares
+        one line, by name (geomx.netem.dc_lines)."""
         if not profile.emulated:
             raise ConfigError(f"WAN profile {profile.name!r} is not emulated: no emulator is needed")
         self.profile = profile
@@ -88,7 +92,13 @@ class WanEmulator:
         self.tcp = tcp or TcpPath()
         self.node_rates = dict(node_links or {})
         self._node_links: dict[tuple[str, int], EmulatedLink] = {}   # (address, stage) -> its line
+        self.dc_rates = dict(dc_lines or {})
+        self._dc_lines: dict[tuple[str, int], EmulatedLink] = {}     # (DC, stage) -> its line
         self.dcs = frozenset(dcs) if dcs is not None else None
+        unknown = sorted(set(self.dc_rates) - self.dcs) if self.dcs is not None else []
+        if unknown:
+            raise ConfigError(f"{dc_line_plan.ENV}: DC line(s) for {', '.join(unknown)}, which is no DC of this "
+                              f"deployment ({', '.join(sorted(self.dcs))})")
         self.hosts = frozenset(hosts) if hosts is not None else frozenset({host, "127.0.0.1", "localhost"})
         self.refusals = RefusalLog(log)
         self._security = security   # with GEOMX_SECRET the emulator is a CurveZMQ peer like any node
@@ -181,6 +191,7 @@ class WanEmulator:
         with self._links_lock:
             items = list(self._links.items())
             nodes = sorted(self._node_links.items())
+            dc_lines = sorted(self._dc_lines.items())
         links = {}
         for (src, dst), link in sorted(items):
             snap = link.snapshot()
@@ -188,10 +199,12 @@ class WanEmulator:
             links[f"{src}->{dst}"] = {"src_dc": src, "dst_dc": dst, **snap}
         node_links = {link.name: {"address": addr, "direction": "in" if stage == NODE_INGRESS else "out",
                                   **link.snapshot()} for (addr, stage), link in nodes}
+        dcs = {link.name: {"dc": dc, "direction": "in" if stage == DC_INGRESS else "out", **link.snapshot()}
+               for (dc, stage), link in dc_lines}
         return {"profile": self.profile.name, "address": self.address, "t0_unix": self._t0_unix,
                 "elapsed_s": time.monotonic() - self._epoch, "dropped_messages": self.dropped_messages,
                 "parked_messages": self.parked_messages,
-                "links": links, "node_links": node_links}
+                "links": links, "node_links": node_links, "dc_lines": dcs}
 
     def link(self, src_dc: str, dst_dc: str) -> EmulatedLink:
         """The link src_dc -> dst_dc, created on first use; ValueError for DCs outside the configuration."""
@@ -218,16 +231,26 @@ class WanEmulator:
     def node_link(self, addr: str, stage: int) -> EmulatedLink | None:
         """The line of the node at ``addr`` in one direction (``NODE_INGRESS`` or ``NODE_EGRESS``), created on
         first use; None where the node has none."""
-        rate = self.node_rates.get(addr)
+        name = f"{addr.removeprefix('tcp://')} {'in' if stage == NODE_INGRESS else 'out'}"
+        return self._line(self._node_links, self.node_rates, addr, stage, name)
+
+    def dc_line(self, dc: str, stage: int) -> EmulatedLink | None:
+        """DC ``dc``'s own line in one direction (``DC_INGRESS`` or ``DC_EGRESS``), created on first use; None
+        where the DC has none."""
+        return self._line(self._dc_lines, self.dc_rates, dc, stage,
+                          f"DC {dc} {'in' if stage == DC_INGRESS else 'out'}")
+
+    def _line(self, lines: dict, rates: dict[str, float], owner: str, stage: int, name: str) -> EmulatedLink | None:
+        """A line without delay of its own (a node's, a DC's), in tandem with the pair links."""
+        rate = rates.get(owner)
         if rate is None:
             return None
         with self._links_lock:
-            link = self._node_links.get((addr, stage))
+            link = lines.get((owner, stage))
             if link is None:
-                link = self._node_links[(addr, stage)] = EmulatedLink(
-                    name=f"{addr.removeprefix('tcp://')} {'in' if stage == NODE_INGRESS else 'out'}", rate_bps=rate,
-                    one_way_delay_s=0.0, chunk_bytes=self.chunk_bytes, engine=self._engine, epoch=self._epoch,
-                    stage=stage)
+                link = lines[(owner, stage)] = EmulatedLink(
+                    name=name, rate_bps=rate, one_way_delay_s=0.0, chunk_bytes=self.chunk_bytes,
+                    engine=self._engine, epoch=self._epoch, stage=stage)
             return link
 
     # -- threads -----------------------------------------------------------------------------------------
@@ -302,8 +325,8 @@ class WanEmulator:
             payload = [parking.marker(parking.RELEASE, park)]
             self.parked_messages += 1
         src = route.get("src")
-        path = [self.node_link(src, NODE_EGRESS) if isinstance(src, str) else None, self.link(src_dc, dst_dc),
-                self.node_link(dst, NODE_INGRESS)]
+        path = [self.node_link(src, NODE_EGRESS) if isinstance(src, str) else None, self.dc_line(src_dc, DC_EGRESS),
+                self.link(src_dc, dst_dc), self.dc_line(dst_dc, DC_INGRESS), self.node_link(dst, NODE_INGRESS)]
         first, *then = [link for link in path if link is not None]
         first.enqueue(nbytes, prio, lambda: self._forward(dst, payload), then=tuple(then))
 
@@ -407,7 +430,7 @@ def run_from_env(env: Mapping[str, str] | None = None) -> int:
     GEOMX_WAN_OUTAGES (optional: partitions that heal, by DC, geomx.netem.outages),
     GEOMX_WAN_LOSS / GEOMX_WAN_STREAMS / GEOMX_WAN_WINDOW / GEOMX_WAN_SLOW_START (optional: the TCP ceiling and
     slow start after idle, geomx.netem.tcp_model), GEOMX_WAN_NODE_LINKS (optional: nodes with a line of their own,
-    geomx.netem.node_links).
+    geomx.netem.node_links), GEOMX_WAN_DC_LINES (optional: DCs whose traffic shares a line, geomx.netem.dc_lines).
     """
     env = os.environ if env is None else env
     profile = profile_from_env(env)
@@ -429,7 +452,8 @@ def run_from_env(env: Mapping[str, str] | None = None) -> int:
                            security=link_security(env), dcs=dcs, hosts=hosts,
                            links=link_matrix.from_env(env.get(link_matrix.ENV), dcs),
                            outages=outage_plan.from_env(env.get(outage_plan.ENV), dcs),
-                           tcp=tcp_path_from_env(env), node_links=node_link_plan.parse(env.get(node_link_plan.ENV)))
+                           tcp=tcp_path_from_env(env), node_links=node_link_plan.parse(env.get(node_link_plan.ENV)),
+                           dc_lines=dc_line_plan.parse(env.get(dc_line_plan.ENV)))
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -59,8 +59,9 @@ LOOKAHEAD_S = 0.002     # how far the virtual clock may run ahead of real time b
 CHUNK_SECONDS = 0.0005  # on a fast line a chunk is what it carries in this long (at least chunk_bytes)
 _IDLE_WAIT_S = 0.5      # every wait has a timeout, so a lost notify or a close is noticed
 
-# the stages of a path, in the order the engine serves them within one pass
-NODE_EGRESS, WAN, NODE_INGRESS = 0, 1, 2
+# the stages of a path, in the order the engine serves them within one pass: a node's own line, its DC's line,
+# the DC pair's link, the receiving DC's line, the receiving node's line
+NODE_EGRESS, DC_EGRESS, WAN, DC_INGRESS, NODE_INGRESS = 0, 1, 2, 3, 4
 
 _arrivals = itertools.count()   # messages in the order they were enqueued, on any link: FIFO among equals
 
@@ -199,7 +200,7 @@ class EmulatedLink:
     ``engine``: the :class:`LinkEngine` that serializes this link (the link makes and owns one if None);
     ``scheduler``: what calls deliveries at their times (default: the engine; anything with
     ``schedule(at, fn)``). ``epoch``: monotonic time of second 0 of the throughput series (links of one emulator
-    share it). ``stage``: where the link sits on a path (NODE_EGRESS, WAN, NODE_INGRESS).
+    share it). ``stage``: where the link sits on a path (NODE_EGRESS ... NODE_INGRESS).
     """
 
     def __init__(self, *, name: str, rate_bps: float, one_way_delay_s: float, jitter_s: float = 0.0,

@@ -15,32 +15,22 @@ such a link; the van names its own address in every message it sends through the
 """
 from __future__ import annotations
 
-from geomx.errors import ConfigError
-from geomx.profiles import parse_rate
+from geomx.netem.line_specs import parse_rated, rated_env
 
 ENV = "GEOMX_WAN_NODE_LINKS"
 
 
+def _host_port(node: str) -> bool:
+    host, colon, port = node.rpartition(":")
+    return bool(colon and host and port.isdigit() and 0 < int(port) < 65536)
+
+
 def parse(text: str | None) -> dict[str, float]:
     """``"HOST:PORT=RATE,..."`` -> {"tcp://HOST:PORT": bit/s}; every error names the variable and the entry."""
-    links: dict[str, float] = {}
-    for entry in (text or "").replace(" ", "").split(","):
-        if not entry:
-            continue
-        node, sep, rate_text = entry.rpartition("=")
-        host, colon, port = node.rpartition(":")
-        if not sep or not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"{ENV}: entry {entry!r} is not HOST:PORT=RATE (e.g. 127.0.0.1:7001=1gbit)")
-        try:
-            rate = parse_rate(rate_text)
-        except ConfigError as exc:
-            raise ConfigError(f"{ENV}: entry {entry!r}: {exc}") from None
-        if not rate > 0:
-            raise ConfigError(f"{ENV}: entry {entry!r}: the rate must be > 0")
-        links[f"tcp://{node}"] = rate
-    return links
+    rates = parse_rated(text, ENV, "HOST:PORT=RATE (e.g. 127.0.0.1:7001=1gbit)", _host_port)
+    return {f"tcp://{node}": rate for node, rate in rates.items()}
 
 
 def to_env(links: dict[str, float]) -> str:
     """The inverse of :func:`parse`, every digit kept."""
-    return ",".join(f"{addr.removeprefix('tcp://')}={rate!r}bit" for addr, rate in sorted(links.items()))
+    return rated_env({addr.removeprefix("tcp://"): rate for addr, rate in links.items()})

@@ -152,7 +152,9 @@ def summarize(run: Run, target: float | None = None) -> dict:
     down = sum(v for (src, dst), v in steady.items() if src == CENTRAL_DC and src != dst)
     senders = len(m.get("dcs", [])) if m.get("topology") == "hips" else len(run.workers)
     dense_per_step = 2 * run.dense_bytes * senders if run.dense_bytes else None
-    per_step = (up + down) / steady_steps if steady_steps else math.nan
+    # every cross-DC link: up and down, and between DCs (a global server placed inside a DC)
+    between = sum(v for (src, dst), v in steady.items() if CENTRAL_DC not in (src, dst) and src != dst)
+    per_step = (up + down + between) / steady_steps if steady_steps else math.nan
     compute = mean(w.compute_s for w in run.workers) if run.workers else math.nan
     utilization = mean(w.utilization for w in run.workers) if run.workers else math.nan
     wire = _wire_time(link_bytes, wan)
@@ -176,6 +178,7 @@ def summarize(run: Run, target: float | None = None) -> dict:
         "wan_bytes_total": run.wan_bytes("all"),
         "wan_bytes_up_per_step": up / steady_steps if steady_steps else math.nan,
         "wan_bytes_down_per_step": down / steady_steps if steady_steps else math.nan, "wan_bytes_per_step": per_step,
+        "wan_bytes_between_dcs_per_step": between / steady_steps if steady_steps else math.nan,
         "dense_bytes": run.dense_bytes,
         "compression_ratio": dense_per_step / per_step if dense_per_step and per_step else math.nan,
         "compute_s": compute, "compute_utilization": utilization, "wire_s": wire, "wan_rounds": rounds,
@@ -193,7 +196,7 @@ def _wire_time(link_bytes: dict[tuple[str, str], float], wan: dict) -> float:
     for (src, dst), nbytes in link_bytes.items():
         if src == dst:
             continue
-        rate = wan.get("uplink_bps") if dst == CENTRAL_DC else wan.get("downlink_bps")
+        rate = wan.get("downlink_bps") if src == CENTRAL_DC else wan.get("uplink_bps")   # profiles' rate_for
         if rate:              # not emulated (lan): the WAN costs nothing measurable
             worst = max(worst, nbytes * 8 / float(rate))
     return worst
@@ -227,8 +230,9 @@ def format_report(s: dict) -> str:
                                f"({num(s['step_s'], '.3f', ' s')} per step; set-up {num(s['setup_s'], '.1f', ' s')})"),
         (f"final / best {s['metric_label']}", f"{num(s['final_eval'], spec)} / {num(s['best_eval'], spec)}"),
         (f"time to {s['metric_label']} {num(s['target'], '.3f')}", target),
-        ("WAN MB per step, up / down", f"{num(s['wan_bytes_up_per_step'] / MB, '.2f')} / "
-                                       f"{num(s['wan_bytes_down_per_step'] / MB, '.2f')}"),
+        ("WAN MB per step, up / down / between DCs", f"{num(s['wan_bytes_up_per_step'] / MB, '.2f')} / "
+                                                    f"{num(s['wan_bytes_down_per_step'] / MB, '.2f')} / "
+                                                    f"{num(s['wan_bytes_between_dcs_per_step'] / MB, '.2f')}"),
         ("WAN MB in the whole run (set-up included)", num(s["wan_bytes_total"] / MB, ".1f")),
         ("compression ratio vs dense fp32", num(s["compression_ratio"], ".2f", "x")),
         ("compute utilization", num(s["compute_utilization"], ".0%")),
