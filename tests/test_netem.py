@@ -544,6 +544,32 @@ def test_a_link_matrix_gives_named_links_their_own_rate_and_rtt_and_names_bad_en
         load_topology(dcs=2, wan="lan", wan_links=["b=50mbit/250ms"])
 
 
+def test_a_link_of_the_matrix_may_have_its_own_jitter_told_from_its_loss_by_its_unit():
+    """b=50mbit/250ms/5ms: DC b's links jitter 5 ms, the others the profile's; with a loss as well, in either
+    order; the emulator reads back every digit and builds the links with it; two of a kind are refused."""
+    from geomx.cli.topology import load_topology
+    from geomx.netem import link_matrix
+    from geomx.profiles import get_profile
+
+    jittery = load_topology(dcs=2, wan="regional", wan_links=["b=50mbit/250ms/5ms"]).wan_links
+    assert jittery[("b", "central")] == link_matrix.LinkSpec(5e7, 0.25, None, 0.005)
+    both = load_topology(dcs=2, wan="regional", wan_links=["b=50mbit/250ms/0.002s/0.1%"]).wan_links
+    assert both[("central", "b")] == link_matrix.LinkSpec(5e7, 0.25, 0.001, 0.002)
+    assert link_matrix.from_env(link_matrix.to_env(both), ["central", "a", "b"]) == both
+    emulator = WanEmulator(profile=get_profile("transatlantic"), dcs=["central", "a", "b"], links=jittery)
+    b, a = emulator.link("b", "central"), emulator.link("a", "central")
+    try:
+        assert b.jitter_s == 0.005 and a.jitter_s == get_profile("transatlantic").jitter_s != 0.005
+    finally:
+        b.close()
+        a.close()
+    for entries, named in [(["b=50mbit/80ms/1ms/2ms"], "two jitters \('2ms' the second\)"),
+                           (["b=50mbit/80ms/0.1%/0.2%"], "two losses"),
+                           (["b=50mbit/80ms/0.1%/1ms/2ms"], "RATE/RTT\[/LOSS\]\[/JITTER\]")]:
+        with pytest.raises(ConfigError, match=named):
+            load_topology(dcs=2, wan="regional", wan_links=entries)
+
+
 def test_a_link_of_the_matrix_may_have_its_own_loss_and_its_tcp_ceiling_follows_mathis():
     """b=100mbit/80ms/0.01%: DC b's links lose 0.01% of their packets, the others the deployment's (none); one
     stream over 80 ms then moves MSS x 8 x sqrt(3/2) / (RTT x sqrt(p)) = 17.7 Mbit/s, eight the whole line. The loss

@@ -222,7 +222,7 @@ class WanEmulator:
                     name=f"{src_dc}->{dst_dc}",
                     rate_bps=spec.rate_bps if spec else self.profile.rate_for(src_dc, dst_dc),
                     one_way_delay_s=spec.rtt_s / 2 if spec else self.profile.one_way_delay_s,
-                    jitter_s=self.profile.jitter_s,
+                    jitter_s=spec.jitter_s if spec and spec.jitter_s is not None else self.profile.jitter_s,
                     chunk_bytes=self.chunk_bytes, seed=self.seed, engine=self._engine, epoch=self._epoch,
                     outages=outage_plan.for_link(self.outages, src_dc, dst_dc),
                     tcp=spec.tcp(self.tcp) if spec else self.tcp)

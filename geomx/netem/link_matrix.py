@@ -4,14 +4,17 @@ The profile gives every link the same rate and RTT (up and down may differ). Ove
 
 * ``SRC->DST=RATE/RTT``: one directed link, e.g. ``b->central=50mbit/250ms``;
 * ``DC=RATE/RTT``: both directions between a DC and the central party, e.g. ``b=50mbit/250ms``;
-* either with its own packet loss after a second slash: ``b=50mbit/250ms/0.1%`` (else the deployment's loss).
+* either with its own packet loss and/or jitter after more slashes, told apart by their units (a jitter is a
+  duration with its unit, a loss a percentage or a fraction): ``b=50mbit/250ms/0.1%``, ``b=50mbit/250ms/5ms``,
+  ``b=50mbit/250ms/0.1%/5ms`` (else the deployment's loss and the profile's jitter).
 
 From flags (``geomx launch --wan-link b=50mbit/250ms``, repeatable), a topology file
 (``wan_links = {b = "50mbit/250ms", "a->central" = "1gbit/20ms"}``), or the emulator's environment
 (``GEOMX_WAN_LINKS``, written by the launcher with explicit units: ``b->central=50000000.0bit/0.25s,...``). Units
 are those of every other WAN setting: a bare rate is bit/s, a bare RTT milliseconds, a loss a fraction or a
-percentage. A later entry for the same link wins. Jitter stays the profile's; streams and window are the
-deployment's, for every link, and so is the loss of a link that names none (geomx.netem.tcp_model).
+percentage. A later entry for the same link wins. Streams and window are the deployment's, for every link, and so
+is the loss of a link that names none (geomx.netem.tcp_model); the jitter of one that names none is the
+profile's.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ class LinkSpec:
     rate_bps: float
     rtt_s: float
     loss: float | None = None       # None: the deployment's (--wan-loss)
+    jitter_s: float | None = None   # None: the profile's
 
     def tcp(self, deployment: TcpPath) -> TcpPath:
         """The TCP path of this link: the deployment's, with this link's own loss where it has one."""
@@ -45,10 +49,10 @@ def parse_link_overrides(entries, dcs: list[str], where: str = "") -> dict[tuple
         text = str(entry).strip()
         link, sep, value = text.partition("=")
         rate_text, slash, rest = value.partition("/")
-        rtt_text, has_loss, loss_text = rest.partition("/")
-        if not sep or not slash or not link:
-            raise ConfigError(f"WAN link {text!r}{where}: write SRC->DST=RATE/RTT[/LOSS] or DC=RATE/RTT[/LOSS], "
-                              f"e.g. b=50mbit/250ms or b=50mbit/250ms/0.1%")
+        rtt_text, *extra = rest.split("/")
+        if not sep or not slash or not link or len(extra) > 2:
+            raise ConfigError(f"WAN link {text!r}{where}: write SRC->DST=RATE/RTT[/LOSS][/JITTER] or "
+                              f"DC=RATE/RTT[/LOSS][/JITTER], e.g. b=50mbit/250ms or b=50mbit/250ms/0.1%/5ms")
         src, arrow, dst = link.partition("->")
         pairs = [(src, dst)] if arrow else [(link, CENTRAL_DC), (CENTRAL_DC, link)]
         for a, b in pairs:
@@ -58,15 +62,29 @@ def parse_link_overrides(entries, dcs: list[str], where: str = "") -> dict[tuple
             if a == b:
                 raise ConfigError(f"WAN link {text!r}{where}: link {a}->{b} joins a DC to itself")
         try:        # the units of every other WAN setting: a bare rate is bit/s, a bare RTT milliseconds
-            spec = LinkSpec(parse_rate(rate_text), parse_duration(rtt_text),
-                            parse_loss(loss_text, "its loss") if has_loss else None)
+            spec = LinkSpec(parse_rate(rate_text), parse_duration(rtt_text), **_loss_and_jitter(extra))
         except ConfigError as exc:
             raise ConfigError(f"WAN link {text!r}{where}: {exc}") from None
         if spec.rate_bps <= 0 or spec.rtt_s < 0:
             raise ConfigError(f"WAN link {text!r}{where}: rate must be > 0 and RTT >= 0")
         if spec.loss is not None and not 0.0 <= spec.loss < 1.0:
             raise ConfigError(f"WAN link {text!r}{where}: loss must be a fraction in [0, 1), got {spec.loss!r}")
+        if spec.jitter_s is not None and spec.jitter_s < 0:
+            raise ConfigError(f"WAN link {text!r}{where}: jitter must be >= 0, got {spec.jitter_s!r} s")
         out.update({pair: spec for pair in pairs})
+    return out
+
+
+def _loss_and_jitter(fields: list[str]) -> dict:
+    """The optional fields after RTT, told apart by their units: a jitter ends in a time unit (5ms, 0.005s),
+    anything else is a loss (0.1%, 0.001)."""
+    out: dict = {}
+    for text in fields:
+        kind = "jitter_s" if _has_time_unit(text) else "loss"
+        if kind in out:
+            raise ConfigError(f"two {'jitters' if kind == 'jitter_s' else 'losses'} ({text!r} the second); a jitter "
+                              f"needs its unit (ms or s)")
+        out[kind] = parse_duration(text) if kind == "jitter_s" else parse_loss(text, "its loss")
     return out
 
 
@@ -84,6 +102,7 @@ def assignments(entries, what: str, form: str, where: str = "") -> list[str]:
 def to_env(overrides: dict[tuple[str, str], LinkSpec]) -> str:
     """Units written out and every digit kept (repr), so that :func:`from_env` reads back the very numbers."""
     return ",".join(f"{a}->{b}={s.rate_bps!r}bit/{s.rtt_s!r}s" + (f"/{s.loss!r}" if s.loss is not None else "")
+                    + (f"/{s.jitter_s!r}s" if s.jitter_s is not None else "")
                     for (a, b), s in sorted(overrides.items()))
 
 
@@ -100,3 +119,16 @@ def from_env(text: str | None, dcs: list[str] | None) -> dict[tuple[str, str], L
 
 def _named(text: str) -> list[str]:
     return sorted({dc for entry in text.split(",") for dc in entry.partition("=")[0].split("->")})
+
+
+def _has_time_unit(text: str) -> bool:
+    """``5ms``, ``0.005s``: a number with a time unit (``lots`` is not)."""
+    t = text.strip().lower()
+    number = t[:-2] if t.endswith("ms") else t[:-1] if t.endswith("s") else None
+    if number is None:
+        return False
+    try:
+        float(number)
+    except ValueError:
+        return False
+    return True
