@@ -1,9 +1,10 @@
 """The WAN emulator's own CPU per forwarded MB, this checkout against another (docs/benchmarks.md).
 
     git worktree add /tmp/before <commit>
-    python tests/scripts/emulator_cpu.py --before /tmp/before [--rate 1gbit] [--mb 600] [--repeats 3]
+    python tests/scripts/emulator_cpu.py --before /tmp/before [--rate 1gbit] [--mb 600] [--repeats 3] [--sizes 64k,1m]
 
-Each version's emulator process forwards ``--mb`` MB of 64 KiB messages, then of 1 MiB messages, over one link of
+Each version's emulator process forwards ``--mb`` MB of messages of each of ``--sizes`` (64 KiB, then 1 MiB by
+default) over one link of
 ``--rate`` with no delay (geomx.bench.link.bench_capacity: 64 messages in flight, the emulator in its own
 process as deployments run it), ``--repeats`` times, the versions taking turns so that both see the same machine
 load; prints the median CPU ms per MB and forwarded rate of each. This checkout runs twice: relaying every byte
@@ -25,13 +26,16 @@ def main() -> int:
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--mb", type=float, default=600)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sizes", default="64k,1m", help="message sizes, k or m suffixed (default 64k,1m)")
     args = p.parse_args()
+    sizes = tuple(int(float(x[:-1]) * (1 << (10 if x[-1] == "k" else 20))) for x in args.sizes.lower().split(","))
     rate = parse_rate(args.rate)
     samples: dict[tuple[str, int], list[dict]] = {}
     for _ in range(args.repeats):
         for version, path in (("before", args.before), ("this checkout", None)):
             modes = ("relayed",) if path else ("relayed", "parked")     # the other checkout may not park
-            for row in bench_capacity(megabytes=args.mb, rate_bps=rate, emulator_path=path, modes=modes):
+            for row in bench_capacity(sizes=sizes, megabytes=args.mb, rate_bps=rate, emulator_path=path,
+                                      modes=modes):
                 samples.setdefault((f"{version}, {row['mode']}", row["message_bytes"]), []).append(row)
     print(f"| emulator | message size | CPU ms per MB (median of {args.repeats}) | runs | forwarded (Gbit/s) |")
     print("|---|---:|---:|---|---:|")
