@@ -212,7 +212,8 @@ def main(argv=None) -> int:
             raise SystemExit("train_cnn: --data mnist/fashion-mnist needs --data-dir")
         x_train, x_test, y_train, y_test = load_idx(args.data_dir)
     side = x_train.shape[-1]
-    model = MODELS[args.model](side, **shape)
+    device = loop.device(args, kv)
+    model = MODELS[args.model](side, **shape).to(device)
     lr = args.lr if args.lr is not None else getattr(model, "lr", 0.003)
     if args.optimizer == "adam":
         inner = adam(list(model.parameters()), lr)
@@ -231,8 +232,8 @@ def main(argv=None) -> int:
         loop.leave(kv)
         return 0
 
-    xs, ys = torch.from_numpy(x_train[idx]), torch.from_numpy(y_train[idx])
-    xt, yt = torch.from_numpy(x_test), torch.from_numpy(y_test)
+    xs, ys = torch.from_numpy(x_train[idx]).to(device), torch.from_numpy(y_train[idx]).to(device)
+    xt, yt = torch.from_numpy(x_test).to(device), torch.from_numpy(y_test).to(device)
     steps_per_epoch = len(idx) // args.batch_size
     rng = np.random.default_rng(args.seed + 1000 + index)
 

@@ -298,7 +298,8 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     corpus = load_corpus(args.data_dir)
     kv = loop.start(args)
-    model = ByteGPT(size)
+    device = loop.device(args, kv)
+    model = ByteGPT(size).to(device)
     decay = [q for n, q in model.named_parameters() if q.dim() >= 2 and n != "pos"]
     rest = [q for n, q in model.named_parameters() if q.dim() < 2 or n == "pos"]
     inner = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
@@ -321,9 +322,9 @@ def main(argv=None) -> int:
     if len(data) < context + 1:
         raise SystemExit(f"train_lm: worker {index} got {len(data)} training bytes, fewer than one window; use "
                          f"fewer workers or a larger corpus")
-    print(f"worker {index} ({kv.dc}): {len(data):,} training bytes, corpus sha256 {corpus.digest[:16]}, ready in "
-          f"{time.perf_counter() - started:.1f} s", flush=True)
-    windows = validation_windows(corpus, args.eval_windows, context)
+    print(f"worker {index} ({kv.dc}): {len(data):,} training bytes, corpus sha256 {corpus.digest[:16]}, on "
+          f"{device}, ready in {time.perf_counter() - started:.1f} s", flush=True)
+    windows = validation_windows(corpus, args.eval_windows, context).to(device)
     source = torch.from_numpy(data)
     rng = np.random.default_rng(args.seed + 1000 + index)
     horizon = args.schedule_steps or args.steps
@@ -335,7 +336,7 @@ def main(argv=None) -> int:
     def batches():
         for _ in itertools.count():
             starts = torch.from_numpy(rng.integers(0, len(data) - context, args.batch_size))
-            batch = source[starts[:, None] + offsets].long()
+            batch = source[starts[:, None] + offsets].long().to(device)
             yield 0, False, lambda batch=batch: next_byte_loss(model, batch)
 
     step, history = loop.run_steps(opt, batches(), total_steps=args.steps, eval_every=args.eval_every or

@@ -110,3 +110,28 @@ def test_the_language_model_learns_under_geomx_launch(tmp_path):
     first = results[0]["history"][0]
     assert first["step"] == 8 and first["val_bpb"] == pytest.approx(first["val_loss"] / math.log(2))
     assert "sha256" in out.getvalue()          # the corpus hash, printed so two runs can be compared
+
+
+def test_device_auto_is_the_cpu_without_a_gpu_and_a_gpu_torch_cannot_see_is_refused_naming_the_flag():
+    """Every example takes --device (geomx.torch.loop.device); the master worker only initializes: the CPU."""
+    import argparse
+    from types import SimpleNamespace
+
+    import torch
+
+    from geomx.torch import loop
+
+    worker, master = SimpleNamespace(is_master_worker=False), SimpleNamespace(is_master_worker=True)
+    p = argparse.ArgumentParser()
+    loop.add_arguments(p, steps=1, steps_help="")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    auto = loop.device(p.parse_args([]), worker)
+    assert auto == (torch.device("cuda:0") if gpus else torch.device("cpu"))
+    assert loop.device(p.parse_args(["--device", "cuda"]), master) == torch.device("cpu")
+    assert loop.device(p.parse_args(["--device", "cpu"]), worker) == torch.device("cpu")
+    for text, words in [(f"cuda:{gpus}", f"torch sees {gpus} GPU(s)"), ("warp-drive", "is not a device"),
+                        ("meta", "run on cpu or cuda")]:
+        with pytest.raises(SystemExit) as exc:
+            loop.device(p.parse_args(["--device", text]), worker)
+        assert f"--device {text}" in str(exc.value) or f"--device {text!r}" in str(exc.value)
+        assert words in str(exc.value), str(exc.value)

@@ -69,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser, *, steps: int, steps_help: str) ->
     p.add_argument("--checkpoint-seconds", type=_seconds, default=env_checkpoint_seconds(os.environ),
                    help="also save about every S seconds, at the steps the global servers declare (default "
                         "GEOMX_CHECKPOINT_SECONDS, else 0: never; set by geomx launch --checkpoint-seconds)")
+    p.add_argument("--device", default="auto",
+                   help="where the worker computes: cpu, cuda, cuda:N, or auto (default: a GPU where torch sees one, "
+                        "worker i on GPU i mod their number, else cpu)")
     p.add_argument("--compression", default=None, type=parse_compression,
                    help='gradient compression: a codec name (fp16) or a JSON dict, e.g. \'{"type": "bsc", '
                         '"threshold": 0.01}\' (docs/compression.md)')
@@ -83,6 +86,28 @@ def start(args: argparse.Namespace):
     if args.compression is not None:
         kv.set_gradient_compression(args.compression)
     return kv
+
+
+def device(args: argparse.Namespace, kv) -> torch.device:
+    """Where this process computes (``--device``). The master worker only initializes the model: the CPU. A GPU
+    asked for that torch cannot see is an error naming the flag; geomx moves values between the device and the
+    CPU where they cross the network (geomx.kvstore)."""
+    if kv.is_master_worker:
+        return torch.device("cpu")
+    text = str(getattr(args, "device", "auto") or "auto").strip()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if text == "auto":
+        return torch.device(f"cuda:{worker_index(args) % gpus}") if gpus else torch.device("cpu")
+    try:
+        chosen = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise SystemExit(f"--device {text!r} is not a device: use cpu, cuda, cuda:N or auto") from None
+    if chosen.type == "cuda" and (chosen.index or 0) >= gpus:
+        raise SystemExit(f"--device {text}: torch sees {gpus} GPU(s) here (torch.cuda.device_count()); use "
+                         f"--device cpu or auto")
+    if chosen.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device {text}: geomx's examples run on cpu or cuda")
+    return chosen
 
 
 def worker_index(args: argparse.Namespace) -> int:
