@@ -39,12 +39,13 @@ if not kv.is_master_worker:
 
 def simulate(*, algorithm: str, k1: int, k2: int, weights: str, samples: list[float], dcs: list[list[int]],
              steps: int, outer_lr: float = 0.7, outer_momentum: float = 0.9, overlap: int = 0,
-             dc_sync: str = "models") -> dict:
+             dc_sync: str = "models", keep: float = 1.0) -> dict:
     """Float64 reference: {(worker, key, step): model}; local SGD, DC and global (weighted) averages, and for
     DiLoCo torch's Nesterov SGD on the pseudo-gradient. ``overlap`` D: a global average is computed from the
     models at its boundary and adopted D DC periods later, each worker keeping its progress since then;
     ``dc_sync="gradients"``: a DC's workers step on their DC's weighted mean gradient every step (with SGD from
-    equal models: the DC's mean model after every step); (worker, key, "final"): after the last one landed."""
+    equal models: the DC's mean model after every step); ``keep``: the share of the progress since the send kept
+    on top of an overlapped average; (worker, key, "final"): after the last one landed."""
     n = sum(len(d) for d in dcs)
     out = {}
     for key, shape in KEYS.items():
@@ -59,7 +60,7 @@ def simulate(*, algorithm: str, k1: int, k2: int, weights: str, samples: list[fl
         def land(w, flight):
             _, sent, new = flight
             for i in range(n):
-                w[i] = new + (w[i] - sent[i])
+                w[i] = new + keep * (w[i] - sent[i])
 
         for step in range(steps):
             for i in range(n):
@@ -118,6 +119,9 @@ CASES = {
                         samples=[10, 20, 30, 40], steps=8, slowdown=None),
     "diloco-overlap": dict(algorithm="diloco", k1=1, k2=2, overlap=2, weights="equal", per_dc=[2, 1],
                            samples=[5, 7, 9], steps=7, slowdown=None),
+    # hfa-overlap keeping half of the steps taken while each average travelled
+    "hfa-overlap-keep": dict(algorithm="hfa", k1=1, k2=3, overlap=2, keep=0.5, weights="samples", per_dc=[2, 2],
+                             samples=[10, 20, 30, 40], steps=8, slowdown=None),
     # the DC's workers step on their mean gradient every step, global averages overlapped as in hfa-overlap
     "hfa-dc-gradients": dict(algorithm="hfa", k1=1, k2=3, overlap=2, dc_sync="gradients", weights="samples",
                              per_dc=[2, 2], samples=[10, 20, 30, 40], steps=8, slowdown=None),
@@ -127,7 +131,8 @@ CASES = {
 def _sync_table(case: dict) -> dict:
     return {"algorithm": case["algorithm"], "k1": case["k1"], "k2": case["k2"], "weights": case["weights"],
             **({"overlap": case["overlap"]} if case.get("overlap") else {}),
-            **({"dc_sync": case["dc_sync"]} if case.get("dc_sync") else {})}
+            **({"dc_sync": case["dc_sync"]} if case.get("dc_sync") else {}),
+            **({"overlap_keep": case["keep"]} if "keep" in case else {})}
 
 
 def _run_case(tmp_path, case: dict, name: str) -> tuple[list[dict], list[dict]]:
@@ -180,7 +185,7 @@ def test_model_averaging_matches_the_reference_at_every_step(tmp_path, name):
     dcs = [list(range(sum(per_dc[:d]), sum(per_dc[:d + 1]))) for d in range(len(per_dc))]
     ref = simulate(algorithm=case["algorithm"], k1=case["k1"], k2=case["k2"], weights=case["weights"],
                    samples=[float(s) for s in case["samples"]], dcs=dcs, steps=case["steps"],
-                   overlap=case.get("overlap", 0), dc_sync=case.get("dc_sync", "models"))
+                   overlap=case.get("overlap", 0), dc_sync=case.get("dc_sync", "models"), keep=case.get("keep", 1.0))
     n = sum(per_dc)
     for (i, key, step), expected in ref.items():
         np.testing.assert_allclose(models[i][f"{key}@{step}"], expected, rtol=0, atol=2e-5,
@@ -195,6 +200,13 @@ def test_model_averaging_matches_the_reference_at_every_step(tmp_path, name):
         assert np.abs(models[0]["w@3"] - models[2]["w@3"]).max() > 1e-3
         assert np.abs(blocking[(0, "w", 3)] - ref[(0, "w", 3)]).max() > 1e-3
         assert "overlap=2" in infos[0]["algorithm"]
+    elif name == "hfa-overlap-keep":
+        # the landing at step 5 (index 4) differs from keeping all of the progress, before it they agree
+        full = simulate(algorithm="hfa", k1=1, k2=3, weights="samples", samples=[10.0, 20.0, 30.0, 40.0],
+                        dcs=dcs, steps=8, overlap=2)
+        assert np.abs(full[(0, "w", 4)] - ref[(0, "w", 4)]).max() > 1e-3
+        np.testing.assert_allclose(full[(0, "w", 3)], ref[(0, "w", 3)], rtol=0, atol=1e-12)
+        assert "overlap_keep=0.5" in infos[0]["algorithm"]
     elif name == "hfa-dc-gradients":
         # at a global boundary (step 3: index 2) a DC's workers are still one model, where averaging models
         # leaves them apart until the next DC average
@@ -216,7 +228,8 @@ def test_model_averaging_matches_the_reference_at_every_step(tmp_path, name):
         assert [x["factor"] for x in infos] == [1.0, 1.0, 1.0, 3.0]
         assert infos[3]["slept_s"] >= 2 * 0.02 * case["steps"] and all(x["slept_s"] == 0 for x in infos[:3])
     else:
-        assert "DiLoCo(k1=1, k2=2, weights='equal', overlap=0, dc_sync='models', outer_lr=0.7" in infos[0]["algorithm"]
+        assert ("DiLoCo(k1=1, k2=2, weights='equal', overlap=0, overlap_keep=1.0, dc_sync='models', outer_lr=0.7"
+                in infos[0]["algorithm"])
         # the outer step is not a plain average: HFA's reference differs
         hfa = simulate(algorithm="hfa", k1=1, k2=2, weights="equal", samples=[5.0, 7.0, 9.0], dcs=dcs, steps=6)
         assert np.abs(hfa[(0, "w", last)] - ref[(0, "w", last)]).max() > 1e-3

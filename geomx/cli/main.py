@@ -33,6 +33,10 @@ def _add_topology_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hfa-overlap", type=int, metavar="D",
                    help="hfa/diloco: let the global average travel while training goes on, applying it D DC "
                         "periods (D x K1 steps) after it was sent, 1 <= D <= K2 (default 0: wait for it)")
+    p.add_argument("--hfa-overlap-keep", type=float, metavar="SHARE",
+                   help="hfa/diloco with --hfa-overlap: the share of the local steps taken while a global average "
+                        "travelled that is kept on top of it, in [0, 1] (default 1; 0.5 trained better in every run "
+                        "measured, docs/benchmarks.md)")
     p.add_argument("--hfa-dc-sync", choices=["models", "gradients"],
                    help="hfa/diloco: within a DC average the workers' models every K1 steps (default), or their "
                         "gradients before every step (K1 = 1; one model and optimizer state per DC)")
@@ -79,7 +83,7 @@ def topology_from_args(args: argparse.Namespace):
                          wan_rtt=args.wan_rtt, mode=args.mode, mixedsync=args.mixedsync, topology=args.topology,
                          sync=args.sync,
                          sync_k1=args.hfa_k1, sync_k2=args.hfa_k2, sync_overlap=args.hfa_overlap,
-                         sync_dc_sync=args.hfa_dc_sync,
+                         sync_dc_sync=args.hfa_dc_sync, sync_overlap_keep=args.hfa_overlap_keep,
                          sync_delay=args.dga_delay,
                          sync_steps=args.esync_steps, sync_slice=args.p3_slice,
                          slowdown=args.slowdown, wan_links=args.wan_link, wan_loss=args.wan_loss,

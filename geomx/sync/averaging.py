@@ -11,7 +11,8 @@ models pre-scaled by their share, and the servers only sum, so no server needs t
 
 Overlap (``overlap`` D >= 1, Streaming-DiLoCo style): the global average no longer stops training. At a
 global boundary each worker sends its model (or change) and goes on with local steps; D DC periods (D x K1
-steps) later it adopts the result while keeping its own progress since the send: w = avg + (w - w_sent).
+steps) later it adopts the result while keeping its own progress since the send: w = avg + keep x (w - w_sent),
+``overlap_keep`` (keep) 1 by default; 0.5 trained better in every one of 6 runs measured (docs/benchmarks.md).
 The WAN round is hidden as long as D x K1 steps of compute outlast it (a transpacific 27 MB model average:
 about 4.5 s). Within a DC every worker lands the same average at the same step, and the DC average that
 follows brings them together again. D = 0 (default) waits for the average at the boundary.
@@ -40,9 +41,11 @@ class HFA:
     name = "hfa"
 
     def __init__(self, *, k1: int = 1, k2: int = 1, weights: str = "samples", overlap: int = 0,
-                 dc_sync: str = "models") -> None:
-        s = check(self.name, {"k1": k1, "k2": k2, "weights": weights, "overlap": overlap, "dc_sync": dc_sync})
+                 overlap_keep: float = 1.0, dc_sync: str = "models") -> None:
+        s = check(self.name, {"k1": k1, "k2": k2, "weights": weights, "overlap": overlap,
+                              "overlap_keep": overlap_keep, "dc_sync": dc_sync})
         self.k1, self.k2, self.weights, self.overlap, self.dc_sync = s.k1, s.k2, s.weights, s.overlap, s.dc_sync
+        self.overlap_keep = s.overlap_keep
         self.in_flight: InFlight | None = None     # the global average travelling (overlap > 0)
         self.steps = 0               # local steps taken
         self.dc_averages = 0         # K1 boundaries passed (each one a DC or a global average)
@@ -51,7 +54,7 @@ class HFA:
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(k1={self.k1}, k2={self.k2}, weights={self.weights!r}, "
-                f"overlap={self.overlap}, dc_sync={self.dc_sync!r})")
+                f"overlap={self.overlap}, overlap_keep={self.overlap_keep}, dc_sync={self.dc_sync!r})")
 
     # set-up ---------------------------------------------------------------------------------------------------
     def setup(self, kv, params: list[tuple[str, torch.nn.Parameter]], *, num_samples: float | None = None) -> None:
@@ -181,14 +184,17 @@ class HFA:
     def adopt(self, averaged: list[torch.Tensor], sent: list[torch.Tensor] | None = None) -> None:
         """The global average of the models is in: the new global model (HFA: the average itself) becomes
         every worker's model and the next round's base. ``sent``: the model this worker sent (overlap), whose
-        difference to the current model (the local steps taken meanwhile) is kept on top."""
+        difference to the current model (the local steps taken meanwhile) is kept on top, times
+        ``overlap_keep``."""
         new = self.global_model(averaged)
         with torch.no_grad():
             for (_, p), g, s in zip(self.params, new, sent or [None] * len(new), strict=False):
                 if s is None:
                     p.copy_(g)
-                else:
+                elif self.overlap_keep == 1.0:
                     p.add_(g - s)
+                else:
+                    p.sub_(s).mul_(self.overlap_keep).add_(g)
         self.base = [g.detach().clone() for g in new]
 
     def global_model(self, averaged: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -273,15 +279,19 @@ class DiLoCo(HFA):
     name = "diloco"
 
     def __init__(self, *, k1: int = 1, k2: int = 1, weights: str = "samples", overlap: int = 0,
-                 dc_sync: str = "models", outer_lr: float = 0.7, outer_momentum: float = 0.9) -> None:
-        s = check(self.name, {"k1": k1, "k2": k2, "weights": weights, "overlap": overlap, "dc_sync": dc_sync,
-                              "outer_lr": outer_lr, "outer_momentum": outer_momentum})
-        super().__init__(k1=s.k1, k2=s.k2, weights=s.weights, overlap=s.overlap, dc_sync=s.dc_sync)
+                 overlap_keep: float = 1.0, dc_sync: str = "models", outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9) -> None:
+        s = check(self.name, {"k1": k1, "k2": k2, "weights": weights, "overlap": overlap,
+                              "overlap_keep": overlap_keep, "dc_sync": dc_sync, "outer_lr": outer_lr,
+                              "outer_momentum": outer_momentum})
+        super().__init__(k1=s.k1, k2=s.k2, weights=s.weights, overlap=s.overlap, overlap_keep=s.overlap_keep,
+                         dc_sync=s.dc_sync)
         self.outer_lr, self.outer_momentum = s.outer_lr, s.outer_momentum
 
     def __repr__(self) -> str:
         return (f"DiLoCo(k1={self.k1}, k2={self.k2}, weights={self.weights!r}, overlap={self.overlap}, "
-                f"dc_sync={self.dc_sync!r}, outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum})")
+                f"overlap_keep={self.overlap_keep}, dc_sync={self.dc_sync!r}, outer_lr={self.outer_lr}, "
+                f"outer_momentum={self.outer_momentum})")
 
     def start(self) -> None:
         super().start()

@@ -67,14 +67,16 @@ OPTIONS = {
     "weights": ("GEOMX_HFA_WEIGHTS", str, "samples"),
     "overlap": ("GEOMX_HFA_OVERLAP", int, 0),
     "dc_sync": ("GEOMX_HFA_DC_SYNC", str, "models"),
+    "overlap_keep": ("GEOMX_HFA_OVERLAP_KEEP", float, 1.0),
     "outer_lr": ("GEOMX_DILOCO_LR", float, 0.7),
     "outer_momentum": ("GEOMX_DILOCO_MOMENTUM", float, 0.9),
     "delay": ("GEOMX_DGA_DELAY", int, 1),
     "steps": ("GEOMX_ESYNC_STEPS", int, 1),
     "slice": ("GEOMX_P3_SLICE", int, 50_000),
 }
-ALGORITHM_OPTIONS = {"fsa": (), "p3": ("slice",), "hfa": ("k1", "k2", "weights", "overlap", "dc_sync"),
-                     "diloco": ("k1", "k2", "weights", "overlap", "dc_sync", "outer_lr", "outer_momentum"),
+ALGORITHM_OPTIONS = {"fsa": (), "p3": ("slice",), "hfa": ("k1", "k2", "weights", "overlap", "overlap_keep", "dc_sync"),
+                     "diloco": ("k1", "k2", "weights", "overlap", "overlap_keep", "dc_sync", "outer_lr",
+                                "outer_momentum"),
                      "dga": ("delay",),
                      "esync": ("steps",)}
 SYNC_ENV = "GEOMX_SYNC"
@@ -90,6 +92,7 @@ class SyncSettings:
     weights: str = "samples"
     overlap: int = 0
     dc_sync: str = "models"
+    overlap_keep: float = 1.0    # hfa/diloco overlap: the share of the steps taken meanwhile kept on the average
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     delay: int = 1
@@ -134,6 +137,10 @@ def check(algorithm: str, options: Mapping, where: str = "") -> SyncSettings:
     if s.weights not in WEIGHTINGS:
         raise ConfigError(f"{algorithm} weights ({OPTIONS['weights'][0]}){where} must be one of "
                           f"{', '.join(WEIGHTINGS)}, got {s.weights!r}")
+    if not 0.0 <= s.overlap_keep <= 1.0:
+        raise ConfigError(f"{algorithm} overlap_keep ({OPTIONS['overlap_keep'][0]}){where}: the share of the local "
+                          f"progress made while a global average travelled that is kept on top of it must be in "
+                          f"[0, 1], got {s.overlap_keep}")
     if s.dc_sync not in DC_SYNCS:
         raise ConfigError(f"{algorithm} dc_sync ({OPTIONS['dc_sync'][0]}){where} must be one of "
                           f"{', '.join(DC_SYNCS)}, got {s.dc_sync!r}")
