@@ -112,7 +112,7 @@ def test_the_language_model_learns_under_geomx_launch(tmp_path):
     assert "sha256" in out.getvalue()          # the corpus hash, printed so two runs can be compared
 
 
-def test_device_auto_is_the_cpu_without_a_gpu_and_a_gpu_torch_cannot_see_is_refused_naming_the_flag():
+def test_device_is_the_cpu_by_default_auto_picks_a_gpu_only_where_torch_sees_one_and_bad_ones_name_the_flag():
     """Every example takes --device (geomx.torch.loop.device); the master worker only initializes: the CPU."""
     import argparse
     from types import SimpleNamespace
@@ -125,7 +125,8 @@ def test_device_auto_is_the_cpu_without_a_gpu_and_a_gpu_torch_cannot_see_is_refu
     p = argparse.ArgumentParser()
     loop.add_arguments(p, steps=1, steps_help="")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    auto = loop.device(p.parse_args([]), worker)
+    assert loop.device(p.parse_args([]), worker) == torch.device("cpu")       # the default: unchanged runs
+    auto = loop.device(p.parse_args(["--device", "auto"]), worker)
     assert auto == (torch.device("cuda:0") if gpus else torch.device("cpu"))
     assert loop.device(p.parse_args(["--device", "cuda"]), master) == torch.device("cpu")
     assert loop.device(p.parse_args(["--device", "cpu"]), worker) == torch.device("cpu")

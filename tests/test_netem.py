@@ -563,9 +563,9 @@ def test_a_link_of_the_matrix_may_have_its_own_jitter_told_from_its_loss_by_its_
     finally:
         b.close()
         a.close()
-    for entries, named in [(["b=50mbit/80ms/1ms/2ms"], "two jitters \('2ms' the second\)"),
+    for entries, named in [(["b=50mbit/80ms/1ms/2ms"], r"two jitters \('2ms' the second\)"),
                            (["b=50mbit/80ms/0.1%/0.2%"], "two losses"),
-                           (["b=50mbit/80ms/0.1%/1ms/2ms"], "RATE/RTT\[/LOSS\]\[/JITTER\]")]:
+                           (["b=50mbit/80ms/0.1%/1ms/2ms"], r"RATE/RTT\[/LOSS\]\[/JITTER\]")]:
         with pytest.raises(ConfigError, match=named):
             load_topology(dcs=2, wan="regional", wan_links=entries)
 

@@ -69,8 +69,8 @@ def add_arguments(p: argparse.ArgumentParser, *, steps: int, steps_help: str) ->
     p.add_argument("--checkpoint-seconds", type=_seconds, default=env_checkpoint_seconds(os.environ),
                    help="also save about every S seconds, at the steps the global servers declare (default "
                         "GEOMX_CHECKPOINT_SECONDS, else 0: never; set by geomx launch --checkpoint-seconds)")
-    p.add_argument("--device", default="auto",
-                   help="where the worker computes: cpu, cuda, cuda:N, or auto (default: a GPU where torch sees one, "
+    p.add_argument("--device", default="cpu",
+                   help="where the worker computes: cpu (default), cuda, cuda:N, or auto (a GPU where torch sees one, "
                         "worker i on GPU i mod their number, else cpu)")
     p.add_argument("--compression", default=None, type=parse_compression,
                    help='gradient compression: a codec name (fp16) or a JSON dict, e.g. \'{"type": "bsc", '
@@ -94,7 +94,7 @@ def device(args: argparse.Namespace, kv) -> torch.device:
     CPU where they cross the network (geomx.kvstore)."""
     if kv.is_master_worker:
         return torch.device("cpu")
-    text = str(getattr(args, "device", "auto") or "auto").strip()
+    text = str(getattr(args, "device", "cpu") or "cpu").strip()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if text == "auto":
         return torch.device(f"cuda:{worker_index(args) % gpus}") if gpus else torch.device("cpu")
