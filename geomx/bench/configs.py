@@ -95,6 +95,10 @@ register(BenchConfig("hips-hfa-dc-overlap-keep", "HiPS HFA (K1=1, K2=10, D=5, ha
 register(BenchConfig("hips-hfa-dc-overlap-fp16-keep", "HiPS HFA (K1=1, K2=10, D=5, half the steps taken meanwhile "
                      "kept), global averages in fp16 on the WAN", env=HFA_DC_KEEP,
                      train_args=("--compression", json.dumps({"wan": "fp16"}))))
+register(BenchConfig("hips-hfa-dc5-overlap-fp16-keep", "HiPS HFA (K1=1, K2=5, D=4, half the steps taken meanwhile "
+                     "kept), global averages in fp16 on the WAN",
+                     env=launch_env({"algorithm": "hfa", "k1": 1, "k2": 5, "overlap": 4, "overlap_keep": 0.5}),
+                     train_args=("--compression", json.dumps({"wan": "fp16"}))))
 # the same, but a DC's workers step on their mean gradient (one optimizer state per DC) instead of averaging models
 HFA_DC_GRADIENTS = launch_env({"algorithm": "hfa", "k1": 1, "k2": 10, "overlap": 5, "dc_sync": "gradients"})
 register(BenchConfig("hips-hfa-dcgrad-overlap", "HiPS HFA (DC gradient average every step, K2=10, global average "
