@@ -76,40 +76,35 @@ register(BenchConfig("hips-diloco-short-overlap", "HiPS DiLoCo (K1=5, K2=2, oute
                      env=launch_env({"algorithm": "diloco", "k1": 5, "k2": 2, "overlap": 1})))
 # every step a DC average (the DC trains as one data-parallel job), a global average every 10 steps travelling
 # while the next 5 run
+HFA_DC = {"algorithm": "hfa", "k1": 1, "k2": 10, "overlap": 5}
+HFA_DC5 = {"algorithm": "hfa", "k1": 1, "k2": 5, "overlap": 4}   # a global average every 5 steps, behind the next 4
+WAN_FP16 = ("--compression", json.dumps({"wan": "fp16"}))        # model changes in fp16 on the WAN: half the bytes
+KEEP_HALF = {"overlap_keep": 0.5}   # half of the local progress made while a global average travelled is kept
 register(BenchConfig("hips-hfa-dc-overlap", "HiPS HFA (K1=1, K2=10, global average overlapped, D=5)",
-                     env=launch_env({"algorithm": "hfa", "k1": 1, "k2": 10, "overlap": 5})))
-# a global average every 5 steps, travelling while the next 4 run: dense, and with its model changes in fp16 on
-# the WAN (half the bytes, so the round fits behind fewer steps)
-HFA_DC5 = launch_env({"algorithm": "hfa", "k1": 1, "k2": 5, "overlap": 4})
-register(BenchConfig("hips-hfa-dc5-overlap", "HiPS HFA (K1=1, K2=5, global average overlapped, D=4)", env=HFA_DC5))
+                     env=launch_env(HFA_DC)))
+register(BenchConfig("hips-hfa-dc5-overlap", "HiPS HFA (K1=1, K2=5, global average overlapped, D=4)",
+                     env=launch_env(HFA_DC5)))
 register(BenchConfig("hips-hfa-dc5-overlap-fp16", "HiPS HFA (K1=1, K2=5, D=4), global averages in fp16 on the WAN",
-                     env=HFA_DC5, train_args=("--compression", json.dumps({"wan": "fp16"}))))
-register(BenchConfig("hips-hfa-dc-overlap-fp16",
-                     "HiPS HFA (K1=1, K2=10, D=5), global averages in fp16 on the WAN",
-                     env=launch_env({"algorithm": "hfa", "k1": 1, "k2": 10, "overlap": 5}),
-                     train_args=("--compression", json.dumps({"wan": "fp16"}))))
-# the same, keeping half of the local progress made while a global average travelled (overlap_keep 0.5)
-HFA_DC_KEEP = launch_env({"algorithm": "hfa", "k1": 1, "k2": 10, "overlap": 5, "overlap_keep": 0.5})
+                     env=launch_env(HFA_DC5), train_args=WAN_FP16))
+register(BenchConfig("hips-hfa-dc-overlap-fp16", "HiPS HFA (K1=1, K2=10, D=5), global averages in fp16 on the WAN",
+                     env=launch_env(HFA_DC), train_args=WAN_FP16))
 register(BenchConfig("hips-hfa-dc-overlap-keep", "HiPS HFA (K1=1, K2=10, D=5, half the steps taken meanwhile kept)",
-                     env=HFA_DC_KEEP))
+                     env=launch_env({**HFA_DC, **KEEP_HALF})))
 register(BenchConfig("hips-hfa-dc-overlap-fp16-keep", "HiPS HFA (K1=1, K2=10, D=5, half the steps taken meanwhile "
-                     "kept), global averages in fp16 on the WAN", env=HFA_DC_KEEP,
-                     train_args=("--compression", json.dumps({"wan": "fp16"}))))
+                     "kept), global averages in fp16 on the WAN", env=launch_env({**HFA_DC, **KEEP_HALF}),
+                     train_args=WAN_FP16))
 register(BenchConfig("hips-hfa-dc5-overlap-fp16-keep", "HiPS HFA (K1=1, K2=5, D=4, half the steps taken meanwhile "
-                     "kept), global averages in fp16 on the WAN",
-                     env=launch_env({"algorithm": "hfa", "k1": 1, "k2": 5, "overlap": 4, "overlap_keep": 0.5}),
-                     train_args=("--compression", json.dumps({"wan": "fp16"}))))
-# the same, but a DC's workers step on their mean gradient (one optimizer state per DC) instead of averaging models
-HFA_DC_GRADIENTS = launch_env({"algorithm": "hfa", "k1": 1, "k2": 10, "overlap": 5, "dc_sync": "gradients"})
+                     "kept), global averages in fp16 on the WAN", env=launch_env({**HFA_DC5, **KEEP_HALF}),
+                     train_args=WAN_FP16))
+# a DC's workers step on their mean gradient (one optimizer state per DC) instead of averaging models
+HFA_DC_GRADIENTS = launch_env({**HFA_DC, "dc_sync": "gradients"})
 register(BenchConfig("hips-hfa-dcgrad-overlap", "HiPS HFA (DC gradient average every step, K2=10, global average "
                      "overlapped, D=5)", env=HFA_DC_GRADIENTS))
 register(BenchConfig("hips-hfa-dcgrad-overlap-fp16", "HiPS HFA (DC gradient average every step, K2=10, D=5), "
-                     "global averages in fp16 on the WAN", env=HFA_DC_GRADIENTS,
-                     train_args=("--compression", json.dumps({"wan": "fp16"}))))
+                     "global averages in fp16 on the WAN", env=HFA_DC_GRADIENTS, train_args=WAN_FP16))
 register(BenchConfig("hips-hfa-dc-overlap-unfused",
                      "HiPS HFA (K1=1, K2=10, global average overlapped, D=5), a key per tensor (GEOMX_FUSION_BYTES=0)",
-                     env={**launch_env({"algorithm": "hfa", "k1": 1, "k2": 10, "overlap": 5}),
-                          "GEOMX_FUSION_BYTES": "0"}))
+                     env={**launch_env(HFA_DC), "GEOMX_FUSION_BYTES": "0"}))
 # P3 against its fair baseline: both with the servers' optimizer (P3 lands the servers' new weights layer by layer)
 SERVER_OPTIMIZER = ("--update-on", "server")
 register(BenchConfig("hips-fsa-server", "HiPS FSA, servers' optimizer (dist_sync)", train_args=SERVER_OPTIMIZER))

@@ -114,7 +114,7 @@ def bench_incast(*, dcs: int, servers: list[int], link: str, mb: float, keys: in
     """``placement``: "lines", each global server at the central party on a line of its own; "dcs", global server
     i inside DC i (no line of its own), MultiGPS's other deployment. ``dc_lines``: each DC's traffic to all
     others shares one line (geomx.netem.dc_lines) in every row."""
-    from geomx.cli.topology import load_topology
+    from geomx.cli.topology import dc_name, load_topology
     from geomx.profiles import parse_rate
 
     if dcs < 2 or steps < 1 or mb <= 0 or keys < 1 or not servers or min(servers) < 1:
@@ -127,7 +127,7 @@ def bench_incast(*, dcs: int, servers: list[int], link: str, mb: float, keys: in
     if placement == "dcs" and max(servers) > dcs:
         raise ConfigError(f"incast bench: --placement dcs puts global server i inside DC i, so --global-servers "
                           f"must be <= --dcs ({dcs}), got {max(servers)}")
-    dc_names = load_topology(None, dcs=dcs, workers_per_dc=1).dc_names
+    dc_names = [dc_name(i) for i in range(dcs)]
     rows = [("control: 1 global server, no node link", 1, None, None)]
     for g in servers:
         if placement == "lines":

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import msgpack
 import zmq
@@ -231,17 +231,17 @@ class WanEmulator:
     def node_link(self, addr: str, stage: int) -> EmulatedLink | None:
         """The line of the node at ``addr`` in one direction (``NODE_INGRESS`` or ``NODE_EGRESS``), created on
         first use; None where the node has none."""
-        name = f"{addr.removeprefix('tcp://')} {'in' if stage == NODE_INGRESS else 'out'}"
-        return self._line(self._node_links, self.node_rates, addr, stage, name)
+        return self._line(self._node_links, self.node_rates, addr, stage, _node_line_name)
 
     def dc_line(self, dc: str, stage: int) -> EmulatedLink | None:
         """DC ``dc``'s own line in one direction (``DC_INGRESS`` or ``DC_EGRESS``), created on first use; None
         where the DC has none."""
-        return self._line(self._dc_lines, self.dc_rates, dc, stage,
-                          f"DC {dc} {'in' if stage == DC_INGRESS else 'out'}")
+        return self._line(self._dc_lines, self.dc_rates, dc, stage, _dc_line_name)
 
-    def _line(self, lines: dict, rates: dict[str, float], owner: str, stage: int, name: str) -> EmulatedLink | None:
-        """A line without delay of its own (a node's, a DC's), in tandem with the pair links."""
+    def _line(self, lines: dict, rates: dict[str, float], owner: str, stage: int,
+              name_of: Callable[[str, int], str]) -> EmulatedLink | None:
+        """A line without delay of its own (a node's, a DC's), in tandem with the pair links. Every message asks
+        for its ends' lines: the name is made only when a line is."""
         rate = rates.get(owner)
         if rate is None:
             return None
@@ -249,7 +249,7 @@ class WanEmulator:
             link = lines.get((owner, stage))
             if link is None:
                 link = lines[(owner, stage)] = EmulatedLink(
-                    name=name, rate_bps=rate, one_way_delay_s=0.0, chunk_bytes=self.chunk_bytes,
+                    name=name_of(owner, stage), rate_bps=rate, one_way_delay_s=0.0, chunk_bytes=self.chunk_bytes,
                     engine=self._engine, epoch=self._epoch, stage=stage)
             return link
 
@@ -378,6 +378,14 @@ class WanEmulator:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+
+
+def _node_line_name(addr: str, stage: int) -> str:
+    return f"{addr.removeprefix('tcp://')} {'in' if stage == NODE_INGRESS else 'out'}"
+
+
+def _dc_line_name(dc: str, stage: int) -> str:
+    return f"DC {dc} {'in' if stage == DC_INGRESS else 'out'}"
 
 
 # -- standalone process ------------------------------------------------------------------------------------
