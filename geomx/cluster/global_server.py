@@ -31,6 +31,7 @@ from geomx.transport.message import Message
 log = logging.getLogger("geomx.global_server")
 
 _ANNOUNCE_PRIORITY = 1000      # checkpoint_at: before any push waiting beside it (pushes carry -layer index)
+_TORCH_IMPORT_DEADLINE_S = 120.0  # a loaded 2-core machine imports torch in seconds; a stuck import must not hang us
 
 
 class GlobalServer(KVServer):
@@ -351,11 +352,17 @@ def run_global_server(cfg: NodeConfig) -> int:
     # a server optimizer (DCASGD, SGD...) may arrive once the tiers are up, and importing torch then, on the
     # receive thread, would stall it for seconds on a loaded machine: import it meanwhile, beside the joining
     # (which waits on the network), instead of before it (every deployment's start then waited for it)
-    threading.Thread(target=importlib.import_module, args=("torch",), name="import-torch", daemon=True).start()
+    importer = threading.Thread(target=importlib.import_module, args=("torch",), name="import-torch", daemon=True)
+    importer.start()
     done = threading.Event()
-    server = start_global_server(cfg, done)
     try:
-        done.wait()
+        server = start_global_server(cfg, done)
+        try:
+            done.wait()
+        finally:
+            server.po.close()
     finally:
-        server.po.close()
+        # a short run may end while torch is still importing: finalizing the interpreter under an import half
+        # done aborts the process in torch's C++ ("terminate called without an active exception", signal 6)
+        importer.join(timeout=_TORCH_IMPORT_DEADLINE_S)
     return 1 if server.po.aborted else 0
