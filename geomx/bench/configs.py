@@ -79,6 +79,8 @@ register(BenchConfig("hips-diloco-short-overlap", "HiPS DiLoCo (K1=5, K2=2, oute
 HFA_DC = {"algorithm": "hfa", "k1": 1, "k2": 10, "overlap": 5}
 HFA_DC5 = {"algorithm": "hfa", "k1": 1, "k2": 5, "overlap": 4}   # a global average every 5 steps, behind the next 4
 WAN_FP16 = ("--compression", json.dumps({"wan": "fp16"}))        # model changes in fp16 on the WAN: half the bytes
+# model changes as 8-bit QSGD levels on the WAN (buckets of 512, error feedback): a quarter of fp32's bytes
+WAN_INT8 = ("--compression", json.dumps({"wan": {"type": "qsgd", "levels": 127, "bucket_size": 512}}))
 KEEP_HALF = {"overlap_keep": 0.5}   # half of the local progress made while a global average travelled is kept
 register(BenchConfig("hips-hfa-dc-overlap", "HiPS HFA (K1=1, K2=10, global average overlapped, D=5)",
                      env=launch_env(HFA_DC)))
@@ -96,6 +98,9 @@ register(BenchConfig("hips-hfa-dc-overlap-fp16-keep", "HiPS HFA (K1=1, K2=10, D=
 register(BenchConfig("hips-hfa-dc5-overlap-fp16-keep", "HiPS HFA (K1=1, K2=5, D=4, half the steps taken meanwhile "
                      "kept), global averages in fp16 on the WAN", env=launch_env({**HFA_DC5, **KEEP_HALF}),
                      train_args=WAN_FP16))
+register(BenchConfig("hips-hfa-dc5-overlap-int8-keep", "HiPS HFA (K1=1, K2=5, D=4, half the steps taken "
+                     "meanwhile kept), global averages as 8-bit QSGD on the WAN",
+                     env=launch_env({**HFA_DC5, **KEEP_HALF}), train_args=WAN_INT8))
 # a DC's workers step on their mean gradient (one optimizer state per DC) instead of averaging models
 HFA_DC_GRADIENTS = launch_env({**HFA_DC, "dc_sync": "gradients"})
 register(BenchConfig("hips-hfa-dcgrad-overlap", "HiPS HFA (DC gradient average every step, K2=10, global average "
