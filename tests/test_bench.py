@@ -285,3 +285,20 @@ def test_every_bench_is_registered():
         with pytest.raises(SystemExit) as exc:
             main(["bench", name, "--help"])
         assert exc.value.code == 0
+
+
+def test_every_registered_row_has_sync_settings_and_a_compression_the_workers_accept():
+    """Most rows run only in the benchmark campaign, not in CI: a typo in one (an option, a codec's parameter)
+    would surface an hour into a campaign. Each row's environment must give valid sync settings and its
+    ``--compression`` a policy that parses."""
+    from geomx.bench.configs import CONFIGS
+    from geomx.compression import parse_policy
+    from geomx.sync.settings import settings_from_env
+
+    assert len(CONFIGS) > 30
+    for name, config in CONFIGS.items():
+        settings_from_env(config.env)
+        args = list(config.train_args)
+        if "--compression" in args:
+            spec = json.loads(args[args.index("--compression") + 1])
+            assert parse_policy(spec) is not None, name
