@@ -188,6 +188,11 @@ def test_wan_matrix_smoke_rows_are_consistent_and_flat_moves_more_wan_bytes(tmp_
     assert 0 < no_wan_at_4 <= 1 and step_rows["no-wan"]["vs_fsa_at_target_step"] == pytest.approx(
         (no_wan_at_4 - by_step["target"]) / by_step["target"])
     assert main(["bench", "wan", "--from-runs", str(runs), "--target-step", "3"]) == 2     # not an evaluated step
+    # with the control among the rows: the first FSA evaluation it never reaches (None: it reaches them all)
+    harder = by_step["control_misses_from_step"]
+    assert harder is None or harder in (2, 4)
+    if step_rows["no-wan"]["time_to_target_s"] is None:
+        assert harder is not None and harder <= 4
 
 
 def test_wan_rejects_an_unknown_configuration_naming_it():
@@ -302,3 +307,29 @@ def test_every_registered_row_has_sync_settings_and_a_compression_the_workers_ac
         if "--compression" in args:
             spec = json.loads(args[args.index("--compression") + 1])
             assert parse_policy(spec) is not None, name
+
+
+def _run_of_curves(metric: str, *curves):
+    """A run whose workers (one per curve) logged ``metric`` at (step, time, value) evaluations."""
+    from pathlib import Path
+
+    from geomx.report.run import EVAL_METRICS, Run, WorkerSeries
+
+    workers = [WorkerSeries(dc="ab"[i % 2], pid=i, evals=list(curve)) for i, curve in enumerate(curves)]
+    return Run(path=Path("."), name=metric, manifest={}, workers=workers, sent={}, sent_messages={},
+               dense_bytes=None, links=None, start_t=0.0, server_queues=[], metric=EVAL_METRICS[metric])
+
+
+def test_a_too_easy_table_names_the_first_fsa_evaluation_the_control_never_reaches():
+    """FSA's validation loss at steps 10/20/30 is 3.0/2.6/2.3; the control's best is 2.5: it reaches FSA's step-10
+    and step-20 losses, not step 30's, so --target-step 30 is the first target that needs cooperation."""
+    from geomx.bench.wan import first_step_the_control_misses
+
+    fsa_curve = [(10, 1.0, 3.0), (20, 2.0, 2.6), (30, 3.0, 2.3)]
+    control_curve = [(10, 0.5, 2.9), (20, 1.0, 2.5), (30, 1.5, 2.6)]
+    fsa = _run_of_curves("val_loss", fsa_curve, fsa_curve)
+    assert first_step_the_control_misses(fsa, _run_of_curves("val_loss", control_curve, control_curve)) == 30
+    assert first_step_the_control_misses(fsa, _run_of_curves("val_loss", [(30, 1.5, 2.2)])) is None
+    # an accuracy: higher is better
+    assert first_step_the_control_misses(_run_of_curves("test_acc", [(5, 1.0, 0.5), (10, 2.0, 0.9)]),
+                                         _run_of_curves("test_acc", [(5, 0.5, 0.6), (10, 1.0, 0.8)])) == 10

@@ -31,6 +31,7 @@ from geomx.profiles import PROFILES
 
 MB = 1e6
 TARGET_ROW = "hips-fsa"        # --target-step: the target is this row's evaluation at that step
+CONTROL_ROW = "no-wan"         # each DC alone: a target it reaches needs no cooperation
 
 
 def run_config(config: BenchConfig, *, profile: str | None, wan_rate: str | None, wan_rtt: str | None, dcs: int,
@@ -95,7 +96,23 @@ def tabulate(rows: list[BenchConfig], base: Path, *, target: float | None, targe
         results.append(tabulate_run(c, base / c.name, target=target, workers=workers, steps=steps,
                                     budget_s=budget_s, target_step=target_step))
     _compare(results)
-    return {"target": target, "target_step": target_step, "budget_s": budget_s, "rows": results}
+    out = {"target": target, "target_step": target_step, "budget_s": budget_s, "rows": results}
+    if target_step is not None and any(c.name == CONTROL_ROW for c in rows):
+        out["control_misses_from_step"] = first_step_the_control_misses(fsa, load_run(base / CONTROL_ROW))
+    return out
+
+
+def first_step_the_control_misses(fsa, control) -> int | None:
+    """The first step at which HiPS FSA's evaluation is a target that the no-WAN control never reaches in its run
+    (None: it reaches every one): the smallest ``--target-step`` that needs cooperation, for a table whose
+    target turned out too easy."""
+    from geomx.report.summary import accuracy_curve
+
+    reached = [value for _, _, value in accuracy_curve(control)]
+    for step, _, target in accuracy_curve(fsa):
+        if not any(control.metric.reached(value, target) for value in reached):
+            return step
+    return None
 
 
 def retabulate(*, from_runs: str, configs: str | None, target: float | None, out_dir: str | None,
@@ -319,10 +336,17 @@ def format_wan_report(r: dict) -> str:
         lines += [f"**The rows train different numbers of steps, and examples/{work.script}'s learning-rate schedule "
                   f"(warm-up, cosine decay) spans a row's own steps: a longer row also learns at other rates. "
                   f"Give every row the same --steps to compare like with like.**", ""]
-    control = next((x for x in r["rows"] if x["config"] == "no-wan"), None)
+    control = next((x for x in r["rows"] if x["config"] == CONTROL_ROW), None)
     if control is not None and target is not None and control["time_to_target_s"] is not None:
         lines += ["**The target is too easy: the no-WAN control (each DC training alone, nothing crossing the WAN) "
                   "reaches it too.**", ""]
+        if "control_misses_from_step" in r:
+            harder = r["control_misses_from_step"]
+            lines += [f"The first of HiPS FSA's evaluations that the control never reaches is at step {harder}: "
+                      f"`--target-step {harder}` (from these runs: `--from-runs`) makes a target that needs "
+                      f"cooperation." if harder is not None else
+                      "The control reaches every one of HiPS FSA's evaluations in this run: no target from these "
+                      "runs needs cooperation; train longer.", ""]
     lines += [
         markdown_table(header, rows, [False] + [True] * (len(header) - 1)), "",
         f"Training time starts when the first worker finished set-up (joined, keys initialized, initial model pulled). "
