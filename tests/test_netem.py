@@ -153,6 +153,31 @@ def transfer(link: EmulatedLink, count: int, nbytes: int, *, timeout_s: float) -
     return t0, arrivals
 
 
+def test_a_message_is_counted_before_its_receiver_has_it_and_not_at_all_if_forwarding_fails():
+    """A reader of a link's counters (the report, a test) must never see a message its receiver holds missing
+    from them (CI once read them between the two under load); one whose forwarding raised is not counted. The
+    link's deliveries run one after another, so the third sees the second's failure handled."""
+    link = EmulatedLink(name="a->central", rate_bps=1e9, one_way_delay_s=0.0)
+    seen, done = [], threading.Event()
+
+    def deliver():
+        snap = link.snapshot()
+        seen.append((snap["messages"], snap["bytes"]))
+        if len(seen) == 3:
+            done.set()
+
+    def fail():
+        deliver()
+        raise OSError("the receiver's socket is gone")
+    try:
+        for nbytes, forward in ((1000, deliver), (2000, fail), (3000, deliver)):
+            link.enqueue(nbytes, 0, forward)
+        assert done.wait(5.0), seen
+    finally:
+        link.close()
+    assert seen == [(1, 1000), (2, 3000), (2, 4000)]
+
+
 @pytest.mark.parametrize("rate_bps, msg_bytes", [(10e6, 64 * 1024), (1e9, MIB)])
 def test_link_goodput_of_one_second_transfer_is_within_5_percent_of_rate(rate_bps, msg_bytes):
     count = int(np.ceil(rate_bps / 8 / msg_bytes))      # >= 1 s of data

@@ -391,17 +391,24 @@ class EmulatedLink:
             with link._stats_lock:
                 link._queued_bytes -= transit.nbytes
                 link._queued_messages -= 1
-        transit.deliver()   # raises if forwarding failed: then the message is not counted as delivered
-        # counted in the second the model delivers it, not when a busy host got round to it: the series is the
-        # link's, and a delivery made 20 ms late must not land in the second of an outage that began meanwhile
+        # counted before it is handed on, so that whatever a receiver holds is already counted (a reader of the
+        # stats never sees a delivered message missing); in the second the model delivers it, not when a busy
+        # host got round to it: the series is the link's, and a delivery made 20 ms late must not land in the
+        # second of an outage that began meanwhile
         for link in transit.path:
             link._count(transit.nbytes, at)
+        try:
+            transit.deliver()
+        except BaseException:       # forwarding failed: the message was not delivered, so not counted
+            for link in transit.path:
+                link._count(-transit.nbytes, at, messages=-1)
+            raise
 
-    def _count(self, nbytes: int, at: float) -> None:
+    def _count(self, nbytes: int, at: float, *, messages: int = 1) -> None:
         second = max(0, int(at - self._epoch))
         with self._stats_lock:
             self._bytes += nbytes
-            self._messages += 1
+            self._messages += messages
             if second >= len(self._series):
                 self._series.extend([0] * (second + 1 - len(self._series)))
             self._series[second] += nbytes
