@@ -43,8 +43,8 @@ class Recorder:
             if len(self.names) == len(sends):
                 done.set()
         t0 = time.monotonic()
-        for link, name, nbytes, then in sends:
-            link.enqueue(nbytes, 0, lambda n=name: deliver(n), then=then)
+        for link, name, nbytes, then in sends:      # all at t0: the lock's wait and preemption are not line time
+            link.enqueue(nbytes, 0, lambda n=name: deliver(n), then=then, at=t0)
         assert done.wait(timeout), f"{len(self.names)} of {len(sends)} delivered"
         return {name: at - t0 for name, at in zip(self.names, self.times, strict=True)}
 

@@ -256,9 +256,11 @@ class EmulatedLink:
         self._engine.attach(self)
 
     def enqueue(self, nbytes: int, priority: int, deliver: Callable[[], None], *,
-                then: tuple[EmulatedLink, ...] = ()) -> None:
+                then: tuple[EmulatedLink, ...] = (), at: float | None = None) -> None:
         """Queue a message of ``nbytes``; ``deliver()`` is called once it has crossed this link and the links
-        ``then`` after it, in turn."""
+        ``then`` after it, in turn. ``at``: the monotonic time it reached the link (default: now), for a caller
+        that sends several messages "at once" or measures from its own clock (a test on a loaded machine would
+        otherwise count the wait for the engine's lock as line time)."""
         path = (self, *then)
         if any(link._engine is not self._engine for link in then):
             raise GeomxError(f"link {self.name}: every link of a path must share one engine")
@@ -271,7 +273,7 @@ class EmulatedLink:
                 with link._stats_lock:
                     link._queued_bytes += nbytes
                     link._queued_messages += 1
-            self._receive(transit.legs[0], time.monotonic(), nbytes)
+            self._receive(transit.legs[0], time.monotonic() if at is None else at, nbytes)
             self._engine.kick()
 
     def snapshot(self) -> dict:
