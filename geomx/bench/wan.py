@@ -53,14 +53,13 @@ def run_config(config: BenchConfig, *, profile: str | None, wan_rate: str | None
     return launch(topo, command, run_dir, timeout, f"WAN bench ({config.name})")
 
 
-def tabulate_run(config: BenchConfig, run_dir: Path, *, target: float | None, workers: int | None = None,
+def tabulate_run(config: BenchConfig, run, run_dir: Path, *, target: float | None, workers: int | None = None,
                  steps: int | None = None, budget_s: float | None = None, target_step: int | None = None) -> dict:
-    """One row of the table from a finished run directory (``geomx report``'s figures). ``target_step``: also
-    the row's evaluation at that step, i.e. after as many samples as HiPS FSA's target took."""
-    from geomx.report.run import load_run
+    """One row of the table from a finished run (``run``, loaded from ``run_dir``; ``geomx report``'s figures).
+    ``target_step``: also the row's evaluation at that step, i.e. after as many samples as HiPS FSA's target
+    took."""
     from geomx.report.summary import eval_at_step, eval_at_time, summarize
 
-    run = load_run(run_dir)
     if (workers is not None and len(run.workers) != workers) or (steps is not None and run.steps != steps):
         raise GeomxError(f"WAN bench ({config.name}): {len(run.workers)} workers recorded up to step {run.steps}, "
                          f"expected {workers} workers and {steps} steps (see {run_dir})")
@@ -81,24 +80,29 @@ def tabulate(rows: list[BenchConfig], base: Path, *, target: float | None, targe
     from geomx.report.run import load_run
     from geomx.report.summary import eval_at_step, time_at_step
 
+    runs = {c.name: load_run(base / c.name) for c in rows}      # each run read once, whatever it serves
+
+    def run_of(name: str):
+        return runs[name] if name in runs else load_run(base / name)
+
     if target_step is not None:
-        fsa = load_run(base / TARGET_ROW)
+        fsa = run_of(TARGET_ROW)
         target = eval_at_step(fsa, target_step)
         if target is None:
             evaluated = sorted({s for w in fsa.workers for s, _, _ in w.evals})
             raise ConfigError(f"--target-step {target_step}: HiPS FSA evaluated steps {evaluated}, not "
                               f"{target_step} (pick a multiple of --eval-every, or the last step)")
         if budget_s is None:
-            budget_s = time_at_step(load_run(base / BASELINE), max(1, target_step // 10))
+            budget_s = time_at_step(run_of(BASELINE), max(1, target_step // 10))
     results = []
     for c in rows:
         workers, steps = (expected or {}).get(c.name, (None, None))
-        results.append(tabulate_run(c, base / c.name, target=target, workers=workers, steps=steps,
+        results.append(tabulate_run(c, runs[c.name], base / c.name, target=target, workers=workers, steps=steps,
                                     budget_s=budget_s, target_step=target_step))
     _compare(results)
     out = {"target": target, "target_step": target_step, "budget_s": budget_s, "rows": results}
-    if target_step is not None and any(c.name == CONTROL_ROW for c in rows):
-        out["control_misses_from_step"] = first_step_the_control_misses(fsa, load_run(base / CONTROL_ROW))
+    if target_step is not None and CONTROL_ROW in runs:
+        out["control_misses_from_step"] = first_step_the_control_misses(fsa, runs[CONTROL_ROW])
     return out
 
 
