@@ -162,3 +162,20 @@ def test_enable_p3_selects_p3_as_geomx_documents_and_geomx_sync_wins():
         settings_from_env({"GEOMX_SYNC": "p3", "GEOMX_P3_SLICE": "-1"})
     assert settings_from_env({"ENABLE_P3": "1", "GEOMX_SYNC": "fsa"}).algorithm == "fsa"
     assert settings_from_env({}).algorithm == "fsa"
+
+
+def test_the_device_probe_picks_the_batch_whose_shared_compute_is_nearest_the_transfer_and_that_fits(capsys):
+    """tests/scripts/lm_compute_time.py chooses the batches that the GPU's P3 runs use (device_all.sh)."""
+    from lm_compute_time import main, pick_batch
+    shared = {16: 0.04, 64: 0.09, 256: 0.33, 512: 0.61}
+    everything = dict.fromkeys(shared, True)
+    assert pick_batch(shared, everything, 0.41) == 256
+    assert pick_batch(shared, everything, 1.38) == 512
+    assert pick_batch(shared, {**everything, 512: False}, 1.38) == 256
+    assert pick_batch(shared, dict.fromkeys(shared, False), 1.38) == 16
+    assert main(["--device", "cpu", "--sizes", "tiny", "--batches", "1,2", "--repeats", "1",
+                 "--pick", "regional"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:3] for line in lines if line.startswith("tiny batch")] == [["tiny", "batch", "1:"],
+                                                                                    ["tiny", "batch", "2:"]]
+    assert [line.split()[:3] for line in lines if line.startswith("pick")] == [["pick", "tiny", "regional"]]

@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
 # Compute utilization of the best model-averaging rows with a core per process: issue 13's "compute utilization
-# >= 0.9 for the best model-averaging row". On 2 shared cores four workers, their servers and the emulator take
-# turns, so a worker waiting for its DC's average mostly waits for the other worker's compute (0.42-0.50 here,
-# the no-WAN control 0.52; docs/benchmarks.md). The device machine has 16 CPU cores: this runs on those, no GPU.
+# >= 0.9 for the best model-averaging row". The device machine has 16 CPU cores: this runs on those, no GPU.
+# Measured there on 2026-11-27 with the defaults (the tiny model): 0.41-0.43, no better than on 2 cores, since
+# the global average (~0.4 s over transpacific) takes longer than the 5-10 steps it travels behind (~0.026 s each
+# on 16 cores); docs/benchmarks.md, "Compute utilization on 16 cores". The next measurement is the small model's
+# K1=5/K2=2 overlapped row (0.80-0.83 on 2 cores):
+#   ROWS=hips-hfa-short-overlap,no-wan MODEL=small STEPS=120 EVAL_EVERY=10 SEED=0 FLAT_STEPS=6 \
+#     bash tests/scripts/device_cu.sh
 #
 # For the device machine: run(command="bash tests/scripts/device_cu.sh", carry=[".whl"], timeout_s=420), with
 # the wheels that tests/scripts/device_env.sh says how to fetch. Check here first with ROWS=no-wan STEPS=20.
 #
-# One `geomx bench wan --workload lm` on issue 13's non-iid seed-1 settings (flat, its fixed baseline, for 25
-# steps only: its speed is not the question), then each row's compute utilization from `geomx report`.
-# Knobs: ROWS (the two best rows and the control), STEPS (400), PYTHON (python3).
+# One `geomx bench wan --workload lm` (flat, its fixed baseline, for FLAT_STEPS steps only: its speed is not the
+# question), then each row's compute utilization from `geomx report`.
+# Knobs (defaults: issue 13's non-iid seed-1 table): ROWS (the two best tiny-model rows and the control), MODEL
+# (tiny), STEPS (400), EVAL_EVERY (25), SEED (1), FLAT_STEPS (25), TRAIN_ARGS ("--batch-size 2 --context 64
+# --split-by-package"), CU_S (seconds allowed, 380), PYTHON (python3).
 set -u
 source "$(dirname "$0")/device_env.sh" /tmp/geomx-device-cu
 rows=${ROWS:-hips-hfa-dc5-overlap-int8-keep,hips-hfa-dc-overlap-fp16-keep,no-wan}
 runs=/tmp/geomx-device-cu-runs
 rm -rf "$runs"
-timeout 380 "$py" -m geomx.cli.main bench wan --workload lm --model tiny --profile transpacific --configs "$rows" \
-  --steps "${STEPS:-400}" --row-steps flat=25 --eval-every 25 --seed 1 \
-  --train-args "--batch-size 2 --context 64 --split-by-package" --run-dir "$runs" \
+timeout "${CU_S:-380}" "$py" -m geomx.cli.main bench wan --workload lm --model "${MODEL:-tiny}" \
+  --profile transpacific --configs "$rows" --steps "${STEPS:-400}" --row-steps "flat=${FLAT_STEPS:-25}" \
+  --eval-every "${EVAL_EVERY:-25}" --seed "${SEED:-1}" \
+  --train-args "${TRAIN_ARGS:---batch-size 2 --context 64 --split-by-package}" --run-dir "$runs" \
   --output "$out/cu.md" --json "$out/cu.json" > "$out/cu.log" 2>&1
 echo "exit $?"
 for row in ${rows//,/ }; do

@@ -4,24 +4,25 @@
 # overlaps; docs/benchmarks.md, "P3 with slices against FSA").
 #
 # For the device machine: run(command="bash tests/scripts/device_p3.sh", carry=[".whl"], timeout_s=540), with
-# the wheels that tests/scripts/device_env.sh says how to fetch.
+# the wheels that tests/scripts/device_env.sh says how to fetch; tests/scripts/device_all.sh runs it with batches
+# picked by tests/scripts/lm_compute_time.py.
 #
-# Each (profile, batch) pair is one `geomx bench wan --workload lm` of the rows flat (its fixed baseline),
-# hips-fsa-server and hips-p3, every worker on the GPU (--device); tables and JSON go to $OUT.
-# Knobs: DEVICE (cuda), MODEL (small), PROFILES ("regional transatlantic"), BATCHES ("16 64"), STEPS (30),
-# PYTHON (python3), EACH_S (seconds allowed per pair, 150).
+# Each PROFILE:MODEL:BATCH of PAIRS is one `geomx bench wan --workload lm` of the rows flat (its fixed baseline,
+# FLAT_STEPS steps only: its speed is not the question), hips-fsa-server and hips-p3, every worker on the GPU
+# (--device); tables and JSON go to $OUT.
+# Knobs: DEVICE (cuda), PAIRS ("regional:small:16 regional:small:64 transatlantic:small:16 transatlantic:small:64"),
+# STEPS (30), FLAT_STEPS (2), PYTHON (python3), EACH_S (seconds allowed per pair, 150).
 set -u
 source "$(dirname "$0")/device_env.sh" /tmp/geomx-device-p3
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-for prof in ${PROFILES:-regional transatlantic}; do
-  for batch in ${BATCHES:-16 64}; do
-    name="p3-$prof-b$batch"
-    echo "== $name"
-    timeout "${EACH_S:-150}" "$py" -m geomx.cli.main bench wan --workload lm --model "${MODEL:-small}" \
-      --profile "$prof" --configs hips-fsa-server,hips-p3 --steps "${STEPS:-30}" --eval-every "${STEPS:-30}" \
-      --train-args "--device ${DEVICE:-cuda} --batch-size $batch" --output "$out/$name.md" --json "$out/$name.json" \
-      > "$out/$name.log" 2>&1
-    echo "exit $?"
-    grep '^|' "$out/$name.log" | cut -d'|' -f2,11-13,16-17
-  done
+for pair in ${PAIRS:-regional:small:16 regional:small:64 transatlantic:small:16 transatlantic:small:64}; do
+  IFS=: read -r prof model batch <<< "$pair"
+  name="p3-$prof-$model-b$batch"
+  echo "== $name"
+  timeout "${EACH_S:-150}" "$py" -m geomx.cli.main bench wan --workload lm --model "$model" --profile "$prof" \
+    --configs hips-fsa-server,hips-p3 --steps "${STEPS:-30}" --row-steps "flat=${FLAT_STEPS:-2}" \
+    --eval-every "${STEPS:-30}" --train-args "--device ${DEVICE:-cuda} --batch-size $batch" \
+    --output "$out/$name.md" --json "$out/$name.json" > "$out/$name.log" 2>&1
+  echo "exit $?"
+  grep '^|' "$out/$name.log" | cut -d'|' -f2,11-13,16-17
 done
