@@ -15,7 +15,9 @@ kind        fields
             process's first record; ``comm_wait_s``: cumulative time the process waited for the network
             (``DistributedOptimizer.step``), so compute = elapsed - comm_wait; ``wan_rounds`` and
             ``wan_rounds_waited``: cross-DC rounds started so far, and those whose round trip the worker
-            waited out (``DistributedOptimizer.wan_rounds``)
+            waited out (``DistributedOptimizer.wan_rounds``); with overlapped global averages (HFA/DiLoCo, D >=
+            1) ``landings``, ``late_landings``, ``landing_wait_s``: those that reached their landing step, those
+            not in yet there, and the seconds waited for them (``geomx.sync.averaging.LandingWaits``)
 ``ready``   ``elapsed_s``, ``comm_wait_s``: the worker is set up (joined, keys initialized, initial model
             pulled) and starts training; reports measure training from here
 ``model``   ``keys``, ``dense_bytes``: fp32 bytes of every key this worker initialized (one dense copy)
@@ -43,6 +45,7 @@ _lock = threading.Lock()
 _writer: MetricsWriter | None = None
 _comm_wait_s = 0.0
 _wan_rounds: tuple[int, int] | None = None
+_landings: dict[str, float] = {}
 
 
 class MetricsWriter:
@@ -91,6 +94,13 @@ def set_wan_rounds(started: int, waited: int) -> None:
     _wan_rounds = (int(started), int(waited))
 
 
+def set_landings(landings: int, late: int, waited_s: float) -> None:
+    """Called by DistributedOptimizer after every step of an overlapped model average: how its global averages
+    landed so far (step records carry them)."""
+    global _landings
+    _landings = {"landings": int(landings), "late_landings": int(late), "landing_wait_s": float(waited_s)}
+
+
 def comm_wait_s() -> float:
     return _comm_wait_s
 
@@ -102,7 +112,7 @@ def log(*, step: int, **numbers: Any) -> None:
         return
     rounds = {} if _wan_rounds is None else {"wan_rounds": _wan_rounds[0], "wan_rounds_waited": _wan_rounds[1]}
     writer.write("step", step=int(step), elapsed_s=time.time() - writer.started, comm_wait_s=_comm_wait_s,
-                 **rounds, **numbers)
+                 **rounds, **_landings, **numbers)
 
 
 def ready() -> None:

@@ -209,3 +209,37 @@ def test_compute_utilization_leaves_the_workers_evaluations_out_of_both_compute_
     assert abs(summarize(run)["compute_utilization"] - 3 / 7) < 1e-12
     # a worker that never evaluated: as before, compute over training time
     assert WorkerSeries(dc="a", pid=2, elapsed_s=10.0, comm_wait_s=2.5).utilization == 0.75
+
+
+def test_the_report_shows_how_many_overlapped_averages_landed_late_and_the_mean_wait(tmp_path):
+    """Two workers of an overlapped HFA run: 4 averages landed each, worker a waited for 3 of them (1.2 s), worker
+    b for 1 (0.4 s): 3 of 4 late, 0.8 s waited per worker. A run without overlap records none and shows "-"."""
+    from geomx.report.summary import format_report, summarize
+
+    (tmp_path / "launch.json").write_text(json.dumps({"topology": "hips", "mode": "dist_sync", "dcs": ["a", "b"]}))
+    (tmp_path / METRICS_DIR).mkdir()
+    for pid, dc, late, waited in ((1, "a", 3, 1.2), (2, "b", 1, 0.4)):
+        lines = [{"t": 0, "kind": "start", "role": "worker", "dc": dc, "pid": pid},
+                 {"t": 0, "kind": "ready", "elapsed_s": 0.0, "comm_wait_s": 0.0},
+                 {"t": 1, "kind": "step", "step": 1, "elapsed_s": 1.0, "comm_wait_s": 0.0, "wan_rounds": 0,
+                  "wan_rounds_waited": 0, "landings": 0, "late_landings": 0, "landing_wait_s": 0.0},
+                 {"t": 9, "kind": "step", "step": 20, "elapsed_s": 9.0, "comm_wait_s": waited, "wan_rounds": 5,
+                  "wan_rounds_waited": 0, "landings": 4, "late_landings": late, "landing_wait_s": waited}]
+        (tmp_path / METRICS_DIR / f"worker-{dc}-{pid}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    s = summarize(load_run(tmp_path))
+    assert (s["landings"], s["late_landings"]) == (4, 3) and abs(s["landing_wait_s"] - 0.8) < 1e-9
+    assert _report_line(format_report(s), "late at landing") == "3 of 4, 0.8 s waited per worker"
+    for path in (tmp_path / METRICS_DIR).iterdir():
+        path.write_text("".join(line.split(', "landings"')[0] + ("}\n" if '"landings"' in line else "\n")
+                                for line in path.read_text().splitlines()))
+    s = summarize(load_run(tmp_path))
+    assert s["landings"] is None and _report_line(format_report(s), "late at landing") == "-"
+
+
+def _report_line(report: str, label_ends: str) -> str:
+    """The value on the report's line whose label ends with ``label_ends``."""
+    for line in report.splitlines():
+        label, _, value = line.partition("  ")
+        if label.endswith(label_ends):
+            return value.strip()
+    raise AssertionError(f"no line {label_ends!r} in:\n{report}")

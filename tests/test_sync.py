@@ -192,6 +192,10 @@ def test_model_averaging_matches_the_reference_at_every_step(tmp_path, name):
                                    err_msg=f"{name}: worker {i}, key {key}, step {step}")
     last = case["steps"] - 1
     assert all(x["global_averages"] == case["steps"] // (case["k1"] * case["k2"]) for x in infos), infos
+    # overlapped averages that reached their landing step during the run (finish() lands the rest uncounted)
+    landed = (case["steps"] // case["k1"] - case.get("overlap", 0)) // case["k2"] if case.get("overlap") else None
+    assert all((x["landings"] or {}).get("landings") == landed for x in infos), infos
+    assert all(x["landings"] is None or 0 <= x["landings"]["late"] <= landed for x in infos), infos
     if name == "hfa-overlap":
         # while the average sent at step 3 travels (steps 3 and 4: indices 2, 3) the DCs train on their own
         # models, not on the average as a blocking HFA does

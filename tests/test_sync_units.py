@@ -255,3 +255,36 @@ def test_buckets_of_a_round_that_crosses_the_wan_are_at_most_one_part(monkeypatc
     assert bucket_bytes_for(unpartitioned, crosses_wan=True) == 4 << 20
     monkeypatch.setenv("GEOMX_FUSION_BYTES", "0")
     assert bucket_bytes_for(over_wan, crosses_wan=True) == 0 == bucket_bytes_for(over_wan, crosses_wan=False)
+
+
+class _Reply:
+    """A request handle whose reply arrives ``after_s`` after the wait begins (0: already in)."""
+
+    def __init__(self, after_s: float) -> None:
+        self.after_s = after_s
+
+    def wait(self) -> None:
+        time.sleep(self.after_s)
+
+
+def test_an_overlapped_average_counts_as_late_only_when_its_landing_had_to_wait_for_it():
+    from geomx.sync.averaging import HFA, InFlight
+
+    hfa = HFA(k1=1, k2=2, overlap=1)
+    w = torch.nn.Parameter(torch.zeros(3))
+    hfa.params, hfa.base, hfa.dc_scale, hfa.global_scale = [("w", w)], [torch.zeros(3)], 1.0, 1.0
+    for after_s in (0.0, 0.05, 0.0):
+        flight = InFlight([_Reply(after_s)], [torch.ones(3)])
+        flight.sent = [w.detach().clone()]
+        hfa.in_flight = flight
+        hfa.land(scheduled=True)
+    hfa.in_flight = InFlight([_Reply(0.05)], [torch.ones(3)])
+    hfa.in_flight.sent = [w.detach().clone()]
+    hfa.land()                                  # the run's end (finish): expected to wait, not counted
+    waits = hfa.landing_waits
+    assert (waits.landings, waits.late) == (3, 1)
+    assert 0.05 <= waits.waited_s < 0.05 + 2 * waits.LATE_S + 0.5
+    assert HFA(k1=1, k2=2).landing_waits is None            # without overlap every average is waited for
+    restored = HFA(k1=1, k2=2, overlap=1)
+    restored.load_state_dict(hfa.state_dict())
+    assert restored.landing_waits == waits

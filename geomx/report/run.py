@@ -66,6 +66,9 @@ class WorkerSeries:
     wan_rounds: int | None = None           # cross-DC rounds started, at the last step (None: not recorded)
     wan_rounds_waited: int | None = None    # of which the worker waited out the round trip
     first_wan_step: int | None = None       # the first step record that counts a cross-DC round
+    # overlapped global averages (HFA/DiLoCo, D >= 1), at the last step: landed, late at their landing step, and
+    # the seconds waited for them (None: not recorded)
+    landings: tuple[int, int, float] | None = None
 
     @property
     def compute_s(self) -> float:
@@ -190,6 +193,9 @@ def load_run(path: str | Path) -> Run:
         w.comm_wait_s = float(steps[-1].get("comm_wait_s", 0.0))
         if steps[-1].get("wan_rounds") is not None:
             w.wan_rounds, w.wan_rounds_waited = int(steps[-1]["wan_rounds"]), int(steps[-1]["wan_rounds_waited"])
+        if steps[-1].get("landings") is not None:
+            last = steps[-1]
+            w.landings = (int(last["landings"]), int(last["late_landings"]), float(last["landing_wait_s"]))
         workers.append(w)
     links_file = path / "wan_links.json"
     links = json.loads(links_file.read_text()) if links_file.exists() else None

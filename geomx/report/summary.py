@@ -22,6 +22,10 @@ initial model pulled) to the last step; set-up is reported apart. Definitions:
   WAN RTT per round whose round trip a worker waits out (``wan_rounds_waited``: not HFA's overlapped global
   averages, not MixedSync's overlap, one in D + 1 for DGA); first cross-DC step = the first step whose record
   counts a round;
+* landings (overlapped global averages, D >= 1) = those that reached their landing step, the most any worker
+  counted; late = of those, the ones not in yet there (the worker waited: the round trip outlasted the D DC
+  periods it travelled behind); waited = seconds per worker, the mean over workers (part of the waiting that
+  compute utilization excludes);
 * serial bound = compute time + the busiest directed WAN link's bytes / its rate + round trips: what a run
   that never overlaps communication with compute needs; overlapped bound = max(compute, busiest link's bytes
   / rate) + round trips: what no schedule can beat; efficiency = overlapped bound / measured training time
@@ -136,6 +140,15 @@ def wan_rounds(run: Run) -> tuple[int, int, int | None]:
             min(first) if first else None)
 
 
+def landings(run: Run) -> tuple[int | None, int | None, float | None]:
+    """(overlapped global averages landed, of which late, seconds waited for them per worker): the most any
+    worker counted, and the mean wait; None where no worker recorded them (no overlap)."""
+    recorded = [w.landings for w in run.workers if w.landings is not None]
+    if not recorded:
+        return None, None, None
+    return max(n for n, _, _ in recorded), max(late for _, late, _ in recorded), mean(s for _, _, s in recorded)
+
+
 def summarize(run: Run, target: float | None = None) -> dict:
     m = run.manifest
     wan = m.get("wan", {})
@@ -160,6 +173,7 @@ def summarize(run: Run, target: float | None = None) -> dict:
     wire = _wire_time(link_bytes, wan)
     rtt = float(wan.get("rtt_s") or 0.0)
     rounds, waited_rounds, first_wan_step = wan_rounds(run)
+    landed, late, landing_wait = landings(run)
     round_trips = waited_rounds * rtt
     overlapped = max(compute, wire) + round_trips
     final = curve[-1][2] if curve else math.nan
@@ -183,6 +197,7 @@ def summarize(run: Run, target: float | None = None) -> dict:
         "compression_ratio": dense_per_step / per_step if dense_per_step and per_step else math.nan,
         "compute_s": compute, "compute_utilization": utilization, "wire_s": wire, "wan_rounds": rounds,
         "wan_rounds_waited": waited_rounds, "first_wan_step": first_wan_step, "round_trips_s": round_trips,
+        "landings": landed, "late_landings": late, "landing_wait_s": landing_wait,
         "lower_bound_s": compute + wire + round_trips, "overlapped_bound_s": overlapped,
         "efficiency": overlapped / train_s if train_s > 0 else math.nan,
         "bytes_roles_vs_links": _consistency(run),
@@ -238,6 +253,8 @@ def format_report(s: dict) -> str:
         ("WAN bytes: dense fp32 every step / this run", num(s["compression_ratio"], ".2f", "x")),
         ("compute utilization", num(s["compute_utilization"], ".0%")),
         ("cross-DC rounds (waited out) / first at", f"{s['wan_rounds']} ({s['wan_rounds_waited']}) / {first_wan}"),
+        ("overlapped global averages: late at landing", "-" if s["landings"] is None else
+         f"{s['late_landings']} of {s['landings']}, {num(s['landing_wait_s'], '.1f', ' s')} waited per worker"),
         ("serial bound: compute + busiest link + round trips", f"{num(s['lower_bound_s'], '.1f', ' s')} = "
          f"{num(s['compute_s'], '.1f')} + {num(s['wire_s'], '.1f')} + {num(s['round_trips_s'], '.1f')} s"),
         ("overlapped bound: max(compute, busiest link) + round trips",

@@ -15,7 +15,9 @@ steps) later it adopts the result while keeping its own progress since the send:
 ``overlap_keep`` (keep) 1 by default; 0.5 trained better in every one of 6 runs measured (docs/benchmarks.md).
 The WAN round is hidden as long as D x K1 steps of compute outlast it (a transpacific 27 MB model average:
 about 4.5 s). Within a DC every worker lands the same average at the same step, and the DC average that
-follows brings them together again. D = 0 (default) waits for the average at the boundary.
+follows brings them together again. D = 0 (default) waits for the average at the boundary. Each worker counts
+the averages that were not in yet at their landing step and the time it waited for them (``landing_waits``,
+in every step record; ``geomx report`` shows them): the sign that D is too short for the WAN.
 
 DiLoCo (Douillard et al. 2023): the same inner loop, but the global average does not replace the model: the
 pseudo-gradient (global model before - average) feeds an outer Nesterov SGD (lr 0.7, momentum 0.9) whose
@@ -25,6 +27,8 @@ stay equal without a server-side optimizer. With outer lr 1 and momentum 0 it is
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -50,6 +54,9 @@ class HFA:
         self.steps = 0               # local steps taken
         self.dc_averages = 0         # K1 boundaries passed (each one a DC or a global average)
         self.global_averages = 0
+        # overlapped global averages that reached their landing step, those the workers had to wait for
+        # (late: the round trip outlasted the D DC periods it travelled behind), and the seconds waited for them
+        self.landings = LandingWaits()
         self.kv = None
 
     def __repr__(self) -> str:
@@ -126,7 +133,7 @@ class HFA:
         started = time.perf_counter()
         if self.dc_averages % self.k2:
             if self.in_flight is not None and self.dc_averages - self.in_flight.period == self.overlap:
-                self.land()
+                self.land(scheduled=True)
             # a DC of one worker is its own average; one that averages its gradients has one model already
             if self.kv.num_workers > 1 and self.dc_sync == "models":
                 models = [p.data for _, p in self.params]
@@ -137,9 +144,14 @@ class HFA:
                 self.global_average()
             else:
                 if self.in_flight is not None:      # overlap = K2: the previous one lands before the next leaves
-                    self.land()
+                    self.land(scheduled=True)
                 self.send_global()
         return time.perf_counter() - started
+
+    @property
+    def landing_waits(self) -> LandingWaits | None:
+        """How the overlapped global averages landed (None without overlap: every average is waited for)."""
+        return self.landings if self.overlap else None
 
     @property
     def wan_rounds(self) -> tuple[int, int]:
@@ -160,7 +172,7 @@ class HFA:
         """Counters, the round's base model, the worker's shares, and a global average still travelling
         (waited for, not yet adopted: loading it lands it at the same step as it would have)."""
         state = {"algorithm": self.name, "steps": self.steps, "dc_averages": self.dc_averages,
-                 "global_averages": self.global_averages, "in_flight": None}
+                 "global_averages": self.global_averages, "landings": asdict(self.landings), "in_flight": None}
         if hasattr(self, "base"):          # the master worker trains nothing and has none
             state.update(base=_clones(self.base), dc_scale=self.dc_scale, global_scale=self.global_scale)
         if self.in_flight is not None:
@@ -171,6 +183,7 @@ class HFA:
         check_saved_algorithm(self.name, state)
         self.steps, self.dc_averages = state["steps"], state["dc_averages"]
         self.global_averages = state["global_averages"]
+        self.landings = LandingWaits(**state.get("landings", {}))      # absent from states saved before 2026-11-27
         if "base" in state:
             self.base = _clones(state["base"])
             self.dc_scale, self.global_scale = state["dc_scale"], state["global_scale"]
@@ -222,9 +235,14 @@ class HFA:
         flight.sent, flight.period = sent, self.dc_averages
         self.in_flight = flight
 
-    def land(self) -> None:
+    def land(self, *, scheduled: bool = False) -> None:
+        """Adopt the global average in flight, waiting for it if need be. ``scheduled``: at its landing step
+        (not at the end of the run, where waiting is expected), so it counts in ``landings``."""
         flight, self.in_flight = self.in_flight, None
-        self.adopt(flight.land_into(), flight.sent)
+        averaged = flight.land_into()
+        if scheduled:
+            self.landings.count(flight.waited_s)
+        self.adopt(averaged, flight.sent)
 
     def average(self, scope: str | None, scale: float, tensors: list[torch.Tensor],
                 into: list[torch.Tensor]) -> None:
@@ -239,6 +257,23 @@ class HFA:
         return fusion.pushpull(self.kv, tensors, into, scale=scale, scope=scope)
 
 
+@dataclass
+class LandingWaits:
+    """How overlapped global averages landed: ``late`` of ``landings`` were not in yet at their landing step, and
+    the workers waited ``waited_s`` for them. Many late landings mean the round trip outlasts the D DC periods
+    it travels behind: a longer overlap (or K2) hides it. Only a landing that waited over ``LATE_S`` counts as
+    late: waiting on handles that are done costs microseconds."""
+    LATE_S: ClassVar[float] = 0.001
+    landings: int = 0
+    late: int = 0
+    waited_s: float = 0.0
+
+    def count(self, waited_s: float) -> None:
+        self.landings += 1
+        self.waited_s += waited_s
+        self.late += waited_s > self.LATE_S
+
+
 class InFlight:
     """A global average on its way: the request handles, where the result lands, and (overlap) the model
     sent and the DC period it left in."""
@@ -248,6 +283,7 @@ class InFlight:
         self.handles, self.into, self.deltas, self.base = handles, into, deltas, base
         self.sent: list[torch.Tensor] | None = None
         self.period = 0
+        self.waited_s = 0.0          # seconds land_into blocked on the network
 
     def state_dict(self) -> dict:
         """Waits for the result (it lands in ``into``, or ``deltas``), then copies everything."""
@@ -266,8 +302,10 @@ class InFlight:
 
     def land_into(self) -> list[torch.Tensor]:
         """Wait for the result; returns the averaged models (base + mean change, under compression)."""
+        started = time.perf_counter()
         for h in self.handles:
             h.wait()
+        self.waited_s += time.perf_counter() - started
         if self.deltas is not None:
             with torch.no_grad():
                 for b, d, out in zip(self.base, self.deltas, self.into, strict=False):

@@ -200,6 +200,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.steps_taken += 1
         self._count_wait(self.sync.step(self.optimizer, compute_s=compute))
         metrics.set_wan_rounds(*self.wan_rounds)
+        landings = getattr(self.sync, "landing_waits", None)
+        if landings is not None:
+            metrics.set_landings(landings.landings, landings.late, landings.waited_s)
         self.slowdown.compute_starts()
 
     def finish(self) -> None:

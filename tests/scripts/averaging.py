@@ -39,4 +39,10 @@ def train(kv, me: int, steps: int, *, samples=None, sync=None, compute_s: float 
     for k, p in params.items():
         out[f"{k}@final"] = p.detach().numpy().copy()
     return out, {"algorithm": repr(opt.sync), "factor": opt.slowdown.factor, "slept_s": opt.slowdown.slept_s,
-                 "global_averages": getattr(opt.sync, "global_averages", None)}
+                 "global_averages": getattr(opt.sync, "global_averages", None),
+                 "landings": _landings(opt.sync)}
+
+
+def _landings(sync) -> dict | None:
+    waits = getattr(sync, "landing_waits", None)
+    return None if waits is None else {"landings": waits.landings, "late": waits.late, "waited_s": waits.waited_s}
