@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Every device check of the open issues in one call (a session's device time is 15 minutes, a machine's start
-# included): the LM's compute time on the GPU and the batch that makes compute about as long as the WAN
-# transfer (tests/scripts/lm_compute_time.py), P3 against FSA at that batch and at a small one over `regional`
-# and `transatlantic` (tests/scripts/device_p3.sh), then compute utilization on 16 cores
-# (tests/scripts/device_cu.sh). Everything is packed into $OUT/device.tgz (the tool brings back at most 8 files).
+# included): the LM's compute time on the GPU and the batch at which P3 has most to overlap
+# (tests/scripts/lm_compute_time.py), P3 against FSA at that batch over `regional` and `transatlantic`, each pair
+# REPEATS times for the spread (tests/scripts/device_p3.sh), then compute utilization on 16 cores
+# (tests/scripts/device_cu.sh; by default the small model's K1=5/K2=2 overlapped row and the control, the next
+# measurement docs/benchmarks.md names). Everything is packed into $OUT/device.tgz (the tool brings back at most
+# 8 files).
 #
 #   run(command="bash tests/scripts/device_all.sh", carry=[".whl"], timeout_s=600)
 #
-# Every part gets at most its own cap and what is left of TOTAL_S, so the whole ends inside one call's limit; the
-# last part (P3 at the small batch) runs only if 60 s are left.
-# Knobs: MODEL (small), BATCHES (candidates, "16,64,128,256,512"), SMALL_BATCH (16), P3_STEPS (12), SKIP_CU,
-# TOTAL_S (560).
+# 2026-11-27 (an H200, the first version of this script): 377 s; P3 1.00-1.41x, CU of the tiny rows 0.41-0.43.
+# Every part gets at most its own cap and what is left of TOTAL_S, so the whole ends inside one call's limit.
+# Knobs: MODEL (small), BATCHES (candidates, "16,64,128,256,512"), P3_STEPS (12), REPEATS (2), SKIP_CU, CU_ROWS
+# ("hips-hfa-short-overlap,no-wan"), CU_MODEL (small), CU_STEPS (120), TOTAL_S (560), DEVICE (cuda).
 set -u
 total=${TOTAL_S:-560}
 left() { local rest=$((total - SECONDS)); echo $(( rest < $1 ? rest : $1 )); }
@@ -29,12 +31,13 @@ for prof in regional transatlantic; do
   picked=$(awk -v m="$model" -v p="$prof" '$1 == "pick" && $2 == m && $3 == p {print $4}' "$work/compute.txt")
   pairs="$pairs $prof:$model:${picked:-64}"
 done
-OUT="$work/p3" PAIRS="$pairs" STEPS=${P3_STEPS:-12} EACH_S=$(( $(left 340) / 2 )) bash "$scripts/device_p3.sh"
-if [ -z "${SKIP_CU:-}" ]; then
-  OUT="$work/cu" CU_S=$(left 170) bash "$scripts/device_cu.sh"
-fi
-if [ "$(left 100)" -ge 60 ]; then
-  OUT="$work/p3-small" PAIRS="regional:$model:${SMALL_BATCH:-16}" STEPS=${P3_STEPS:-12} EACH_S=$(left 100) \
+repeats=${REPEATS:-2}
+for run in $(seq "$repeats"); do
+  OUT="$work/p3-run$run" PAIRS="$pairs" STEPS=${P3_STEPS:-12} EACH_S=$(( $(left $((320 / repeats))) / 2 )) \
     bash "$scripts/device_p3.sh"
+done
+if [ -z "${SKIP_CU:-}" ] && [ "$(left 200)" -ge 100 ]; then
+  OUT="$work/cu" CU_S=$(left 200) ROWS=${CU_ROWS:-hips-hfa-short-overlap,no-wan} MODEL=${CU_MODEL:-small} \
+    STEPS=${CU_STEPS:-120} EVAL_EVERY=10 SEED=0 FLAT_STEPS=6 bash "$scripts/device_cu.sh"
 fi
 echo "device_all: ${SECONDS} s"

@@ -7,9 +7,14 @@ compute about as long as its WAN transfer: where P3 (issue 15, item 3) has somet
 Prints one line per (size, batch): median forward and backward milliseconds of one process, its peak memory,
 and the compute of a step when ``--workers`` processes share the device one after another (their kernels
 time-slice, so about workers x one). With ``--pick``, one line per (size, profile):
-``pick <size> <profile> <batch>``, the batch whose shared compute is closest to the dense model's transfer
-time up and down that profile's link (2 x model bytes / rate), among those whose memory fits ``--workers``
-times in ``--memory-share`` of the device's. The device scripts read those lines.
+``pick <size> <profile> <batch>``, the batch whose shared compute is closest to ``--compute-share`` of the
+dense model's transfer time up and down that profile's link (2 x model bytes / rate), among those whose memory
+fits ``--workers`` times in ``--memory-share`` of the device's. The device scripts read those lines.
+
+Why 0.4 of the transfer: on an H200 (2026-11-27, docs/benchmarks.md "P3 on a GPU") P3 gained most where the
+shared compute was 0.3-0.45 of the transfer (1.41x over `regional` at batch 96, 1.26x over `transatlantic` at
+512), less at equal times (1.00x, 1.06x): P3 hides the next forward pass behind the round's tail, and once
+compute fills the transfer there is no tail left.
 """
 from __future__ import annotations
 
@@ -70,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="16,64,256", help="comma-separated batch sizes (windows per step)")
     p.add_argument("--workers", type=int, default=4, help="processes sharing the device in the benchmark")
     p.add_argument("--pick", default="", help="comma-separated WAN profiles to pick a batch for")
+    p.add_argument("--compute-share", type=float, default=0.4,
+                   help="pick the batch whose shared compute is nearest this fraction of the transfer (default 0.4)")
     p.add_argument("--memory-share", type=float, default=0.7,
                    help="fraction of the device's memory the workers may take together (default 0.7)")
     p.add_argument("--repeats", type=int, default=5)
@@ -91,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"a step{'' if fits[batch] else ' (does not fit)'}", flush=True)
         for profile in profiles:
             transfer = 2 * model_bytes * 8 / min(profile.uplink_bps, profile.downlink_bps)
-            batch = pick_batch(shared, fits, transfer)
+            batch = pick_batch(shared, fits, args.compute_share * transfer)
             print(f"# {size_name} over {profile.name}: {model_bytes / 1e6:.1f} MB up and down take "
                   f"{1e3 * transfer:.0f} ms", flush=True)
             print(f"pick {size_name} {profile.name} {batch}", flush=True)
