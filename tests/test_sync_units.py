@@ -97,8 +97,8 @@ def test_sync_table_in_toml(tmp_path):
     ({"GEOMX_SYNC": "hfa", "GEOMX_HFA_WEIGHTS": "size"}, ["GEOMX_HFA_WEIGHTS", "samples, equal"]),
     ({"GEOMX_SYNC": "dga", "GEOMX_DGA_DELAY": "-1"}, ["dga delay D (GEOMX_DGA_DELAY)", ">= 0", "got -1"]),
     ({"GEOMX_SYNC": "esync", "GEOMX_ESYNC_STEPS": "0"}, ["esync steps (GEOMX_ESYNC_STEPS)", ">= 1", "got 0"]),
-    ({"GEOMX_SYNC": "hfa", "MXNET_KVSTORE_HFA_K2": "4", "GEOMX_HFA_OVERLAP": "5"},
-     ["hfa overlap (GEOMX_HFA_OVERLAP)", "[0, K2 = 4]", "got 5"]),
+    ({"GEOMX_SYNC": "hfa", "MXNET_KVSTORE_HFA_K2": "4", "GEOMX_HFA_OVERLAP": "17"},
+     ["hfa overlap (GEOMX_HFA_OVERLAP)", "[0, 4 x K2 = 16]", "got 17"]),
     ({"GEOMX_SYNC": "hfa", "GEOMX_HFA_OVERLAP_KEEP": "1.5"}, ["overlap_keep (GEOMX_HFA_OVERLAP_KEEP)", "[0, 1]",
                                                               "got 1.5"]),
     ({"GEOMX_SYNC": "diloco", "GEOMX_HFA_OVERLAP_KEEP": "half"}, ["GEOMX_HFA_OVERLAP_KEEP", "must be a number"]),
@@ -276,10 +276,11 @@ def test_an_overlapped_average_counts_as_late_only_when_its_landing_had_to_wait_
     for after_s in (0.0, 0.05, 0.0):
         flight = InFlight([_Reply(after_s)], [torch.ones(3)])
         flight.sent = [w.detach().clone()]
-        hfa.in_flight = flight
+        hfa.flights.append(flight)
         hfa.land(scheduled=True)
-    hfa.in_flight = InFlight([_Reply(0.05)], [torch.ones(3)])
-    hfa.in_flight.sent = [w.detach().clone()]
+    last = InFlight([_Reply(0.05)], [torch.ones(3)])
+    last.sent = [w.detach().clone()]
+    hfa.flights.append(last)
     hfa.land()                                  # the run's end (finish): expected to wait, not counted
     waits = hfa.landing_waits
     assert (waits.landings, waits.late) == (3, 1)
@@ -288,3 +289,44 @@ def test_an_overlapped_average_counts_as_late_only_when_its_landing_had_to_wait_
     restored = HFA(k1=1, k2=2, overlap=1)
     restored.load_state_dict(hfa.state_dict())
     assert restored.landing_waits == waits
+
+
+def test_several_averages_in_flight_are_saved_and_restored_in_order_and_land_alike():
+    """D > K2 keeps two global averages travelling; a saved state holds both (waited for, not adopted), and the
+    restored policy lands them as the original does. A state saved when one average at most travelled (a dict
+    or None under "in_flight") still loads."""
+    from geomx.sync.averaging import HFA, InFlight
+
+    def policy() -> HFA:
+        hfa = HFA(k1=1, k2=2, overlap=3, overlap_keep=0.5)
+        w = torch.nn.Parameter(torch.arange(3.0))
+        hfa.params, hfa.base, hfa.dc_scale, hfa.global_scale = [("w", w)], [torch.zeros(3)], 1.0, 1.0
+        return hfa
+
+    original = policy()
+    for period, value in ((2, 1.0), (4, 5.0)):
+        flight = InFlight([_Reply(0.0)], [torch.full((3,), value)])
+        flight.sent, flight.period = [torch.full((3,), value / 2)], period
+        original.flights.append(flight)
+    restored = policy()
+    restored.load_state_dict(original.state_dict())
+    assert [f.period for f in restored.flights] == [2, 4]
+    for hfa in (original, restored):
+        hfa.land(scheduled=True)
+        hfa.land(scheduled=True)
+    assert torch.equal(original.params[0][1], restored.params[0][1])
+    assert not torch.equal(original.params[0][1].detach(), torch.arange(3.0))
+    older = original.state_dict()
+    for saved, expected in ((None, []), ({**_flight_state(), "period": 6}, [6])):
+        older["in_flight"] = saved
+        again = policy()
+        again.load_state_dict(older)
+        assert [f.period for f in again.flights] == expected
+
+
+def _flight_state() -> dict:
+    from geomx.sync.averaging import InFlight
+
+    flight = InFlight([], [torch.ones(3)])
+    flight.sent = [torch.zeros(3)]
+    return flight.state_dict()

@@ -32,7 +32,8 @@ def _add_topology_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hfa-k2", type=int, help="hfa/diloco: DC averages between global averages (default 1)")
     p.add_argument("--hfa-overlap", type=int, metavar="D",
                    help="hfa/diloco: let the global average travel while training goes on, applying it D DC "
-                        "periods (D x K1 steps) after it was sent, 1 <= D <= K2 (default 0: wait for it)")
+                        "periods (D x K1 steps) after it was sent, 1 <= D <= 4 x K2; above K2 several travel at "
+                        "once (default 0: wait for it)")
     p.add_argument("--hfa-overlap-keep", type=float, metavar="SHARE",
                    help="hfa/diloco with --hfa-overlap: the share of the local steps taken while a global average "
                         "travelled that is kept on top of it, in [0, 1] (default 1; 0.5 trained better in every run "

@@ -14,10 +14,12 @@ global boundary each worker sends its model (or change) and goes on with local s
 steps) later it adopts the result while keeping its own progress since the send: w = avg + keep x (w - w_sent),
 ``overlap_keep`` (keep) 1 by default; 0.5 trained better in every one of 6 runs measured (docs/benchmarks.md).
 The WAN round is hidden as long as D x K1 steps of compute outlast it (a transpacific 27 MB model average:
-about 4.5 s). Within a DC every worker lands the same average at the same step, and the DC average that
-follows brings them together again. D = 0 (default) waits for the average at the boundary. Each worker counts
-the averages that were not in yet at their landing step and the time it waited for them (``landing_waits``,
-in every step record; ``geomx report`` shows them): the sign that D is too short for the WAN.
+about 4.5 s). D may exceed K2 (up to 4 x K2): several averages then travel at once, each landing D DC
+periods after it left, oldest first, which hides a round longer than a global period. Within a DC every
+worker lands the same average at the same step, and the DC average that follows brings them together again.
+D = 0 (default) waits for the average at the boundary. Each worker counts the averages that were not in yet at
+their landing step and the time it waited for them (``landing_waits``, in every step record; ``geomx report``
+shows them): the sign that D is too short for the WAN.
 
 DiLoCo (Douillard et al. 2023): the same inner loop, but the global average does not replace the model: the
 pseudo-gradient (global model before - average) feeds an outer Nesterov SGD (lr 0.7, momentum 0.9) whose
@@ -27,6 +29,7 @@ stay equal without a server-side optimizer. With outer lr 1 and momentum 0 it is
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
@@ -50,7 +53,7 @@ class HFA:
                               "overlap_keep": overlap_keep, "dc_sync": dc_sync})
         self.k1, self.k2, self.weights, self.overlap, self.dc_sync = s.k1, s.k2, s.weights, s.overlap, s.dc_sync
         self.overlap_keep = s.overlap_keep
-        self.in_flight: InFlight | None = None     # the global average travelling (overlap > 0)
+        self.flights: deque[InFlight] = deque()     # global averages travelling (overlap > 0), oldest first
         self.steps = 0               # local steps taken
         self.dc_averages = 0         # K1 boundaries passed (each one a DC or a global average)
         self.global_averages = 0
@@ -131,9 +134,10 @@ class HFA:
             return 0.0
         self.dc_averages += 1
         started = time.perf_counter()
+        # averages due here land first (D = K2: the previous one lands as the next leaves)
+        while self.flights and self.dc_averages - self.flights[0].period == self.overlap:
+            self.land(scheduled=True)
         if self.dc_averages % self.k2:
-            if self.in_flight is not None and self.dc_averages - self.in_flight.period == self.overlap:
-                self.land(scheduled=True)
             # a DC of one worker is its own average; one that averages its gradients has one model already
             if self.kv.num_workers > 1 and self.dc_sync == "models":
                 models = [p.data for _, p in self.params]
@@ -143,8 +147,6 @@ class HFA:
             if not self.overlap:
                 self.global_average()
             else:
-                if self.in_flight is not None:      # overlap = K2: the previous one lands before the next leaves
-                    self.land(scheduled=True)
                 self.send_global()
         return time.perf_counter() - started
 
@@ -160,23 +162,22 @@ class HFA:
         return self.global_averages, 0 if self.overlap else self.global_averages
 
     def finish(self) -> float:
-        """Land a global average still travelling (overlap > 0), e.g. after the last step; returns the seconds
-        waited. Without it, a run that ends between a send and its landing ignores that average."""
+        """Land the global averages still travelling (overlap > 0), e.g. after the last step; returns the
+        seconds waited. Without it, a run that ends between a send and its landing ignores that average."""
         started = time.perf_counter()
-        if self.in_flight is not None:
+        while self.flights:
             self.land()
         return time.perf_counter() - started
 
     # saving and restoring --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Counters, the round's base model, the worker's shares, and a global average still travelling
-        (waited for, not yet adopted: loading it lands it at the same step as it would have)."""
+        """Counters, the round's base model, the worker's shares, and the global averages still travelling
+        (waited for, not yet adopted: loading them lands each at the same step as it would have)."""
         state = {"algorithm": self.name, "steps": self.steps, "dc_averages": self.dc_averages,
-                 "global_averages": self.global_averages, "landings": asdict(self.landings), "in_flight": None}
+                 "global_averages": self.global_averages, "landings": asdict(self.landings),
+                 "in_flight": [flight.state_dict() for flight in self.flights]}
         if hasattr(self, "base"):          # the master worker trains nothing and has none
             state.update(base=_clones(self.base), dc_scale=self.dc_scale, global_scale=self.global_scale)
-        if self.in_flight is not None:
-            state["in_flight"] = self.in_flight.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -187,7 +188,9 @@ class HFA:
         if "base" in state:
             self.base = _clones(state["base"])
             self.dc_scale, self.global_scale = state["dc_scale"], state["global_scale"]
-        self.in_flight = None if state["in_flight"] is None else InFlight.from_state_dict(state["in_flight"])
+        saved = state["in_flight"]          # a list; states saved before 2026-11-27 held one average or None
+        saved = [] if saved is None else [saved] if isinstance(saved, dict) else saved
+        self.flights = deque(InFlight.from_state_dict(flight) for flight in saved)
 
     def global_average(self) -> None:
         averaged = [torch.empty_like(p) for _, p in self.params]
@@ -233,12 +236,12 @@ class HFA:
         sent = [p.detach().clone() for _, p in self.params]
         flight = self.start_global_mean(sent, [torch.empty_like(m) for m in sent])
         flight.sent, flight.period = sent, self.dc_averages
-        self.in_flight = flight
+        self.flights.append(flight)
 
     def land(self, *, scheduled: bool = False) -> None:
-        """Adopt the global average in flight, waiting for it if need be. ``scheduled``: at its landing step
-        (not at the end of the run, where waiting is expected), so it counts in ``landings``."""
-        flight, self.in_flight = self.in_flight, None
+        """Adopt the oldest global average in flight, waiting for it if need be. ``scheduled``: at its landing
+        step (not at the end of the run, where waiting is expected), so it counts in ``landings``."""
+        flight = self.flights.popleft()
         averaged = flight.land_into()
         if scheduled:
             self.landings.count(flight.waited_s)

@@ -7,7 +7,8 @@ algorithm   what a worker does
 ==========  ==================================================================================================
 ``fsa``     push every gradient, step on the mean over all workers (default; MixedSync is ``--mode dist_async``)
 ``hfa``     K1 local steps, then a DC-wide model average; every K2 DC averages a global model average
-            (``overlap`` D > 0: the global average travels while D x K1 more local steps run)
+            (``overlap`` D > 0: the global average travels while D x K1 more local steps run; D > K2: several
+            travel at once)
 ``diloco``  as hfa, but the global average feeds an outer optimizer (Nesterov SGD) instead of replacing the model
 ``dga``     push every gradient but step on the average from D steps ago, corrected (communication overlaps D steps)
 ``esync``   faster workers take more local steps per round, so all reach the global average together
@@ -59,6 +60,8 @@ WEIGHTINGS = ("samples", "equal")
 # what a DC's workers average within the DC: their models every K1 steps, or (K1 = 1) their gradients before every
 # local step, as data-parallel training does, so one optimizer state and one model per DC
 DC_SYNCS = ("models", "gradients")
+# overlap beyond K2 keeps several global averages travelling, each with copies of the model (sent, result)
+MAX_AVERAGES_IN_FLIGHT = 4
 
 # option -> (environment variable, type, default); GeoMX's names where GeoMX has the option
 OPTIONS = {
@@ -121,11 +124,11 @@ def check(algorithm: str, options: Mapping, where: str = "") -> SyncSettings:
         if getattr(s, name) < 1:
             raise ConfigError(f"{algorithm} {name.upper()} ({OPTIONS[name][0]}){where} must be >= 1 (local steps "
                               f"per DC average / DC averages per global average), got {getattr(s, name)}")
-    if not 0 <= s.overlap <= s.k2:
+    if not 0 <= s.overlap <= MAX_AVERAGES_IN_FLIGHT * s.k2:
         raise ConfigError(f"{algorithm} overlap ({OPTIONS['overlap'][0]}){where}: DC periods a global average may "
-                          f"travel "
-                          f"while training goes on must be in [0, K2 = {s.k2}] (it must land before the next one "
-                          f"is sent), got {s.overlap}")
+                          f"travel while training goes on must be in [0, {MAX_AVERAGES_IN_FLIGHT} x K2 = "
+                          f"{MAX_AVERAGES_IN_FLIGHT * s.k2}] (above K2 several averages travel at once, each holding "
+                          f"copies of the model; at most {MAX_AVERAGES_IN_FLIGHT}), got {s.overlap}")
     if s.steps < 1:
         raise ConfigError(f"esync steps ({OPTIONS['steps'][0]}){where}: local steps of the slowest worker per round "
                           f"must be >= 1, got {s.steps}")
