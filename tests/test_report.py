@@ -1,6 +1,8 @@
 """geomx report reads a run directory: what it takes from the metrics records."""
 import json
 
+import pytest
+
 from geomx.metrics import METRICS_DIR
 from geomx.report.run import load_run
 
@@ -228,7 +230,10 @@ def test_the_report_shows_how_many_overlapped_averages_landed_late_and_the_mean_
         (tmp_path / METRICS_DIR / f"worker-{dc}-{pid}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     s = summarize(load_run(tmp_path))
     assert (s["landings"], s["late_landings"]) == (4, 3) and abs(s["landing_wait_s"] - 0.8) < 1e-9
-    assert _report_line(format_report(s), "late at landing") == "3 of 4, 0.8 s waited per worker"
+    # worker a waited 0.4 s per late landing, b 0.4 s: 400 ms, in steps of 9 s / 20 = 0.45 s: 0.9 steps
+    assert s["wait_per_late_landing_s"] == pytest.approx(0.4)
+    assert _report_line(format_report(s), "late at landing") == \
+        "3 of 4, 0.8 s waited per worker; 400 ms each, about 0.9 steps"
     for path in (tmp_path / METRICS_DIR).iterdir():
         path.write_text("".join(line.split(', "landings"')[0] + ("}\n" if '"landings"' in line else "\n")
                                 for line in path.read_text().splitlines()))

@@ -25,7 +25,8 @@ initial model pulled) to the last step; set-up is reported apart. Definitions:
 * landings (overlapped global averages, D >= 1) = those that reached their landing step, the most any worker
   counted; late = of those, the ones not in yet there (the worker waited: the round trip outlasted the D DC
   periods it travelled behind); waited = seconds per worker, the mean over workers (part of the waiting that
-  compute utilization excludes);
+  compute utilization excludes); each late one = the mean wait per late landing, also in steps of this run's
+  mean step time: about how many more steps of overlap would have hidden it;
 * serial bound = compute time + the busiest directed WAN link's bytes / its rate + round trips: what a run
   that never overlaps communication with compute needs; overlapped bound = max(compute, busiest link's bytes
   / rate) + round trips: what no schedule can beat; efficiency = overlapped bound / measured training time
@@ -149,6 +150,12 @@ def landings(run: Run) -> tuple[int | None, int | None, float | None]:
     return max(n for n, _, _ in recorded), max(late for _, late, _ in recorded), mean(s for _, _, s in recorded)
 
 
+def wait_per_late_landing(run: Run) -> float | None:
+    """The mean over workers of each one's seconds waited per late landing (None: no late landing)."""
+    per_worker = [s / late for _, late, s in (w.landings for w in run.workers if w.landings is not None) if late]
+    return mean(per_worker) if per_worker else None
+
+
 def summarize(run: Run, target: float | None = None) -> dict:
     m = run.manifest
     wan = m.get("wan", {})
@@ -198,6 +205,7 @@ def summarize(run: Run, target: float | None = None) -> dict:
         "compute_s": compute, "compute_utilization": utilization, "wire_s": wire, "wan_rounds": rounds,
         "wan_rounds_waited": waited_rounds, "first_wan_step": first_wan_step, "round_trips_s": round_trips,
         "landings": landed, "late_landings": late, "landing_wait_s": landing_wait,
+        "wait_per_late_landing_s": wait_per_late_landing(run),
         "lower_bound_s": compute + wire + round_trips, "overlapped_bound_s": overlapped,
         "efficiency": overlapped / train_s if train_s > 0 else math.nan,
         "bytes_roles_vs_links": _consistency(run),
@@ -230,6 +238,16 @@ def fmt_number(x, spec: str, suffix: str = "") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec) + suffix
 
 
+def _late_landings(s: dict) -> str:
+    if s["landings"] is None:
+        return "-"
+    text = f"{s['late_landings']} of {s['landings']}, {fmt_number(s['landing_wait_s'], '.1f', ' s')} waited per worker"
+    each = s.get("wait_per_late_landing_s")
+    if each:
+        text += f"; {1e3 * each:.0f} ms each, about {each / s['step_s']:.1f} steps"
+    return text
+
+
 def format_report(s: dict) -> str:
     num = fmt_number
     target = (f"{num(s['time_to_target_s'], '.1f', ' s')} (step {s['steps_to_target']})" if s["time_to_target_s"]
@@ -253,8 +271,7 @@ def format_report(s: dict) -> str:
         ("WAN bytes: dense fp32 every step / this run", num(s["compression_ratio"], ".2f", "x")),
         ("compute utilization", num(s["compute_utilization"], ".0%")),
         ("cross-DC rounds (waited out) / first at", f"{s['wan_rounds']} ({s['wan_rounds_waited']}) / {first_wan}"),
-        ("overlapped global averages: late at landing", "-" if s["landings"] is None else
-         f"{s['late_landings']} of {s['landings']}, {num(s['landing_wait_s'], '.1f', ' s')} waited per worker"),
+        ("overlapped global averages: late at landing", _late_landings(s)),
         ("serial bound: compute + busiest link + round trips", f"{num(s['lower_bound_s'], '.1f', ' s')} = "
          f"{num(s['compute_s'], '.1f')} + {num(s['wire_s'], '.1f')} + {num(s['round_trips_s'], '.1f')} s"),
         ("overlapped bound: max(compute, busiest link) + round trips",
