@@ -3,6 +3,7 @@ DistributedOptimizer, recording the model after every step. One body for both wa
 training script of a real deployment (AVERAGING_SCRIPT) and as a thread of an in-process one."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -45,4 +46,4 @@ def train(kv, me: int, steps: int, *, samples=None, sync=None, compute_s: float 
 
 def _landings(sync) -> dict | None:
     waits = getattr(sync, "landing_waits", None)
-    return None if waits is None else {"landings": waits.landings, "late": waits.late, "waited_s": waits.waited_s}
+    return None if waits is None else dataclasses.asdict(waits)

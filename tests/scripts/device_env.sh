@@ -12,11 +12,14 @@ cd "$here"
 py=${PYTHON:-python3}
 out=${OUT:-$1}
 mkdir -p "$out"
-if ls .whl/*.whl > /dev/null 2>&1; then
-  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  export PYTHONPATH=/tmp/site
+# once per call: device_all.sh sources this, then runs scripts that source it again with its environment
+if [ -z "${GEOMX_DEVICE_ENV_READY:-}" ]; then
+  if ls .whl/*.whl > /dev/null 2>&1; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+  fi
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$here" PYTHONUNBUFFERED=1 GEOMX_DEVICE_ENV_READY=1
+  "$py" -c "import torch, zmq; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'zmq', zmq.__version__)"
+  echo "cpu cores: $(nproc)"
 fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$here" PYTHONUNBUFFERED=1
-"$py" -c "import torch, zmq; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'zmq', zmq.__version__)"
-echo "cpu cores: $(nproc)"
