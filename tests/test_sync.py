@@ -317,11 +317,31 @@ def test_fused_averages_send_one_key_per_bucket_and_give_the_models_of_one_key_p
             np.testing.assert_array_equal(model, alone[i][name], err_msg=f"worker {i}, {name}")
 
 
-def test_under_wan_only_compression_dc_averages_travel_fused_and_global_ones_a_key_per_tensor(pushed_keys):
-    """fp16 on the WAN only: a DC-only round crosses the LAN alone, dense, so it is fused; the global averages
-    go through the codec tensor by tensor (as model changes)."""
+def test_under_an_elementwise_codec_global_averages_travel_fused_and_give_the_models_of_one_key_per_tensor(
+        monkeypatch, pushed_keys):
+    """bf16 on the WAN reads each value on its own (Codec.elementwise): the global averages' model changes travel
+    fused like the DC averages, and every model at every step is the one a key per tensor gives, bit for bit."""
     case = CASES["hfa-weighted"]           # K1 = 2, K2 = 2, 6 steps: DC averages at steps 2 and 6, global at 4
-    _run_inproc(_sync_table(case), case["per_dc"], case["steps"], case["samples"], compression={"wan": "fp16"})
+    run = lambda: _run_inproc(_sync_table(case), case["per_dc"], case["steps"], case["samples"],  # noqa: E731
+                              compression={"wan": "bf16"})
+    fused, _ = run()
+    assert pushed_keys.count("__geomx.fused/average/w+2") == 4 * 3
+    assert not any(k in ("w", "b") for k in pushed_keys), pushed_keys
+    pushed_keys.clear()
+    monkeypatch.setenv("GEOMX_FUSION_BYTES", "0")
+    alone, _ = run()
+    assert pushed_keys.count("w") == 4 * 3 == pushed_keys.count("b")
+    for i in range(4):
+        for name, model in fused[i].items():
+            np.testing.assert_array_equal(model, alone[i][name], err_msg=f"worker {i}, {name}")
+
+
+def test_under_a_codec_that_reads_a_tensor_whole_global_averages_travel_a_key_per_tensor(pushed_keys):
+    """top-k on the WAN picks entries tensor by tensor: the DC-only rounds (LAN, dense) are fused, the global
+    averages go through the codec a tensor at a time (as model changes)."""
+    case = CASES["hfa-weighted"]
+    _run_inproc(_sync_table(case), case["per_dc"], case["steps"], case["samples"],
+                compression={"wan": {"type": "topk", "ratio": 0.5}, "size_lower_bound": 0})
     assert pushed_keys.count("__geomx.fused/average/w+2") == 4 * 2
     assert pushed_keys.count("w") == 4 * 1 == pushed_keys.count("b")
 

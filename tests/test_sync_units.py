@@ -257,6 +257,25 @@ def test_buckets_of_a_round_that_crosses_the_wan_are_at_most_one_part(monkeypatc
     assert bucket_bytes_for(over_wan, crosses_wan=True) == 0 == bucket_bytes_for(over_wan, crosses_wan=False)
 
 
+@pytest.mark.parametrize("compression, dc_fused, global_fused", [
+    (None, True, True),
+    ({"type": "fp16"}, True, True),
+    ({"wan": {"type": "qsgd", "levels": 127, "bucket_size": 512}}, True, True),
+    ({"lan": "bf16", "wan": {"type": "powersgd", "rank": 2}}, True, False),   # PowerSGD reads matrices
+    ({"type": "bsc", "threshold": 0.01}, True, False),                       # a sparsifier's size bound
+    ({"lan": "fp16", "wan": "qsgd", "small": "fp16", "size_lower_bound": 10}, False, False),
+])
+def test_rounds_travel_fused_only_where_every_codec_they_cross_reads_values_elementwise(
+        compression, dc_fused, global_fused):
+    """A codec for small tensors blocks fusion on both tiers: a bucket would take the tier's codec instead."""
+    from types import SimpleNamespace
+
+    from geomx.compression import parse_policy
+
+    kv = SimpleNamespace(compression=parse_policy(compression).to_wire() if compression else None)
+    assert (Fusion.fuses(kv, "dc"), Fusion.fuses(kv)) == (dc_fused, global_fused)
+
+
 class _Reply:
     """A request handle whose reply arrives ``after_s`` after the wait begins (0: already in)."""
 

@@ -17,6 +17,9 @@ Class attributes that tell the caller how to use a codec:
 * ``biased``: E[decompress(compress(x))] != x. Biased codecs without own memory need error feedback to
   converge (Karimireddy et al. 2019); ``needs_error_feedback`` says so.
 * ``sparsifying``: the codec drops entries; tensors below the policy's size bound travel dense instead.
+* ``elementwise``: the codec reads a tensor as a flat run of values, each on its own or in blocks of a fixed
+  length (QSGD's buckets), never its shape or its size: several tensors packed into one flat buffer compress as
+  they would apart (geomx.sync.fusion lets such rounds travel fused).
 """
 from __future__ import annotations
 
@@ -125,6 +128,7 @@ class Codec(ABC):
     has_own_memory: ClassVar[bool] = False
     biased: ClassVar[bool] = False
     sparsifying: ClassVar[bool] = False
+    elementwise: ClassVar[bool] = False
 
     # -- the interface ---------------------------------------------------------------------------------------
 

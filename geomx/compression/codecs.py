@@ -57,6 +57,8 @@ def _count(ratio: float, n: int) -> int:
 class NoCompression(Codec):
     """Identity: float32 as is (the payload shares memory with the input). Wire: 4N bytes."""
 
+    elementwise = True
+
     def _encode(self, flat, shape, state):
         return Payload([flat])
 
@@ -72,7 +74,12 @@ class FP16(Codec):
     fp16's relative error <= 2**-11 down to 2**-10 of the largest one (and degrades gracefully below it),
     nothing overflows, and tiny gradients (1e-6 is a subnormal in plain fp16) keep their precision. A power of
     two multiplies exactly, so scaling costs no accuracy; the scale's exponent travels in the header. A tensor
-    with inf or NaN is sent unscaled (they stay inf and NaN). Wire: 2N bytes."""
+    with inf or NaN is sent unscaled (they stay inf and NaN). Wire: 2N bytes.
+
+    Element-wise for fusion although the scale is per tensor: values down to 2**-28 of the peak stay normal
+    fp16 numbers, so the tensors of a fused bucket lose nothing by sharing one scale."""
+
+    elementwise = True
 
     def _encode(self, flat, shape, state):
         peak = float(np.max(np.abs(flat))) if flat.size else 0.0
@@ -114,6 +121,8 @@ def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
 class BF16(Codec):
     """bfloat16 (upper 16 bits of float32, round to nearest even) sent as uint16: float32's range, relative
     error <= 2**-8. Safer than fp16 for gradients of unknown scale, 8x coarser. Wire: 2N bytes."""
+
+    elementwise = True
 
     def _encode(self, flat, shape, state):
         return Payload([float32_to_bf16_bits(flat)])
@@ -476,8 +485,11 @@ class QSGD(Codec):
     bucket: N + 4B bytes, or ceil(N/2) + 4B, with B = ceil(N / bucket_size).
 
     With ErrorFeedback only where levels^2 >= bucket_size: below that the quantization error can exceed the
-    signal, and a residual fed back grows without bound (4 levels, buckets of 512: x1000 in 30 steps)."""
+    signal, and a residual fed back grows without bound (4 levels, buckets of 512: x1000 in 30 steps).
 
+    Element-wise in blocks: fused tensors share a bucket's norm only where a bucket straddles two of them."""
+
+    elementwise = True
     levels: int = 127
     bucket_size: int = 512
 

@@ -14,8 +14,9 @@ tensor larger than that travels alone under its own name (the kvstore cuts it in
 
 Only exact for the servers' element-wise sum, which is what a model average asks of them: a codec that looks at
 a tensor's shape (PowerSGD's matrices) or size (Bi-Sparse's bound) would see a bucket instead, so the policies
-fuse only dense rounds. ``GEOMX_FUSION_BYTES`` sets the bucket size (0: every tensor travels alone); every
-process of a deployment must read the same value, which the launcher's environment gives them.
+fuse only rounds whose codecs are all element-wise (``Codec.elementwise``: none, fp16, bf16, QSGD) and set no
+codec of their own for small tensors. ``GEOMX_FUSION_BYTES`` sets the bucket size (0: every tensor travels
+alone); every process of a deployment must read the same value, which the launcher's environment gives them.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from geomx.compression import CODECS
 from geomx.errors import ConfigError
 
 FUSION_ENV = "GEOMX_FUSION_BYTES"
@@ -54,6 +56,16 @@ def compressed(kv, tiers: tuple[str, ...] = ALL_TIERS) -> bool:
     round crosses the LAN alone (``DC_TIERS``)."""
     policy = kv.compression or {}
     return any((policy.get(tier) or {}).get("type", "none") != "none" for tier in tiers)
+
+
+def elementwise(kv, tiers: tuple[str, ...] = ALL_TIERS) -> bool:
+    """Whether every codec of ``kv``'s deployment on ``tiers`` reads values element-wise (``Codec.elementwise``),
+    so that packed tensors compress as they would apart. A codec for small tensors (``small``) is not: a bucket
+    is no small tensor, so its members would take the tier's codec instead."""
+    policy = kv.compression or {}
+    if "small" in tiers and policy.get("small") is not None:
+        return False
+    return all(CODECS[(policy.get(tier) or {}).get("type", "none")].elementwise for tier in tiers if tier != "small")
 
 
 def bucket_bytes_from_env(env: Mapping[str, str] | None = None) -> int:
@@ -131,9 +143,10 @@ class Fusion:
 
     @staticmethod
     def fuses(kv, scope: str | None = None) -> bool:
-        """Whether a round of ``scope`` travels fused: only where it is dense on every tier it crosses (a codec
-        sees each tensor as it is: its shape, its size against the codec's bound)."""
-        return not compressed(kv, DC_TIERS if scope == "dc" else ALL_TIERS)
+        """Whether a round of ``scope`` travels fused: only where every codec on the tiers it crosses is
+        element-wise (other codecs must see each tensor as it is: its shape, its size against the codec's
+        bound)."""
+        return elementwise(kv, DC_TIERS if scope == "dc" else ALL_TIERS)
 
     @property
     def keys(self) -> int:
@@ -159,9 +172,9 @@ class Fusion:
     def pushpull(self, kv, values: list[torch.Tensor], into: list[torch.Tensor], *, scale: float = 1.0,
                  scope: str | None = None, first_tensors_first: bool = False) -> list:
         """``kv.pushpull`` of every tensor times ``scale``, the results landing in ``into``; returns the
-        handles (a bucket's results are unpacked into ``into`` before its handle finishes). Under compression
-        (:meth:`fuses`) every tensor travels alone. ``first_tensors_first``: priority -index (a bucket's: its
-        first tensor's), as FSA's gradients travel."""
+        handles (a bucket's results are unpacked into ``into`` before its handle finishes). Under a codec that
+        is not element-wise (:meth:`fuses`) every tensor travels alone. ``first_tensors_first``: priority -index
+        (a bucket's: its first tensor's), as FSA's gradients travel."""
         def priority(i: int) -> int:
             return -i if first_tensors_first else 0
 
