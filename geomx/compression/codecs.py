@@ -71,13 +71,13 @@ class NoCompression(Codec):
 class FP16(Codec):
     """IEEE half precision with a per-tensor power-of-two scale (the loss-scaling idea of mixed-precision
     training, applied per tensor): the largest magnitude is mapped to [2**14, 2**15), so every value keeps
-    fp16's relative error <= 2**-11 down to 2**-10 of the largest one (and degrades gracefully below it),
+    fp16's relative error <= 2**-11 down to 2**-28 of the largest one (and degrades gracefully below it),
     nothing overflows, and tiny gradients (1e-6 is a subnormal in plain fp16) keep their precision. A power of
     two multiplies exactly, so scaling costs no accuracy; the scale's exponent travels in the header. A tensor
     with inf or NaN is sent unscaled (they stay inf and NaN). Wire: 2N bytes.
 
-    Element-wise for fusion although the scale is per tensor: values down to 2**-28 of the peak stay normal
-    fp16 numbers, so the tensors of a fused bucket lose nothing by sharing one scale."""
+    Element-wise for fusion although the scale is per tensor: with values down to 2**-28 of the peak kept to
+    fp16's precision, the tensors of a fused bucket lose nothing by sharing one scale."""
 
     elementwise = True
 
@@ -487,7 +487,8 @@ class QSGD(Codec):
     With ErrorFeedback only where levels^2 >= bucket_size: below that the quantization error can exceed the
     signal, and a residual fed back grows without bound (4 levels, buckets of 512: x1000 in 30 steps).
 
-    Element-wise in blocks: fused tensors share a bucket's norm only where a bucket straddles two of them."""
+    Element-wise in blocks: fused tensors share a bucket's norm only where one bucket of ``bucket_size`` values
+    holds parts of several."""
 
     elementwise = True
     levels: int = 127
