@@ -18,7 +18,7 @@
 # --split-by-package"), CU_S (seconds allowed, 380), PYTHON (python3).
 set -u
 source "$(dirname "$0")/device_env.sh" /tmp/geomx-device-cu
-rows=${ROWS:-hips-hfa-dc5-overlap-int8-keep,hips-hfa-dc-overlap-fp16-keep,no-wan}
+rows=${ROWS:-hips-hfa-dc5-land-int8-keep,hips-hfa-dc-overlap-fp16-keep,no-wan}
 runs=/tmp/geomx-device-cu-runs
 rm -rf "$runs"
 timeout "${CU_S:-380}" "$py" -m geomx.cli.main bench wan --workload lm --model "${MODEL:-tiny}" \
