@@ -261,6 +261,15 @@ def lr_schedule(step: int, *, warmup: int, total: int, min_ratio: float = 0.1) -
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def adamw(model: nn.Module, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW with weight decay on the matrices only (not on norms, biases or the positions)."""
+    decay = [q for n, q in model.named_parameters() if q.dim() >= 2 and n != "pos"]
+    rest = [q for n, q in model.named_parameters() if q.dim() < 2 or n == "pos"]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95),
+                             weight_decay=weight_decay)     # the default: what --update-on server runs
+
+
 def evaluate(model: nn.Module, windows: torch.Tensor, batch: int = 32) -> dict[str, float]:
     model.eval()
     with torch.no_grad():
@@ -300,11 +309,7 @@ def main(argv=None) -> int:
     kv = loop.start(args)
     device = loop.device(args, kv)
     model = ByteGPT(size).to(device)
-    decay = [q for n, q in model.named_parameters() if q.dim() >= 2 and n != "pos"]
-    rest = [q for n, q in model.named_parameters() if q.dim() < 2 or n == "pos"]
-    inner = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                               {"params": rest, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
-                              weight_decay=args.weight_decay)     # the default: what --update-on server runs
+    inner = adamw(model, lr=args.lr, weight_decay=args.weight_decay)
     index = loop.worker_index(args)
     data = np.zeros(0, np.uint8) if kv.is_master_worker else worker_data(
         corpus, worker=index, workers=kv.num_all_workers, dc=int(os.environ.get("GEOMX_DC_INDEX", 0)),

@@ -102,15 +102,13 @@ register(BenchConfig("hips-hfa-dc5-overlap-int8-keep", "HiPS HFA (K1=1, K2=5, D=
                      "meanwhile kept), global averages as 8-bit QSGD on the WAN",
                      env=launch_env({**HFA_DC5, **KEEP_HALF}), train_args=WAN_INT8))
 # the same, each global average landing only as the next leaves (D = K2 = 5): the round has 5 steps to hide in
-HFA_DC5_LAND = {**HFA_DC5, "overlap": 5}
+HFA_DC5_LAND_KEEP = launch_env({**HFA_DC5, "overlap": 5, **KEEP_HALF})
 register(BenchConfig("hips-hfa-dc5-land-int8-keep", "HiPS HFA (K1=1, K2=5, D=5, half the steps taken meanwhile "
-                     "kept), global averages as 8-bit QSGD on the WAN",
-                     env=launch_env({**HFA_DC5_LAND, **KEEP_HALF}), train_args=WAN_INT8))
+                     "kept), global averages as 8-bit QSGD on the WAN", env=HFA_DC5_LAND_KEEP, train_args=WAN_INT8))
 register(BenchConfig("hips-hfa-dc5-land-int8-keep-unfused", "HiPS HFA (K1=1, K2=5, D=5, half the steps taken "
                      "meanwhile kept), global averages as 8-bit QSGD on the WAN, a key per tensor "
                      "(GEOMX_FUSION_BYTES=0)",
-                     env={**launch_env({**HFA_DC5_LAND, **KEEP_HALF}), "GEOMX_FUSION_BYTES": "0"},
-                     train_args=WAN_INT8))
+                     env={**HFA_DC5_LAND_KEEP, "GEOMX_FUSION_BYTES": "0"}, train_args=WAN_INT8))
 # a DC's workers step on their mean gradient (one optimizer state per DC) instead of averaging models
 HFA_DC_GRADIENTS = launch_env({**HFA_DC, "dc_sync": "gradients"})
 register(BenchConfig("hips-hfa-dcgrad-overlap", "HiPS HFA (DC gradient average every step, K2=10, global average "

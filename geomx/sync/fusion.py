@@ -54,18 +54,22 @@ ALL_TIERS, DC_TIERS = ("lan", "wan", "small"), ("lan", "small")
 def compressed(kv, tiers: tuple[str, ...] = ALL_TIERS) -> bool:
     """Whether the deployment compresses gradients on one of ``tiers`` (the master worker's setting); a DC-only
     round crosses the LAN alone (``DC_TIERS``)."""
-    policy = kv.compression or {}
-    return any((policy.get(tier) or {}).get("type", "none") != "none" for tier in tiers)
+    return any(kind != "none" for kind in _codec_types(kv, tiers))
 
 
 def elementwise(kv, tiers: tuple[str, ...] = ALL_TIERS) -> bool:
     """Whether every codec of ``kv``'s deployment on ``tiers`` reads values element-wise (``Codec.elementwise``),
     so that packed tensors compress as they would apart. A codec for small tensors (``small``) is not: a bucket
     is no small tensor, so its members would take the tier's codec instead."""
-    policy = kv.compression or {}
-    if "small" in tiers and policy.get("small") is not None:
+    if "small" in tiers and (kv.compression or {}).get("small") is not None:
         return False
-    return all(CODECS[(policy.get(tier) or {}).get("type", "none")].elementwise for tier in tiers if tier != "small")
+    return all(CODECS[kind].elementwise for kind in _codec_types(kv, tiers))
+
+
+def _codec_types(kv, tiers: tuple[str, ...]) -> list[str]:
+    """The codec type on each of ``tiers`` of ``kv``'s deployment ("none" where it sets none)."""
+    policy = kv.compression or {}
+    return [(policy.get(tier) or {}).get("type", "none") for tier in tiers]
 
 
 def bucket_bytes_from_env(env: Mapping[str, str] | None = None) -> int:

@@ -27,10 +27,7 @@ STEPS, CONTEXT, BATCH, WORKERS, LR = 400, 64, 2, 4, 0.002
 
 
 def optimizer(model: torch.nn.Module):
-    decay = [q for n, q in model.named_parameters() if q.dim() >= 2 and n != "pos"]
-    rest = [q for n, q in model.named_parameters() if q.dim() < 2 or n == "pos"]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.95))
+    opt = lm.adamw(model, lr=LR, weight_decay=0.1)      # the example's optimizer at its default settings
     warmup = STEPS // 20
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lm.lr_schedule(k, warmup=warmup, total=STEPS))
 
