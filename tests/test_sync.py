@@ -39,13 +39,15 @@ if not kv.is_master_worker:
 
 def simulate(*, algorithm: str, k1: int, k2: int, weights: str, samples: list[float], dcs: list[list[int]],
              steps: int, outer_lr: float = 0.7, outer_momentum: float = 0.9, overlap: int = 0,
-             dc_sync: str = "models", keep: float = 1.0) -> dict:
+             dc_sync: str = "models", keep: float = 1.0, dc_overlap: int = 0) -> dict:
     """Float64 reference: {(worker, key, step): model}; local SGD, DC and global (weighted) averages, and for
     DiLoCo torch's Nesterov SGD on the pseudo-gradient. ``overlap`` D: a global average is computed from the
     models at its boundary and adopted D DC periods later, each worker keeping its progress since then;
     ``dc_sync="gradients"``: a DC's workers step on their DC's weighted mean gradient every step (with SGD from
     equal models: the DC's mean model after every step); ``keep``: the share of the progress since the send kept
-    on top of an overlapped average; (worker, key, "final"): after the last one landed."""
+    on top of an overlapped average; ``dc_overlap`` 1: a DC-only average is computed from the models at its
+    boundary and adopted at the next boundary (before anything else there), each worker keeping all of its
+    progress since; (worker, key, "final"): after the last one landed."""
     n = sum(len(d) for d in dcs)
     out = {}
     for key, shape in KEYS.items():
@@ -53,6 +55,7 @@ def simulate(*, algorithm: str, k1: int, k2: int, weights: str, samples: list[fl
         w = {i: init.copy() for i in range(n)}
         anchor, buf = init.copy(), None
         flights = []            # (period sent, models sent, new global model), oldest first
+        dc_flight = None        # (models sent, their DC's mean by worker) of the DC average travelling
 
         def dc_mean(d, w):
             return sum(samples[i] * w[i] for i in d) / sum(samples[i] for i in d)
@@ -73,13 +76,22 @@ def simulate(*, algorithm: str, k1: int, k2: int, weights: str, samples: list[fl
             t = step + 1
             if t % k1 == 0:
                 period = t // k1
+                if dc_flight is not None:
+                    sent, means = dc_flight
+                    for i in range(n):
+                        w[i] = w[i] + means[i] - sent[i]
+                    dc_flight = None
                 while flights and period - flights[0][0] == overlap:
                     land(w, flights.pop(0))
                 if period % k2:
                     means = [dc_mean(d, w) for d in dcs]
-                    for d, m in zip(dcs, means, strict=False):
-                        for i in d:
-                            w[i] = m.copy()
+                    if dc_overlap:
+                        dc_flight = ({i: w[i].copy() for i in range(n)},
+                                     {i: m for d, m in zip(dcs, means, strict=False) for i in d})
+                    else:
+                        for d, m in zip(dcs, means, strict=False):
+                            for i in d:
+                                w[i] = m.copy()
                 else:
                     if weights == "samples":
                         avg = sum(samples[i] * w[i] for i in range(n)) / sum(samples)
@@ -97,6 +109,10 @@ def simulate(*, algorithm: str, k1: int, k2: int, weights: str, samples: list[fl
                             w[i] = avg.copy()
             for i in range(n):
                 out[(i, key, step)] = w[i]
+        if dc_flight is not None:
+            sent, means = dc_flight
+            for i in range(n):
+                w[i] = w[i] + means[i] - sent[i]
         for flight in flights:
             land(w, flight)
         for i in range(n):
@@ -127,6 +143,12 @@ CASES = {
     # hfa-overlap keeping half of the steps taken while each average travelled
     "hfa-overlap-keep": dict(algorithm="hfa", k1=1, k2=3, overlap=2, keep=0.5, weights="samples", per_dc=[2, 2],
                              samples=[10, 20, 30, 40], steps=8, slowdown=None),
+    # DC averages overlapped too (sent at steps 1, 2, 4, 5, 7, each adopted at the next step), with the global
+    # averages of hfa-overlap-keep; and DiLoCo with a DC of one worker, which has no DC round to overlap
+    "hfa-dc-overlap": dict(algorithm="hfa", k1=1, k2=3, overlap=2, keep=0.5, dc_overlap=1, weights="samples",
+                           per_dc=[2, 2], samples=[10, 20, 30, 40], steps=8, slowdown=None),
+    "diloco-dc-overlap": dict(algorithm="diloco", k1=1, k2=3, dc_overlap=1, weights="equal", per_dc=[2, 1],
+                              samples=[5, 7, 9], steps=7, slowdown=None),
     # the DC's workers step on their mean gradient every step, global averages overlapped as in hfa-overlap
     "hfa-dc-gradients": dict(algorithm="hfa", k1=1, k2=3, overlap=2, dc_sync="gradients", weights="samples",
                              per_dc=[2, 2], samples=[10, 20, 30, 40], steps=8, slowdown=None),
@@ -137,7 +159,8 @@ def _sync_table(case: dict) -> dict:
     return {"algorithm": case["algorithm"], "k1": case["k1"], "k2": case["k2"], "weights": case["weights"],
             **({"overlap": case["overlap"]} if case.get("overlap") else {}),
             **({"dc_sync": case["dc_sync"]} if case.get("dc_sync") else {}),
-            **({"overlap_keep": case["keep"]} if "keep" in case else {})}
+            **({"overlap_keep": case["keep"]} if "keep" in case else {}),
+            **({"dc_overlap": case["dc_overlap"]} if case.get("dc_overlap") else {})}
 
 
 def _run_case(tmp_path, case: dict, name: str) -> tuple[list[dict], list[dict]]:
@@ -185,7 +208,8 @@ def _run_averaging(tmp_path, case: dict, name: str) -> tuple[list[dict], list[di
 def _reference_args(case: dict, dcs: list[list[int]]) -> dict:
     return dict(algorithm=case["algorithm"], k1=case["k1"], k2=case["k2"], weights=case["weights"],
                 samples=[float(s) for s in case["samples"]], dcs=dcs, steps=case["steps"],
-                overlap=case.get("overlap", 0), dc_sync=case.get("dc_sync", "models"), keep=case.get("keep", 1.0))
+                overlap=case.get("overlap", 0), dc_sync=case.get("dc_sync", "models"), keep=case.get("keep", 1.0),
+                dc_overlap=case.get("dc_overlap", 0))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -230,6 +254,14 @@ def test_model_averaging_matches_the_reference_at_every_step(tmp_path, name):
         assert "dc_sync='gradients'" in infos[0]["algorithm"]
     elif name == "diloco-overlap":
         assert "overlap=2" in infos[0]["algorithm"]
+    elif name in ("hfa-dc-overlap", "diloco-dc-overlap"):
+        # the DC average sent at step 1 (index 0) is not in yet: a DC's workers still differ there, where a
+        # waited-for DC average makes them one model; from step 2 on the overlapped schedule is its own
+        waited = simulate(**{**_reference_args(case, dcs), "dc_overlap": 0})
+        assert np.abs(models[0]["w@0"] - models[1]["w@0"]).max() > 1e-3
+        np.testing.assert_allclose(waited[(0, "w", 0)], waited[(1, "w", 0)], rtol=0, atol=1e-12)
+        assert np.abs(waited[(0, "w", last)] - ref[(0, "w", last)]).max() > 1e-3
+        assert "dc_overlap=1" in infos[0]["algorithm"]
     elif name in ("hfa-overlap-two", "diloco-overlap-two"):
         # two averages in flight: not the schedule that lands each one as the next leaves (D = K2)
         assert "overlap=3" in infos[0]["algorithm"]
@@ -246,7 +278,8 @@ def test_model_averaging_matches_the_reference_at_every_step(tmp_path, name):
         assert [x["factor"] for x in infos] == [1.0, 1.0, 1.0, 3.0]
         assert infos[3]["slept_s"] >= 2 * 0.02 * case["steps"] and all(x["slept_s"] == 0 for x in infos[:3])
     else:
-        assert ("DiLoCo(k1=1, k2=2, weights='equal', overlap=0, overlap_keep=1.0, dc_sync='models', outer_lr=0.7"
+        assert ("DiLoCo(k1=1, k2=2, weights='equal', overlap=0, overlap_keep=1.0, dc_sync='models', dc_overlap=0, "
+                "outer_lr=0.7"
                 in infos[0]["algorithm"])
         # the outer step is not a plain average: HFA's reference differs
         hfa = simulate(algorithm="hfa", k1=1, k2=2, weights="equal", samples=[5.0, 7.0, 9.0], dcs=dcs, steps=6)

@@ -75,14 +75,17 @@ def test_sync_settings_from_geomx_variables_and_from_the_launcher():
     assert topo.env["MXNET_KVSTORE_USE_HFA"] == "1" and topo.env["GEOMX_DILOCO_LR"] == "0.7"
     s = settings_from_env(topo.env)
     assert (s.algorithm, s.k1, s.k2, s.outer_lr, s.outer_momentum) == ("diloco", 4, 2, 0.7, 0.9)
+    assert s.dc_overlap == 0
+    overlapped = settings_from_env(load_topology(None, sync="hfa", sync_k2=5, sync_dc_overlap=1).env)
+    assert (overlapped.k2, overlapped.dc_overlap) == (5, 1)
 
 
 def test_sync_table_in_toml(tmp_path):
     path = tmp_path / "topo.toml"
-    path.write_text('sync = { algorithm = "hfa", k1 = 20, k2 = 10, weights = "equal" }\n')
+    path.write_text('sync = { algorithm = "hfa", k1 = 20, k2 = 10, weights = "equal", dc_overlap = 1 }\n')
     env = load_topology(str(path)).env
     assert (env["GEOMX_SYNC"], env["MXNET_KVSTORE_HFA_K1"], env["MXNET_KVSTORE_HFA_K2"],
-            env["GEOMX_HFA_WEIGHTS"]) == ("hfa", "20", "10", "equal")
+            env["GEOMX_HFA_WEIGHTS"], env["GEOMX_HFA_DC_OVERLAP"]) == ("hfa", "20", "10", "equal", "1")
     path.write_text('sync = { algorithm = "hfa", k1 = 0 }\n')
     with pytest.raises(ConfigError, match=r"K1 \(MXNET_KVSTORE_HFA_K1\) in .*topo.toml must be >= 1"):
         load_topology(str(path))
@@ -105,6 +108,12 @@ def test_sync_table_in_toml(tmp_path):
     ({"GEOMX_SYNC": "hfa", "GEOMX_HFA_DC_SYNC": "grads"}, ["GEOMX_HFA_DC_SYNC", "models, gradients", "'grads'"]),
     ({"GEOMX_SYNC": "diloco", "GEOMX_HFA_DC_SYNC": "gradients", "MXNET_KVSTORE_HFA_K1": "5"},
      ["dc_sync=gradients (GEOMX_HFA_DC_SYNC)", "K1 (MXNET_KVSTORE_HFA_K1) must be 1", "got 5"]),
+    ({"GEOMX_SYNC": "hfa", "MXNET_KVSTORE_HFA_K2": "4", "GEOMX_HFA_DC_OVERLAP": "2"},
+     ["hfa dc_overlap (GEOMX_HFA_DC_OVERLAP)", "must be 0", "or 1", "got 2"]),
+    ({"GEOMX_SYNC": "hfa", "MXNET_KVSTORE_HFA_K2": "4", "GEOMX_HFA_DC_OVERLAP": "1", "GEOMX_HFA_DC_SYNC": "gradients"},
+     ["dc_overlap (GEOMX_HFA_DC_OVERLAP)", "dc_sync='gradients' (GEOMX_HFA_DC_SYNC)", "use dc_sync=models"]),
+    ({"GEOMX_SYNC": "diloco", "GEOMX_HFA_DC_OVERLAP": "1"}, ["diloco dc_overlap (GEOMX_HFA_DC_OVERLAP)",
+                                                           "K2 (MXNET_KVSTORE_HFA_K2) = 1", "K2 >= 2"]),
     ({"GEOMX_SYNC": "dga", "GEOMX_HFA_OVERLAP": "1"}, []),       # another algorithm's variable is not read
 ])
 def test_bad_sync_settings_are_refused_naming_the_variable(env, words):
@@ -344,6 +353,38 @@ def test_several_averages_in_flight_are_saved_and_restored_in_order_and_land_ali
         again = policy()
         again.load_state_dict(older)
         assert [f.period for f in again.flights] == expected
+
+
+def test_a_dc_average_in_flight_is_saved_and_restored_and_lands_alike():
+    """dc_overlap: a state saved between a DC average's send and its landing holds it; the restored policy adopts
+    it at the next boundary as the original does (keeping the steps taken since the send), and a state saved
+    before the option existed (no "dc_in_flight") loads with none travelling."""
+    from geomx.sync.averaging import HFA, InFlight
+
+    def policy() -> HFA:
+        hfa = HFA(k1=1, k2=3, dc_overlap=1)
+        w = torch.nn.Parameter(torch.arange(3.0))
+        hfa.params, hfa.base, hfa.dc_scale, hfa.global_scale = [("w", w)], [torch.zeros(3)], 1.0, 1.0
+        return hfa
+
+    original = policy()
+    flight = InFlight([_Reply(0.0)], [torch.full((3,), 4.0)])
+    flight.sent, flight.period = [torch.ones(3)], 1
+    original.dc_flight = flight
+    restored = policy()
+    restored.load_state_dict(original.state_dict())
+    assert restored.dc_flight is not None and restored.dc_flight.period == 1
+    for hfa in (original, restored):
+        hfa.land_dc()
+        assert hfa.dc_flight is None
+    expected = torch.arange(3.0) + 4.0 - 1.0                # avg + (w - w_sent)
+    assert torch.equal(original.params[0][1].detach(), expected)
+    assert torch.equal(restored.params[0][1].detach(), expected)
+    older = original.state_dict()
+    del older["dc_in_flight"]
+    again = policy()
+    again.load_state_dict(older)
+    assert again.dc_flight is None
 
 
 def _flight_state() -> dict:

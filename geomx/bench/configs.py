@@ -109,6 +109,10 @@ register(BenchConfig("hips-hfa-dc5-land-int8-keep-unfused", "HiPS HFA (K1=1, K2=
                      "meanwhile kept), global averages as 8-bit QSGD on the WAN, a key per tensor "
                      "(GEOMX_FUSION_BYTES=0)",
                      env={**HFA_DC5_LAND_KEEP, "GEOMX_FUSION_BYTES": "0"}, train_args=WAN_INT8))
+# the same with each DC average travelling one step behind training too (dc_overlap): no worker waits for its DC
+register(BenchConfig("hips-hfa-dc5-land-int8-keep-dcoverlap", "HiPS HFA (K1=1, K2=5, D=5, half the steps taken "
+                     "meanwhile kept, each DC average one step late), global averages as 8-bit QSGD on the WAN",
+                     env=launch_env({**HFA_DC5, "overlap": 5, **KEEP_HALF, "dc_overlap": 1}), train_args=WAN_INT8))
 # a DC's workers step on their mean gradient (one optimizer state per DC) instead of averaging models
 HFA_DC_GRADIENTS = launch_env({**HFA_DC, "dc_sync": "gradients"})
 register(BenchConfig("hips-hfa-dcgrad-overlap", "HiPS HFA (DC gradient average every step, K2=10, global average "
@@ -155,3 +159,5 @@ _compressed("hips-powersgd", "HiPS + PowerSGD rank 4 on the WAN (dist_sync)",
 NEVER = 10 ** 9
 register(BenchConfig("no-wan", "no WAN: each DC alone (DC average every step, no global average)",
                      env=launch_env({"algorithm": "hfa", "k1": 1, "k2": NEVER})))
+register(BenchConfig("no-wan-dcoverlap", "no WAN: each DC alone (DC average every step, one step late)",
+                     env=launch_env({"algorithm": "hfa", "k1": 1, "k2": NEVER, "dc_overlap": 1})))

@@ -41,6 +41,10 @@ def _add_topology_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hfa-dc-sync", choices=["models", "gradients"],
                    help="hfa/diloco: within a DC average the workers' models every K1 steps (default), or their "
                         "gradients before every step (K1 = 1; one model and optimizer state per DC)")
+    p.add_argument("--hfa-dc-overlap", type=int, choices=[0, 1], metavar="0|1",
+                   help="hfa/diloco (K2 >= 2): 1 lets each DC-only average of the models travel one DC period "
+                        "behind training, adopted at the next DC boundary with the steps taken meanwhile kept, so "
+                        "no worker waits for its DC's slowest (default 0: wait for it)")
     p.add_argument("--dga-delay", type=int, help="dga: steps between pushing a gradient and applying its average "
                                                   "(default 1)")
     p.add_argument("--esync-steps", type=int, help="esync: local steps of the slowest worker per round (default 1)")
@@ -85,6 +89,7 @@ def topology_from_args(args: argparse.Namespace):
                          sync=args.sync,
                          sync_k1=args.hfa_k1, sync_k2=args.hfa_k2, sync_overlap=args.hfa_overlap,
                          sync_dc_sync=args.hfa_dc_sync, sync_overlap_keep=args.hfa_overlap_keep,
+                         sync_dc_overlap=args.hfa_dc_overlap,
                          sync_delay=args.dga_delay,
                          sync_steps=args.esync_steps, sync_slice=args.p3_slice,
                          slowdown=args.slowdown, wan_links=args.wan_link, wan_loss=args.wan_loss,

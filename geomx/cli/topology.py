@@ -198,8 +198,8 @@ def load_topology(path: str | None = None, **flags) -> Topology:
     if sync is not None and not isinstance(sync, (str, dict)):
         raise ConfigError(f"sync{where} must be an algorithm name or a table, got {sync!r}")
     sync = dict(sync) if isinstance(sync, dict) else ({"algorithm": sync} if sync is not None else {})
-    sync.update({k: data[f"sync_{k}"] for k in ("k1", "k2", "overlap", "overlap_keep", "dc_sync", "delay", "steps",
-                                                 "slice") if data.get(f"sync_{k}") is not None})
+    sync.update({k: data[f"sync_{k}"] for k in ("k1", "k2", "overlap", "overlap_keep", "dc_sync", "dc_overlap",
+                                                 "delay", "steps", "slice") if data.get(f"sync_{k}") is not None})
     if sync:
         topo.env.update(launch_env(sync, where))
         topo.validate()          # again, with the synchronization algorithm

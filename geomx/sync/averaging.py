@@ -21,6 +21,14 @@ D = 0 (default) waits for the average at the boundary. Each worker counts the av
 their landing step and the time it waited for them (``landing_waits``, in every step record; ``geomx report``
 shows them): the sign that D is too short for the WAN.
 
+DC overlap (``dc_overlap`` 1, K2 >= 2): a DC-only average travels one DC period behind training too. At a DC
+boundary each worker sends a copy of its model to its local server and goes on; at the next boundary it adopts
+w = avg + (w - w_sent), the step(s) taken meanwhile kept in full. Without it every DC round waits for the DC's
+slowest worker and for the local server, which on a fast step is most of the time not spent computing
+(docs/benchmarks.md: the tiny LM's control row computed 52% of its time on 2 cores, 72% on 16). The workers of a
+DC then differ by their own last period's steps, which the next average folds in; a global boundary lands the
+DC average first, so the global average starts from models that include it.
+
 DiLoCo (Douillard et al. 2023): the same inner loop, but the global average does not replace the model: the
 pseudo-gradient (global model before - average) feeds an outer Nesterov SGD (lr 0.7, momentum 0.9) whose
 step gives the new global model. Every worker runs the identical outer step on identical inputs, so they
@@ -48,12 +56,13 @@ class HFA:
     name = "hfa"
 
     def __init__(self, *, k1: int = 1, k2: int = 1, weights: str = "samples", overlap: int = 0,
-                 overlap_keep: float = 1.0, dc_sync: str = "models") -> None:
+                 overlap_keep: float = 1.0, dc_sync: str = "models", dc_overlap: int = 0) -> None:
         s = check(self.name, {"k1": k1, "k2": k2, "weights": weights, "overlap": overlap,
-                              "overlap_keep": overlap_keep, "dc_sync": dc_sync})
+                              "overlap_keep": overlap_keep, "dc_sync": dc_sync, "dc_overlap": dc_overlap})
         self.k1, self.k2, self.weights, self.overlap, self.dc_sync = s.k1, s.k2, s.weights, s.overlap, s.dc_sync
-        self.overlap_keep = s.overlap_keep
+        self.overlap_keep, self.dc_overlap = s.overlap_keep, s.dc_overlap
         self.flights: deque[InFlight] = deque()     # global averages travelling (overlap > 0), oldest first
+        self.dc_flight: InFlight | None = None      # the DC average travelling (dc_overlap)
         self.steps = 0               # local steps taken
         self.dc_averages = 0         # K1 boundaries passed (each one a DC or a global average)
         self.global_averages = 0
@@ -64,7 +73,8 @@ class HFA:
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(k1={self.k1}, k2={self.k2}, weights={self.weights!r}, "
-                f"overlap={self.overlap}, overlap_keep={self.overlap_keep}, dc_sync={self.dc_sync!r})")
+                f"overlap={self.overlap}, overlap_keep={self.overlap_keep}, dc_sync={self.dc_sync!r}, "
+                f"dc_overlap={self.dc_overlap})")
 
     # set-up ---------------------------------------------------------------------------------------------------
     def setup(self, kv, params: list[tuple[str, torch.nn.Parameter]], *, num_samples: float | None = None) -> None:
@@ -134,14 +144,20 @@ class HFA:
             return 0.0
         self.dc_averages += 1
         started = time.perf_counter()
-        # averages due here land first (D = K2: the previous one lands as the next leaves)
+        # averages due here land first: the DC average sent at the last boundary, then the global ones (D = K2:
+        # the previous one lands as the next leaves)
+        if self.dc_flight is not None:
+            self.land_dc()
         while self.flights and self.dc_averages - self.flights[0].period == self.overlap:
             self.land(scheduled=True)
         if self.dc_averages % self.k2:
             # a DC of one worker is its own average; one that averages its gradients has one model already
             if self.kv.num_workers > 1 and self.dc_sync == "models":
-                models = [p.data for _, p in self.params]
-                self.average("dc", self.dc_scale, models, models)
+                if self.dc_overlap:
+                    self.send_dc()
+                else:
+                    models = [p.data for _, p in self.params]
+                    self.average("dc", self.dc_scale, models, models)
         else:
             self.global_averages += 1
             if not self.overlap:
@@ -165,6 +181,8 @@ class HFA:
         """Land the global averages still travelling (overlap > 0), e.g. after the last step; returns the
         seconds waited. Without it, a run that ends between a send and its landing ignores that average."""
         started = time.perf_counter()
+        if self.dc_flight is not None:
+            self.land_dc()
         while self.flights:
             self.land()
         return time.perf_counter() - started
@@ -175,7 +193,8 @@ class HFA:
         (waited for, not yet adopted: loading them lands each at the same step as it would have)."""
         state = {"algorithm": self.name, "steps": self.steps, "dc_averages": self.dc_averages,
                  "global_averages": self.global_averages, "landings": asdict(self.landings),
-                 "in_flight": [flight.state_dict() for flight in self.flights]}
+                 "in_flight": [flight.state_dict() for flight in self.flights],
+                 "dc_in_flight": None if self.dc_flight is None else self.dc_flight.state_dict()}
         if hasattr(self, "base"):          # the master worker trains nothing and has none
             state.update(base=_clones(self.base), dc_scale=self.dc_scale, global_scale=self.global_scale)
         return state
@@ -191,6 +210,8 @@ class HFA:
         saved = state["in_flight"]          # a list; states saved before 2026-11-27 held one average or None
         saved = [] if saved is None else [saved] if isinstance(saved, dict) else saved
         self.flights = deque(InFlight.from_state_dict(flight) for flight in saved)
+        dc_saved = state.get("dc_in_flight")        # absent from states saved before 2026-11-28
+        self.dc_flight = None if dc_saved is None else InFlight.from_state_dict(dc_saved)
 
     def global_average(self) -> None:
         averaged = [torch.empty_like(p) for _, p in self.params]
@@ -237,6 +258,21 @@ class HFA:
         flight = self.start_global_mean(sent, [torch.empty_like(m) for m in sent])
         flight.sent, flight.period = sent, self.dc_averages
         self.flights.append(flight)
+
+    def send_dc(self) -> None:
+        """dc_overlap: send a copy of the model for the DC's average, adopted at the next DC boundary."""
+        sent = [p.detach().clone() for _, p in self.params]
+        into = [torch.empty_like(m) for m in sent]
+        self.dc_flight = InFlight(self.start_average("dc", self.dc_scale, sent, into), into)
+        self.dc_flight.sent, self.dc_flight.period = sent, self.dc_averages
+
+    def land_dc(self) -> None:
+        """Adopt the DC average sent at the last boundary, keeping every step taken since in full."""
+        flight, self.dc_flight = self.dc_flight, None
+        averaged = flight.land_into()
+        with torch.no_grad():
+            for (_, p), avg, sent in zip(self.params, averaged, flight.sent, strict=True):
+                p.add_(avg - sent)
 
     def land(self, *, scheduled: bool = False) -> None:
         """Adopt the oldest global average in flight, waiting for it if need be. ``scheduled``: at its landing
@@ -320,18 +356,19 @@ class DiLoCo(HFA):
     name = "diloco"
 
     def __init__(self, *, k1: int = 1, k2: int = 1, weights: str = "samples", overlap: int = 0,
-                 overlap_keep: float = 1.0, dc_sync: str = "models", outer_lr: float = 0.7,
+                 overlap_keep: float = 1.0, dc_sync: str = "models", dc_overlap: int = 0, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9) -> None:
         s = check(self.name, {"k1": k1, "k2": k2, "weights": weights, "overlap": overlap,
-                              "overlap_keep": overlap_keep, "dc_sync": dc_sync, "outer_lr": outer_lr,
-                              "outer_momentum": outer_momentum})
+                              "overlap_keep": overlap_keep, "dc_sync": dc_sync, "dc_overlap": dc_overlap,
+                              "outer_lr": outer_lr, "outer_momentum": outer_momentum})
         super().__init__(k1=s.k1, k2=s.k2, weights=s.weights, overlap=s.overlap, overlap_keep=s.overlap_keep,
-                         dc_sync=s.dc_sync)
+                         dc_sync=s.dc_sync, dc_overlap=s.dc_overlap)
         self.outer_lr, self.outer_momentum = s.outer_lr, s.outer_momentum
 
     def __repr__(self) -> str:
         return (f"DiLoCo(k1={self.k1}, k2={self.k2}, weights={self.weights!r}, overlap={self.overlap}, "
-                f"overlap_keep={self.overlap_keep}, dc_sync={self.dc_sync!r}, outer_lr={self.outer_lr}, "
+                f"overlap_keep={self.overlap_keep}, dc_sync={self.dc_sync!r}, dc_overlap={self.dc_overlap}, "
+                f"outer_lr={self.outer_lr}, "
                 f"outer_momentum={self.outer_momentum})")
 
     def start(self) -> None:

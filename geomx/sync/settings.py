@@ -8,7 +8,7 @@ algorithm   what a worker does
 ``fsa``     push every gradient, step on the mean over all workers (default; MixedSync is ``--mode dist_async``)
 ``hfa``     K1 local steps, then a DC-wide model average; every K2 DC averages a global model average
             (``overlap`` D > 0: the global average travels while D x K1 more local steps run; D > K2: several
-            travel at once)
+            travel at once; ``dc_overlap`` 1: each DC average travels behind the next DC period)
 ``diloco``  as hfa, but the global average feeds an outer optimizer (Nesterov SGD) instead of replacing the model
 ``dga``     push every gradient but step on the average from D steps ago, corrected (communication overlaps D steps)
 ``esync``   faster workers take more local steps per round, so all reach the global average together
@@ -71,14 +71,16 @@ OPTIONS = {
     "overlap": ("GEOMX_HFA_OVERLAP", int, 0),
     "dc_sync": ("GEOMX_HFA_DC_SYNC", str, "models"),
     "overlap_keep": ("GEOMX_HFA_OVERLAP_KEEP", float, 1.0),
+    "dc_overlap": ("GEOMX_HFA_DC_OVERLAP", int, 0),
     "outer_lr": ("GEOMX_DILOCO_LR", float, 0.7),
     "outer_momentum": ("GEOMX_DILOCO_MOMENTUM", float, 0.9),
     "delay": ("GEOMX_DGA_DELAY", int, 1),
     "steps": ("GEOMX_ESYNC_STEPS", int, 1),
     "slice": ("GEOMX_P3_SLICE", int, 50_000),
 }
-ALGORITHM_OPTIONS = {"fsa": (), "p3": ("slice",), "hfa": ("k1", "k2", "weights", "overlap", "overlap_keep", "dc_sync"),
-                     "diloco": ("k1", "k2", "weights", "overlap", "overlap_keep", "dc_sync", "outer_lr",
+ALGORITHM_OPTIONS = {"fsa": (), "p3": ("slice",),
+                     "hfa": ("k1", "k2", "weights", "overlap", "overlap_keep", "dc_sync", "dc_overlap"),
+                     "diloco": ("k1", "k2", "weights", "overlap", "overlap_keep", "dc_sync", "dc_overlap", "outer_lr",
                                 "outer_momentum"),
                      "dga": ("delay",),
                      "esync": ("steps",)}
@@ -96,6 +98,7 @@ class SyncSettings:
     overlap: int = 0
     dc_sync: str = "models"
     overlap_keep: float = 1.0    # hfa/diloco overlap: the share of the steps taken meanwhile kept on the average
+    dc_overlap: int = 0          # hfa/diloco: 1 = a DC average lands one DC period after it left (0: waited for)
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     delay: int = 1
@@ -147,6 +150,16 @@ def check(algorithm: str, options: Mapping, where: str = "") -> SyncSettings:
     if s.dc_sync not in DC_SYNCS:
         raise ConfigError(f"{algorithm} dc_sync ({OPTIONS['dc_sync'][0]}){where} must be one of "
                           f"{', '.join(DC_SYNCS)}, got {s.dc_sync!r}")
+    if s.dc_overlap not in (0, 1):
+        raise ConfigError(f"{algorithm} dc_overlap ({OPTIONS['dc_overlap'][0]}){where} must be 0 (wait for each DC "
+                          f"average) or 1 (adopt it one DC period later), got {s.dc_overlap}")
+    if s.dc_overlap and s.dc_sync != "models":
+        raise ConfigError(f"{algorithm} dc_overlap ({OPTIONS['dc_overlap'][0]}){where} lets a DC average of the "
+                          f"models travel behind training; with dc_sync={s.dc_sync!r} ({OPTIONS['dc_sync'][0]}) "
+                          f"the DC averages gradients before each step, which cannot wait: use dc_sync=models")
+    if s.dc_overlap and s.k2 == 1:
+        raise ConfigError(f"{algorithm} dc_overlap ({OPTIONS['dc_overlap'][0]}){where} overlaps the DC-only "
+                          f"averages, and with K2 ({OPTIONS['k2'][0]}) = 1 every average is global: set K2 >= 2")
     if s.dc_sync == "gradients" and s.k1 != 1:
         raise ConfigError(f"{algorithm} dc_sync=gradients ({OPTIONS['dc_sync'][0]}){where} averages gradients "
                           f"within the DC before every local step, so K1 ({OPTIONS['k1'][0]}) must be 1, got "

@@ -1,14 +1,17 @@
 """Issue 13's iid question without a network: does averaging the workers' models lose to FSA per step?
 
-    python tests/scripts/lm_sync_sim.py fsa|hfa|avg-all SEED [K2 [D KEEP]] [--split-by-package]
+    python tests/scripts/lm_sync_sim.py fsa|hfa|avg-all SEED [K2 [D KEEP]] [--split-by-package] [--dc-late]
+                                        [--outer=LR,MOMENTUM]
 
 One process trains examples/train_lm.py's tiny model (context 64, batch 2 per worker, AdamW, its warm-up and
 cosine schedule over 400 steps) as 4 workers in 2 DCs would, with each worker's data as `geomx launch` deals it:
 ``fsa`` steps one model on the mean of the 4 workers' gradients; ``hfa`` steps each worker's own model, averages
 each DC's pair every step and all 4 every K2 steps (default 5), each global average landing D steps after
 it left (default 0: at once) as avg + KEEP x (the steps taken meanwhile), as ``--hfa-overlap`` and
-``--hfa-overlap-keep`` do with K1 = 1; ``avg-all`` averages all 4 every step. Prints the mean validation loss
-over the workers at steps 200 and 400 (docs/benchmarks.md).
+``--hfa-overlap-keep`` do with K1 = 1 (KEEP ``pull:A``: w = (1 - A) w + A avg instead); ``--dc-late``: each
+DC average lands a step after it left, keeping that step, as ``--hfa-dc-overlap 1`` does; ``--outer=LR,M``: a
+late global average feeds DiLoCo's outer Nesterov step first; ``avg-all`` averages all 4 every step. Prints the
+mean validation loss over the workers at steps 200 and 400 (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -49,6 +52,9 @@ def main() -> int:
     pull = keep.startswith("pull:")         # "pull:A": w = (1 - A) w + A avg (Overlap Local-SGD's anchor pull)
     share = float(keep.removeprefix("pull:"))
     by_package = "--split-by-package" in sys.argv
+    dc_late = "--dc-late" in sys.argv      # each DC average lands a step later, the step taken meanwhile kept
+    outer = next((a.removeprefix("--outer=") for a in sys.argv if a.startswith("--outer=")), "")
+    outer_lr, outer_momentum = (float(x) for x in outer.split(",")) if outer else (1.0, 0.0)
     torch.set_num_threads(1)
     corpus = lm.load_corpus()
     data = [torch.from_numpy(lm.worker_data(corpus, worker=i, workers=WORKERS, dc=i // 2, dcs=2, rank=i % 2,
@@ -66,6 +72,9 @@ def main() -> int:
     models = [start] if mode == "fsa" else [copy.deepcopy(start) for _ in range(WORKERS)]
     opts = [optimizer(m) for m in models]
     flights: list[tuple[int, list, list]] = []      # (landing step, each worker's sent model, their mean)
+    anchor = [p.detach().clone() for p in start.parameters()]
+    dc_flight: list = []            # (each worker's sent model, its DC's mean) of the DC average travelling
+    velocity = [torch.zeros_like(p) for p in anchor]
     for step in range(1, STEPS + 1):
         for opt, _ in opts:
             opt.zero_grad()
@@ -78,6 +87,12 @@ def main() -> int:
         if mode == "avg-all" or (mode == "hfa" and not late and step % k2 == 0):
             average(models, [list(range(WORKERS))])
         elif mode == "hfa":
+            if dc_flight:
+                sent_dc, mean_dc = dc_flight.pop()
+                with torch.no_grad():
+                    for i, m in enumerate(models):
+                        for p, w, g in zip(m.parameters(), sent_dc[i], mean_dc[i // 2], strict=True):
+                            p.data.add_(g - w)
             if flights and flights[0][0] == step:        # a late global average lands, oldest first
                 _, sent, mean = flights.pop(0)
                 with torch.no_grad():
@@ -90,7 +105,17 @@ def main() -> int:
             if step % k2 == 0:
                 sent = [[p.detach().clone() for p in m.parameters()] for m in models]
                 mean = [sum(ps) / WORKERS for ps in zip(*sent, strict=True)]
+                if outer:       # DiLoCo's outer Nesterov step on the round's mean change
+                    for a, v, g in zip(anchor, velocity, mean, strict=True):
+                        change = a - g
+                        v.mul_(outer_momentum).add_(change)
+                        a.sub_(change + outer_momentum * v, alpha=outer_lr)
+                    mean = [a.clone() for a in anchor]
                 flights.append((step + late, sent, mean))
+            elif dc_late:
+                sent_dc = [[p.detach().clone() for p in m.parameters()] for m in models]
+                pairs = [zip(sent_dc[2 * d], sent_dc[2 * d + 1], strict=True) for d in range(2)]
+                dc_flight.append((sent_dc, [[(a + b) / 2 for a, b in pair] for pair in pairs]))
             else:
                 average(models, [[0, 1], [2, 3]])
         if step in (200, STEPS):
