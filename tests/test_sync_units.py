@@ -223,20 +223,20 @@ def _tensors(*specs):
     return [torch.zeros(n, dtype=dtype) for n, dtype in specs]
 
 
-def test_fusion_packs_consecutive_small_tensors_of_one_dtype_and_lets_large_ones_travel_alone():
+def test_fusion_packs_small_tensors_of_one_dtype_in_order_and_lets_half_a_bucket_or_more_travel_alone():
     f32, f64 = torch.float32, torch.float64
     specs = [(100, f32), (50, f32), (1000, f32), (30, f64), (20, f32), (10, f64), (7, torch.int64), (200, f32),
-             (10, f32)]
+             (10, f32), (100, f32)]
     tensors = _tensors(*specs)
     names = [f"t{i}" for i in range(len(tensors))]
     fusion = Fusion("x", names, tensors, bucket_bytes=1024)     # 256 float32 elements per bucket
     buckets = [(b.key, b.dtype, b.members, b.offsets, b.numel) for b in fusion.buckets]
-    # t2 (4000 bytes) and the integer t6 travel alone; t0, t1, t4 (680 bytes) share a bucket, which t7 (800 more)
-    # would overflow, so t7 opens the next one with t8; the float64 t3 and t5 have their own
-    assert buckets == [("__geomx.fused/x/t0+3", f32, (0, 1, 4), (0, 100, 150), 170),
-                       ("__geomx.fused/x/t3+2", f64, (3, 5), (0, 30), 40),
-                       ("__geomx.fused/x/t7+2", f32, (7, 8), (0, 200), 210)]
-    assert fusion.alone == [2, 6] and fusion.keys == 5
+    # t2 (4000 bytes), t7 (800, over half a bucket) and the integer t6 travel alone and leave the open bucket
+    # open, so t8 after t7 still joins t0, t1, t4 (720 bytes together); t9 (400 more) would overflow it and opens
+    # the next bucket, alone in it, so it travels alone too (400 bytes); the float64 t3 and t5 have their own bucket
+    assert buckets == [("__geomx.fused/x/t0+4", f32, (0, 1, 4, 8), (0, 100, 150, 170), 180),
+                       ("__geomx.fused/x/t3+2", f64, (3, 5), (0, 30), 40)]
+    assert fusion.alone == [2, 6, 7, 9] and fusion.keys == 6
     # the plan depends only on names, shapes and dtypes: every worker plans the same buckets
     again = Fusion("x", names, _tensors(*specs), bucket_bytes=1024)
     assert again.buckets == fusion.buckets and again.alone == fusion.alone
