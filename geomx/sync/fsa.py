@@ -51,8 +51,10 @@ class FSA:
     def _plan_buckets(self) -> GradientBuckets | None:
         """Dense mean gradients travel fused (geomx.sync.fusion) where the servers only sum them: synchronous,
         worker-side update. A server optimizer keeps each parameter's weights under its own key (what a restarted
-        worker pulls), and MixedSync's servers answer per key; those push a key per parameter."""
-        if self.server_updates or self.kv.type != "dist_sync":
+        worker pulls), and MixedSync's servers answer per key; those push a key per parameter, as every round
+        does under a codec that must see each tensor as it is (decided once: the deployment's codecs are known
+        from the first init on and never change)."""
+        if self.server_updates or self.kv.type != "dist_sync" or not Fusion.fuses(self.kv):
             return None
         trainable = [i for i, (_, p) in enumerate(self.params) if p.requires_grad]
         fusion = Fusion.of(self.kv, "gradients", [self.params[i] for i in trainable])
@@ -128,9 +130,8 @@ class FSA:
             self._send(i, p, p.grad)
 
     def _send(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> None:
-        """Push parameter ``i``'s gradient: into its bucket where it has one and the round is dense (a codec
-        sees each tensor as it is), else alone."""
-        if self.buckets is not None and i in self.buckets.bucket_of and Fusion.fuses(self.kv):
+        """Push parameter ``i``'s gradient: into its bucket where it has one, else alone."""
+        if self.buckets is not None and i in self.buckets.bucket_of:
             self.buckets.add(self.kv, i, grad, self._handles)
         else:
             self._push(i, p, grad)
