@@ -260,9 +260,15 @@ class HFA:
         self.flights.append(flight)
 
     def send_dc(self) -> None:
-        """dc_overlap: send a copy of the model for the DC's average, adopted at the next DC boundary."""
-        sent = [p.detach().clone() for _, p in self.params]
-        into = [torch.empty_like(m) for m in sent]
+        """dc_overlap: send a copy of the model for the DC's average, adopted at the next DC boundary. One DC
+        average travels at a time, so its two model-sized buffers are allocated once and reused."""
+        if not hasattr(self, "_dc_buffers"):
+            self._dc_buffers = ([torch.empty_like(p) for _, p in self.params],
+                                [torch.empty_like(p) for _, p in self.params])
+        sent, into = self._dc_buffers
+        with torch.no_grad():
+            for (_, p), s in zip(self.params, sent, strict=True):
+                s.copy_(p)
         self.dc_flight = InFlight(self.start_average("dc", self.dc_scale, sent, into), into)
         self.dc_flight.sent, self.dc_flight.period = sent, self.dc_averages
 
@@ -272,7 +278,7 @@ class HFA:
         averaged = flight.land_into()
         with torch.no_grad():
             for (_, p), avg, sent in zip(self.params, averaged, flight.sent, strict=True):
-                p.add_(avg - sent)
+                p.add_(avg).sub_(sent)
 
     def land(self, *, scheduled: bool = False) -> None:
         """Adopt the oldest global average in flight, waiting for it if need be. ``scheduled``: at its landing
