@@ -102,7 +102,8 @@ register(BenchConfig("hips-hfa-dc5-overlap-int8-keep", "HiPS HFA (K1=1, K2=5, D=
                      "meanwhile kept), global averages as 8-bit QSGD on the WAN",
                      env=launch_env({**HFA_DC5, **KEEP_HALF}), train_args=WAN_INT8))
 # the same, each global average landing only as the next leaves (D = K2 = 5): the round has 5 steps to hide in
-HFA_DC5_LAND_KEEP = launch_env({**HFA_DC5, "overlap": 5, **KEEP_HALF})
+HFA_DC5_LAND = {**HFA_DC5, "overlap": 5, **KEEP_HALF}
+HFA_DC5_LAND_KEEP = launch_env(HFA_DC5_LAND)
 register(BenchConfig("hips-hfa-dc5-land-int8-keep", "HiPS HFA (K1=1, K2=5, D=5, half the steps taken meanwhile "
                      "kept), global averages as 8-bit QSGD on the WAN", env=HFA_DC5_LAND_KEEP, train_args=WAN_INT8))
 register(BenchConfig("hips-hfa-dc5-land-int8-keep-unfused", "HiPS HFA (K1=1, K2=5, D=5, half the steps taken "
@@ -112,7 +113,7 @@ register(BenchConfig("hips-hfa-dc5-land-int8-keep-unfused", "HiPS HFA (K1=1, K2=
 # the same with each DC average travelling one step behind training too (dc_overlap): no worker waits for its DC
 register(BenchConfig("hips-hfa-dc5-land-int8-keep-dcoverlap", "HiPS HFA (K1=1, K2=5, D=5, half the steps taken "
                      "meanwhile kept, each DC average one step late), global averages as 8-bit QSGD on the WAN",
-                     env=launch_env({**HFA_DC5, "overlap": 5, **KEEP_HALF, "dc_overlap": 1}), train_args=WAN_INT8))
+                     env=launch_env({**HFA_DC5_LAND, "dc_overlap": 1}), train_args=WAN_INT8))
 # a DC's workers step on their mean gradient (one optimizer state per DC) instead of averaging models
 HFA_DC_GRADIENTS = launch_env({**HFA_DC, "dc_sync": "gradients"})
 register(BenchConfig("hips-hfa-dcgrad-overlap", "HiPS HFA (DC gradient average every step, K2=10, global average "

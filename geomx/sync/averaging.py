@@ -63,6 +63,7 @@ class HFA:
         self.overlap_keep, self.dc_overlap = s.overlap_keep, s.dc_overlap
         self.flights: deque[InFlight] = deque()     # global averages travelling (overlap > 0), oldest first
         self.dc_flight: InFlight | None = None      # the DC average travelling (dc_overlap)
+        self._dc_buffers: tuple[list, list] | None = None   # (model sent, result) of dc_overlap, made once
         self.steps = 0               # local steps taken
         self.dc_averages = 0         # K1 boundaries passed (each one a DC or a global average)
         self.global_averages = 0
@@ -262,7 +263,7 @@ class HFA:
     def send_dc(self) -> None:
         """dc_overlap: send a copy of the model for the DC's average, adopted at the next DC boundary. One DC
         average travels at a time, so its two model-sized buffers are allocated once and reused."""
-        if not hasattr(self, "_dc_buffers"):
+        if self._dc_buffers is None:
             self._dc_buffers = ([torch.empty_like(p) for _, p in self.params],
                                 [torch.empty_like(p) for _, p in self.params])
         sent, into = self._dc_buffers

@@ -9,9 +9,8 @@ buckets exist for the same reason. ``geomx bench fusion`` measures it.
 A :class:`Fusion` is planned from the tensors' names, shapes and dtypes alone, so every worker plans the same
 buckets: tensors in order, each bucket holding consecutive tensors of one dtype up to ``bucket_bytes``, those of
 half a bucket or more skipped; such a tensor travels alone under its own name (the kvstore cuts a large one into
-parts). Bucket keys are
-``"__geomx.fused/<prefix>/<first member's name>+<members>"``; :meth:`Fusion.init` creates them on the servers
-(every process, the master worker too, as for any key).
+parts). Bucket keys are ``"__geomx.fused/<prefix>/<first member's name>+<members>"``; :meth:`Fusion.init`
+creates them on the servers (every process, the master worker too, as for any key).
 
 Only exact for the servers' element-wise sum, which is what a model average asks of them: a codec that looks at
 a tensor's shape (PowerSGD's matrices) or size (Bi-Sparse's bound) would see a bucket instead, so the policies

@@ -14,7 +14,8 @@
 # One `geomx bench wan --workload lm` (flat, its fixed baseline, for FLAT_STEPS steps only: its speed is not the
 # question), then each row's compute utilization from `geomx report`.
 # Knobs (defaults: issue 13's non-iid seed-1 table): ROWS (the best tiny-model row and the control, each with
-# its DC averages waited for and one step late: on 2 cores that lifted them from 0.52/0.54 to 0.63/0.68), MODEL
+# its DC averages waited for and one step late: on 2 cores that lifted them from 0.54-0.56 / 0.51-0.55 to
+# 0.60-0.67 / 0.68-0.70 in the same time), MODEL
 # (tiny), STEPS (400), EVAL_EVERY (25), SEED (1), FLAT_STEPS (25), TRAIN_ARGS ("--batch-size 2 --context 64
 # --split-by-package"), CU_S (seconds allowed, 380), PYTHON (python3).
 set -u
