@@ -87,6 +87,39 @@ def test_model_sizes_and_schedule(lm):
     assert lm.lr_schedule(100, warmup=10, total=100) == pytest.approx(0.1)
 
 
+def test_adamw_is_fused_where_torch_has_the_kernel_and_the_per_tensor_loop_elsewhere(lm, monkeypatch):
+    """Both forms step alike: the fused kernel only saves time (on one core 1.6 ms of the tiny model's step
+    against 4.5 ms)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = lm.ByteGPT(lm.SIZES["tiny"])
+    fused = lm.adamw(model, lr=0.01, weight_decay=0.1)
+    assert fused.defaults["fused"] is True          # torch >= 2.4 has it for the CPU
+    assert [g["weight_decay"] for g in fused.param_groups] == [0.1, 0.0]
+
+    real = torch.optim.AdamW
+
+    def without_fused(params, **kwargs):
+        if kwargs.get("fused"):
+            raise RuntimeError("fused=True requires all the params to be on supported devices")
+        return real(params, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "AdamW", without_fused)
+    twin = lm.ByteGPT(lm.SIZES["tiny"])
+    twin.load_state_dict(model.state_dict())
+    looped = lm.adamw(twin, lr=0.01, weight_decay=0.1)
+    assert not looped.defaults["fused"]
+    batch = torch.randint(0, 256, (2, 33))
+    for m, opt in ((model, fused), (twin, looped)):
+        opt.zero_grad()
+        lm.next_byte_loss(m, batch).backward()
+        opt.step()
+    # one step apart by float32 rounding only (6e-8 measured; a step moves weights by up to lr = 0.01)
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+
+
 def test_a_negative_schedule_length_is_refused_with_the_flag_named(lm):
     with pytest.raises(SystemExit, match="--schedule-steps must be >= 0"):
         lm.main(["--schedule-steps", "-1"])
