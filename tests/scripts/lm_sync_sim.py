@@ -1,17 +1,19 @@
 """Issue 13's iid question without a network: does averaging the workers' models lose to FSA per step?
 
     python tests/scripts/lm_sync_sim.py fsa|hfa|avg-all SEED [K2 [D KEEP]] [--split-by-package] [--dc-late]
-                                        [--outer=LR,MOMENTUM]
+                                        [--outer=LR,MOMENTUM] [--steps=N]
 
 One process trains examples/train_lm.py's tiny model (context 64, batch 2 per worker, AdamW, its warm-up and
-cosine schedule over 400 steps) as 4 workers in 2 DCs would, with each worker's data as `geomx launch` deals it:
+cosine schedule over 400 steps, or ``--steps``) as 4 workers in 2 DCs would, with each worker's data as
+`geomx launch` deals it:
 ``fsa`` steps one model on the mean of the 4 workers' gradients; ``hfa`` steps each worker's own model, averages
 each DC's pair every step and all 4 every K2 steps (default 5), each global average landing D steps after
 it left (default 0: at once) as avg + KEEP x (the steps taken meanwhile), as ``--hfa-overlap`` and
 ``--hfa-overlap-keep`` do with K1 = 1 (KEEP ``pull:A``: w = (1 - A) w + A avg instead); ``--dc-late``: each
 DC average lands a step after it left, keeping that step, as ``--hfa-dc-overlap 1`` does; ``--outer=LR,M``: a
 late global average feeds DiLoCo's outer Nesterov step first; ``avg-all`` averages all 4 every step. Prints the
-mean validation loss over the workers at steps 200 and 400 (docs/benchmarks.md).
+mean validation loss over the workers at steps 200 and 400, or half-way and at the end of ``--steps``
+(docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -29,10 +31,10 @@ import train_lm as lm  # noqa: E402
 STEPS, CONTEXT, BATCH, WORKERS, LR = 400, 64, 2, 4, 0.002
 
 
-def optimizer(model: torch.nn.Module):
+def optimizer(model: torch.nn.Module, steps: int):
     opt = lm.adamw(model, lr=LR, weight_decay=0.1)      # the example's optimizer at its default settings
-    warmup = STEPS // 20
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lm.lr_schedule(k, warmup=warmup, total=STEPS))
+    warmup = steps // 20
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lm.lr_schedule(k, warmup=warmup, total=steps))
 
 
 def average(models: list[torch.nn.Module], groups: list[list[int]]) -> None:
@@ -55,6 +57,7 @@ def main() -> int:
     dc_late = "--dc-late" in sys.argv      # each DC average lands a step later, the step taken meanwhile kept
     outer = next((a.removeprefix("--outer=") for a in sys.argv if a.startswith("--outer=")), "")
     outer_lr, outer_momentum = (float(x) for x in outer.split(",")) if outer else (1.0, 0.0)
+    steps = int(next((a.removeprefix("--steps=") for a in sys.argv if a.startswith("--steps=")), STEPS))
     torch.set_num_threads(1)
     corpus = lm.load_corpus()
     data = [torch.from_numpy(lm.worker_data(corpus, worker=i, workers=WORKERS, dc=i // 2, dcs=2, rank=i % 2,
@@ -70,12 +73,12 @@ def main() -> int:
     torch.manual_seed(seed)
     start = lm.ByteGPT(replace(lm.SIZES["tiny"], context=CONTEXT))
     models = [start] if mode == "fsa" else [copy.deepcopy(start) for _ in range(WORKERS)]
-    opts = [optimizer(m) for m in models]
+    opts = [optimizer(m, steps) for m in models]
     flights: list[tuple[int, list, list]] = []      # (landing step, each worker's sent model, their mean)
     anchor = [p.detach().clone() for p in start.parameters()]
     dc_flight: list = []            # (each worker's sent model, its DC's mean) of the DC average travelling
     velocity = [torch.zeros_like(p) for p in anchor]
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         for opt, _ in opts:
             opt.zero_grad()
         for i in range(WORKERS):
@@ -118,7 +121,7 @@ def main() -> int:
                 dc_flight.append((sent_dc, [[(a + b) / 2 for a, b in pair] for pair in pairs]))
             else:
                 average(models, [[0, 1], [2, 3]])
-        if step in (200, STEPS):
+        if step in (steps // 2, steps):
             loss = sum(lm.evaluate(m, windows)["val_loss"] for m in models) / len(models)
             what = f" K2={k2} D={late} keep={keep}" if mode == "hfa" else ""
             print(f"{mode}{what} seed {seed} step {step}: {loss:.4f}", flush=True)
