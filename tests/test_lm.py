@@ -95,7 +95,8 @@ def test_adamw_is_fused_where_torch_has_the_kernel_and_the_per_tensor_loop_elsew
     torch.manual_seed(0)
     model = lm.ByteGPT(lm.SIZES["tiny"])
     fused = lm.adamw(model, lr=0.01, weight_decay=0.1)
-    assert fused.defaults["fused"] is True          # torch >= 2.4 has it for the CPU
+    if torch.__version__ >= (2, 4):                 # a TorchVersion: torch has a fused CPU AdamW from 2.4
+        assert fused.defaults["fused"] is True
     assert [g["weight_decay"] for g in fused.param_groups] == [0.1, 0.0]
 
     real = torch.optim.AdamW
