@@ -110,6 +110,12 @@ register(BenchConfig("hips-hfa-dc5-land-int8-keep-unfused", "HiPS HFA (K1=1, K2=
                      "meanwhile kept), global averages as 8-bit QSGD on the WAN, a key per tensor "
                      "(GEOMX_FUSION_BYTES=0)",
                      env={**HFA_DC5_LAND_KEEP, "GEOMX_FUSION_BYTES": "0"}, train_args=WAN_INT8))
+# a global average every 10 steps landing only 2 steps later: less delay (which costs loss per step) for some
+# waiting where the WAN round outlasts 2 steps
+register(BenchConfig("hips-hfa-dc10-d2-int8-keep", "HiPS HFA (K1=1, K2=10, D=2, half the steps taken meanwhile "
+                     "kept), global averages as 8-bit QSGD on the WAN",
+                     env=launch_env({"algorithm": "hfa", "k1": 1, "k2": 10, "overlap": 2, **KEEP_HALF}),
+                     train_args=WAN_INT8))
 # the same with each DC average travelling one step behind training too (dc_overlap): no worker waits for its DC
 register(BenchConfig("hips-hfa-dc5-land-int8-keep-dcoverlap", "HiPS HFA (K1=1, K2=5, D=5, half the steps taken "
                      "meanwhile kept, each DC average one step late), global averages as 8-bit QSGD on the WAN",
