@@ -267,13 +267,16 @@ def adamw(model: nn.Module, *, lr: float, weight_decay: float) -> torch.optim.Ad
     model's step took 4.5 ms in torch's default per-tensor loop and 1.6 ms fused, of about 23 ms in all."""
     decay = [q for n, q in model.named_parameters() if q.dim() >= 2 and n != "pos"]
     rest = [q for n, q in model.named_parameters() if q.dim() < 2 or n == "pos"]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
     # weight_decay: the default, what --update-on server runs (the servers' AdamW is built from these defaults)
     settings = {"lr": lr, "betas": (0.9, 0.95), "weight_decay": weight_decay}
+
+    def groups() -> list[dict]:     # new dicts each time: a constructor that refuses has already filled them in
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
     try:
-        return torch.optim.AdamW(groups, fused=True, **settings)
+        return torch.optim.AdamW(groups(), fused=True, **settings)
     except RuntimeError:            # no fused kernel for this device in this torch: the per-tensor loop
-        return torch.optim.AdamW(groups, **settings)
+        return torch.optim.AdamW(groups(), **settings)
 
 
 def evaluate(model: nn.Module, windows: torch.Tensor, batch: int = 32) -> dict[str, float]:
