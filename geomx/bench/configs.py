@@ -114,7 +114,7 @@ register(BenchConfig("hips-hfa-dc5-land-int8-keep-unfused", "HiPS HFA (K1=1, K2=
 # waiting where the WAN round outlasts 2 steps
 register(BenchConfig("hips-hfa-dc10-d2-int8-keep", "HiPS HFA (K1=1, K2=10, D=2, half the steps taken meanwhile "
                      "kept), global averages as 8-bit QSGD on the WAN",
-                     env=launch_env({"algorithm": "hfa", "k1": 1, "k2": 10, "overlap": 2, **KEEP_HALF}),
+                     env=launch_env({**HFA_DC, "overlap": 2, **KEEP_HALF}),
                      train_args=WAN_INT8))
 # the same with each DC average travelling one step behind training too (dc_overlap): no worker waits for its DC
 register(BenchConfig("hips-hfa-dc5-land-int8-keep-dcoverlap", "HiPS HFA (K1=1, K2=5, D=5, half the steps taken "
