@@ -28,9 +28,9 @@ def test_steady_heartbeats_give_a_deadline_at_the_floor_and_the_cap_holds_until_
 
 def test_uneven_heartbeats_get_more_time_and_never_more_than_the_fixed_timeout():
     d = MeasuredDeadline(10.0)
-    # every fifth heartbeat waited 0.6 s behind a gradient on a slow link: 1.5 x the longest gap
-    heartbeats(d, [0.25, 0.25, 0.25, 0.25, 0.6] * 8)
-    assert d.deadline("m") == pytest.approx(0.9)
+    # every fifth heartbeat waited 1.6 s behind a gradient on a slow link: 1.5 x the longest gap
+    heartbeats(d, [0.25, 0.25, 0.25, 0.25, 1.6] * 8)
+    assert d.deadline("m") == pytest.approx(2.4)
     heartbeats(d, [0.25] * 8 + [30.0], member="slow")
     assert d.deadline("slow") == 10.0
     assert d.deadline("m", running=True) == 10.0        # its ZeroMQ answers: busy, not gone
@@ -60,7 +60,7 @@ if not kv.is_master_worker:
 
 def test_a_worker_too_busy_to_heartbeat_for_3_s_is_not_dropped_because_its_zeromq_still_answers(tmp_path):
     """A worker stuck 3 s in one call that holds Python's lock sends no heartbeat, far past its measured deadline
-    (about 0.75 s); its DC's scheduler probes its connection, sees its ZeroMQ answer, and gives it the full 10 s:
+    (about 2 s); its DC's scheduler probes its connection, sees its ZeroMQ answer, and gives it the full 10 s:
     both workers take every round together and nobody is dropped."""
     from harness import check_ok, launch
 
@@ -70,7 +70,7 @@ def test_a_worker_too_busy_to_heartbeat_for_3_s_is_not_dropped_because_its_zerom
     assert not (run_dir / "dropped.jsonl").exists() or not (run_dir / "dropped.jsonl").read_text(), output
 
 
-def test_a_worker_whose_heartbeats_stop_is_dropped_within_about_a_second_with_measured_deadlines():
+def test_a_worker_whose_heartbeats_stop_is_dropped_within_about_two_seconds_with_measured_deadlines():
     import numpy as np
 
     from inproc import HipsCluster
@@ -88,6 +88,6 @@ def test_a_worker_whose_heartbeats_stop_is_dropped_within_about_a_second_with_me
             time.sleep(0.02)
         after = time.monotonic() - stopped
         print(f"dropped {after:.2f} s after its last heartbeat")
-        assert len(local.dc_tier.workers()) == 1 and after < 3.0, after
+        assert len(local.dc_tier.workers()) == 1 and after < 4.0, after
     finally:
         cluster.close()

@@ -5,7 +5,7 @@ from the gaps between the heartbeats the scheduler actually received from it: th
 the median + 8 x the median absolute deviation, and 1.5 x the longest of the recent gaps (a heartbeat that waited
 behind a gradient on a slow WAN link), at least ``FLOOR_S`` and at most the fixed timeout, which also holds until
 ``MIN_GAPS`` gaps were measured. Members then heartbeat every 0.25 s (``NodeConfig.heartbeat_interval``, unless
-``GEOMX_HEARTBEAT_INTERVAL`` says otherwise), so a dead member behind a WAN is found within about a second, and
+``GEOMX_HEARTBEAT_INTERVAL`` says otherwise), so a dead member behind a WAN is found within about 2 s, and
 one whose heartbeats come unevenly gets more time. A silence longer than that (a WAN cut for a few seconds) is
 not waited out: the member is dropped, and rejoins once restarted (``geomx launch --rejoin-after``).
 
@@ -21,7 +21,10 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-FLOOR_S = 0.75
+# at least 8 heartbeat intervals: a member whose host is loaded, or that holds Python's lock for a second (an
+# import, a first optimizer step), is silent that long without being gone; a 0.75 s floor once dropped such a
+# worker from a training job on a 2-core host running two deployments at once
+FLOOR_S = 2.0
 MIN_GAPS = 8
 WINDOW = 64
 
