@@ -296,7 +296,6 @@ def test_a_frozen_worker_is_named_in_the_launchers_headline_not_the_role_that_ga
 GARBAGE_SCRIPT = """
 import contextlib
 import os
-import re
 import socket
 import time
 import msgpack
@@ -351,8 +350,7 @@ def junk_frames(addr):
 if me == 0:
     local_server = kv._client.servers[0].addr
     scheduler = "tcp://{}:{}".format(os.environ["DMLC_PS_ROOT_URI"], os.environ["DMLC_PS_ROOT_PORT"])
-    log = (h.run_dir() / "global-server-0.log").read_text()
-    global_server = re.search(r"global server 0 ready at (tcp://\\S+)", log).group(1)
+    global_server = attacker.logged_address("global-server-0", r"global server 0 ready at (tcp://\\S+)")
     for addr in (local_server, scheduler, global_server):
         raw_tcp(addr)
         junk_frames(addr)

@@ -40,12 +40,26 @@ class Stranger:
             sock.close()
 
 
-def _address(log_name: str, pattern: str) -> list[str]:
-    return re.findall(pattern, (kvhelp.run_dir() / f"{log_name}.log").read_text())
+def logged_addresses(log_name: str, pattern: str, timeout: float = 60.0) -> list[str]:
+    """Every match of ``pattern`` in the role's log, waiting for the role to write one: a worker can get here
+    before a role of another tier (another DC's scheduler, the global server) has logged its address."""
+    path = kvhelp.run_dir() / f"{log_name}.log"
+    deadline = time.monotonic() + timeout
+    while True:
+        found = re.findall(pattern, path.read_text()) if path.exists() else []
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} has no line matching {pattern!r} after {timeout:g} s")
+        time.sleep(0.1)
+
+
+def logged_address(log_name: str, pattern: str) -> str:
+    return logged_addresses(log_name, pattern)[0]
 
 
 def local_server(dc: str) -> str:
-    return _address(f"{dc}-scheduler", rf"local server of DC {dc} \((tcp://[^,]+),")[0]
+    return logged_address(f"{dc}-scheduler", rf"local server of DC {dc} \((tcp://[^,]+),")
 
 
 def readable_names() -> list[str]:
@@ -61,9 +75,9 @@ def attack(shape, max_request: int) -> dict:
     """Forge everything at every node whose address the logs show; returns what was sent."""
     evil = np.full(shape, EVIL, np.float32)
     locals_ = {dc: local_server(dc) for dc in "ab"}
-    workers_b = _address("b-scheduler", r"worker \d of DC b \((tcp://[^,]+),")
-    global_0 = _address("global-server-0", r"global server 0 ready at (tcp://\S+)")[0]
-    schedulers = [_address(log, r"listening on (tcp://\S+),")[0]
+    workers_b = logged_addresses("b-scheduler", r"worker \d of DC b \((tcp://[^,]+),")
+    global_0 = logged_address("global-server-0", r"global server 0 ready at (tcp://\S+)")
+    schedulers = [logged_address(log, r"listening on (tcp://\S+),")
                   for log in ("global-scheduler", "central-scheduler", "a-scheduler", "b-scheduler")]
     names = readable_names()
     bogus = [{"id": "intruder", "kind": "worker", "tier_role": "worker", "dc": "a", "rank": 0,
