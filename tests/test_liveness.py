@@ -49,17 +49,17 @@ if not kv.is_master_worker:
     for step in range(80):
         if step == 40 and kv.rank == 1:
             print(f"busy after {time.monotonic() - started:.1f} s", flush=True)   # its deadline measured by then
-            # libc's sleep called holding Python's lock: no thread of this process runs Python for 3 s, its
+            # libc's sleep called holding Python's lock: no thread of this process runs Python for 5 s, its
             # heartbeats included; its ZeroMQ threads still answer
-            ctypes.PyDLL(None).sleep(3)
+            ctypes.PyDLL(None).sleep(5)
         assert (kv.pushpull("w", np.ones(10, np.float32)).wait() == 1).all()
         time.sleep(0.1)
     print("done", kv.rank, flush=True)
 """
 
 
-def test_a_worker_too_busy_to_heartbeat_for_3_s_is_not_dropped_because_its_zeromq_still_answers(tmp_path):
-    """A worker stuck 3 s in one call that holds Python's lock sends no heartbeat, far past its measured deadline
+def test_a_worker_too_busy_to_heartbeat_for_5_s_is_not_dropped_because_its_zeromq_still_answers(tmp_path):
+    """A worker stuck 5 s in one call that holds Python's lock sends no heartbeat, far past its measured deadline
     (about 2 s); its DC's scheduler probes its connection, sees its ZeroMQ answer, and gives it the full 10 s:
     both workers take every round together and nobody is dropped."""
     from harness import check_ok, launch
