@@ -21,9 +21,9 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-# at least 8 heartbeat intervals: a member whose host is loaded, or that holds Python's lock for a second (an
-# import, a first optimizer step), is silent that long without being gone; a 0.75 s floor once dropped such a
-# worker from a training job on a 2-core host running two deployments at once
+# at least 8 heartbeat intervals: a member on a loaded host (or one holding Python's lock for a while) can be
+# silent for a second without being gone; a 0.75 s floor once dropped such a worker, still training, from a job
+# on a 2-core host running two deployments at once
 FLOOR_S = 2.0
 MIN_GAPS = 8
 WINDOW = 64

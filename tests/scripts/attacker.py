@@ -14,6 +14,7 @@ import numpy as np
 import zmq
 
 import kvhelp
+from harness import wait_until
 
 EVIL = 666.0
 ABORT_TEXT = "ATTACKER ABORT"
@@ -44,14 +45,8 @@ def logged_addresses(log_name: str, pattern: str, timeout: float = 60.0) -> list
     """Every match of ``pattern`` in the role's log, waiting for the role to write one: a worker can get here
     before a role of another tier (another DC's scheduler, the global server) has logged its address."""
     path = kvhelp.run_dir() / f"{log_name}.log"
-    deadline = time.monotonic() + timeout
-    while True:
-        found = re.findall(pattern, path.read_text()) if path.exists() else []
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} has no line matching {pattern!r} after {timeout:g} s")
-        time.sleep(0.1)
+    return wait_until(lambda: re.findall(pattern, path.read_text()) if path.exists() else [], timeout,
+                      f"a line matching {pattern!r} in {path}", interval=0.1)
 
 
 def logged_address(log_name: str, pattern: str) -> str:
