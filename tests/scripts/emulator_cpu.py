@@ -27,13 +27,16 @@ def main() -> int:
     p.add_argument("--mb", type=float, default=600)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sizes", default="64k,1m", help="message sizes, k or m suffixed (default 64k,1m)")
+    p.add_argument("--before-parks", action="store_true",
+                   help="the other checkout parks too (from commit 337dc97 on): run it parked as well")
     args = p.parse_args()
     sizes = tuple(int(float(x[:-1]) * (1 << (10 if x[-1] == "k" else 20))) for x in args.sizes.lower().split(","))
     rate = parse_rate(args.rate)
     samples: dict[tuple[str, int], list[dict]] = {}
     for _ in range(args.repeats):
         for version, path in (("before", args.before), ("this checkout", None)):
-            modes = ("relayed",) if path else ("relayed", "parked")     # the other checkout may not park
+            # the other checkout may not park
+            modes = ("relayed",) if path and not args.before_parks else ("relayed", "parked")
             for row in bench_capacity(sizes=sizes, megabytes=args.mb, rate_bps=rate, emulator_path=path,
                                       modes=modes):
                 samples.setdefault((f"{version}, {row['mode']}", row["message_bytes"]), []).append(row)
