@@ -70,6 +70,10 @@ register(BenchConfig("hips-diloco-overlap", "HiPS DiLoCo (K1=20, K2=10, outer st
 # and the same with that round travelling while the next DC period (5 local steps) runs
 register(BenchConfig("hips-hfa-short-overlap", "HiPS HFA (K1=5, K2=2, global average overlapped, D=1)",
                      env=launch_env({"algorithm": "hfa", "k1": 5, "k2": 2, "overlap": 1})))
+# the same with each DC average travelling one DC period (5 steps) behind training too: no worker waits for its DC
+register(BenchConfig("hips-hfa-short-overlap-dcoverlap", "HiPS HFA (K1=5, K2=2, global average overlapped, D=1, "
+                     "each DC average one DC period late)",
+                     env=launch_env({"algorithm": "hfa", "k1": 5, "k2": 2, "overlap": 1, "dc_overlap": 1})))
 register(BenchConfig("hips-diloco-short", "HiPS DiLoCo (K1=5, K2=2, outer Nesterov 0.7/0.9)",
                      env=launch_env({"algorithm": "diloco", "k1": 5, "k2": 2})))
 register(BenchConfig("hips-diloco-short-overlap", "HiPS DiLoCo (K1=5, K2=2, outer step overlapped, D=1)",
@@ -120,6 +124,12 @@ register(BenchConfig("hips-hfa-dc10-d2-int8-keep", "HiPS HFA (K1=1, K2=10, D=2, 
 register(BenchConfig("hips-hfa-dc5-land-int8-keep-dcoverlap", "HiPS HFA (K1=1, K2=5, D=5, half the steps taken "
                      "meanwhile kept, each DC average one step late), global averages as 8-bit QSGD on the WAN",
                      env=launch_env({**HFA_DC5_LAND, "dc_overlap": 1}), train_args=WAN_INT8))
+# a global average every 20 steps (K1=5, K2=4) landing 15 steps later, as 8-bit levels, every DC average one DC
+# period late: a round of the small LM (~1 s as 8-bit levels over transpacific) hides behind 15 steps
+register(BenchConfig("hips-hfa-k5-d3-int8-keep-dcoverlap", "HiPS HFA (K1=5, K2=4, D=3, half the steps taken "
+                     "meanwhile kept, each DC average one DC period late), global averages as 8-bit QSGD on the WAN",
+                     env=launch_env({"algorithm": "hfa", "k1": 5, "k2": 4, "overlap": 3, **KEEP_HALF,
+                                     "dc_overlap": 1}), train_args=WAN_INT8))
 # a DC's workers step on their mean gradient (one optimizer state per DC) instead of averaging models
 HFA_DC_GRADIENTS = launch_env({**HFA_DC, "dc_sync": "gradients"})
 register(BenchConfig("hips-hfa-dcgrad-overlap", "HiPS HFA (DC gradient average every step, K2=10, global average "
