@@ -364,7 +364,9 @@ def format_wan_report(r: dict) -> str:
         f"workers waited out) / training time. Compute util. = the share of the workers' training time, their "
         f"evaluations left out, not spent waiting for the network. Without evaluations: each worker's clock less the "
         f"time it spent evaluating (the benchmark's probe, every {r['eval_every']} steps), and the speedup on that "
-        f"basis. Definitions: `geomx report` (geomx/report/summary.py)."]
+        f"basis. A row whose averages travel while it trains (overlapped) has them travel during its evaluations "
+        f"too, so both of these flatter it: measure utilization with --eval-every equal to --steps. "
+        f"Definitions: `geomx report` (geomx/report/summary.py)."]
     return "\n".join(lines)
 
 
