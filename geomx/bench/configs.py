@@ -124,6 +124,17 @@ register(BenchConfig("hips-hfa-dc10-d2-int8-keep", "HiPS HFA (K1=1, K2=10, D=2, 
 register(BenchConfig("hips-hfa-dc5-land-int8-keep-dcoverlap", "HiPS HFA (K1=1, K2=5, D=5, half the steps taken "
                      "meanwhile kept, each DC average one step late), global averages as 8-bit QSGD on the WAN",
                      env=launch_env({**HFA_DC5_LAND, "dc_overlap": 1}), train_args=WAN_INT8))
+# the small LM's K1=5/K2=2 row with its global averages as 8-bit levels (a round of ~1 s, about the 5 steps it
+# travels behind), with and without its DC averages one DC period late
+SHORT_OVERLAP = {"algorithm": "hfa", "k1": 5, "k2": 2, "overlap": 1}
+register(BenchConfig("hips-hfa-short-overlap-int8", "HiPS HFA (K1=5, K2=2, global average overlapped, D=1), global "
+                     "averages as 8-bit QSGD on the WAN", env=launch_env(SHORT_OVERLAP), train_args=WAN_INT8))
+register(BenchConfig("hips-hfa-short-overlap-int8-dcoverlap", "HiPS HFA (K1=5, K2=2, global average overlapped, "
+                     "D=1, each DC average one DC period late), global averages as 8-bit QSGD on the WAN",
+                     env=launch_env({**SHORT_OVERLAP, "dc_overlap": 1}), train_args=WAN_INT8))
+register(BenchConfig("hips-hfa-short-d2-int8", "HiPS HFA (K1=5, K2=2, global average overlapped, D=2), global "
+                     "averages as 8-bit QSGD on the WAN", env=launch_env({**SHORT_OVERLAP, "overlap": 2}),
+                     train_args=WAN_INT8))
 # a global average every 20 steps (K1=5, K2=4) landing 15 steps later, as 8-bit levels, every DC average one DC
 # period late: a round of the small LM (~1 s as 8-bit levels over transpacific) hides behind 15 steps
 register(BenchConfig("hips-hfa-k5-d3-int8-keep-dcoverlap", "HiPS HFA (K1=5, K2=4, D=3, half the steps taken "

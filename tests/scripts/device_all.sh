@@ -3,17 +3,17 @@
 # included): the LM's compute time on the GPU and the batch at which P3 has most to overlap
 # (tests/scripts/lm_compute_time.py), P3 against FSA at that batch over `regional` and `transatlantic`, each pair
 # REPEATS times for the spread (tests/scripts/device_p3.sh), then compute utilization on 16 cores
-# (tests/scripts/device_cu.sh; by default the small model's K1=5/K2=2 overlapped row, with its DC averages late
-# too, and the control, the next measurement docs/benchmarks.md names; one evaluation, at the end, since
-# evaluations let an overlapped average travel and flatter the figure). Everything is packed into $OUT/device.tgz (the tool brings back at most
-# 8 files).
+# (tests/scripts/device_cu.sh; by default the small model's K1=5/K2=2 overlapped row with 8-bit global averages,
+# with its DC averages late too, and the control, the next measurement docs/benchmarks.md names; one evaluation,
+# at the end, since evaluations let an overlapped average travel and flatter the figure). Everything is packed
+# into $OUT/device.tgz (the tool brings back at most 8 files).
 #
 #   run(command="bash tests/scripts/device_all.sh", carry=[".whl"], timeout_s=600)
 #
 # 2026-11-27 (an H200, the first version of this script): 377 s; P3 1.00-1.41x, CU of the tiny rows 0.41-0.43.
 # Every part gets at most its own cap and what is left of TOTAL_S, so the whole ends inside one call's limit.
 # Knobs: MODEL (small), BATCHES (candidates, "16,64,128,256,512"), P3_STEPS (12), REPEATS (2), SKIP_CU, CU_ROWS
-# ("hips-hfa-short-overlap,hips-hfa-short-overlap-dcoverlap,no-wan"), CU_MODEL (small), CU_STEPS (120),
+# ("hips-hfa-short-overlap-int8,hips-hfa-short-overlap-int8-dcoverlap,no-wan"), CU_MODEL (small), CU_STEPS (120),
 # TOTAL_S (560), DEVICE (cuda).
 set -u
 total=${TOTAL_S:-560}
@@ -40,7 +40,7 @@ for run in $(seq "$repeats"); do
 done
 if [ -z "${SKIP_CU:-}" ] && [ "$(left 200)" -ge 100 ]; then
   OUT="$work/cu" CU_S=$(left 200) MODEL=${CU_MODEL:-small} \
-    ROWS=${CU_ROWS:-hips-hfa-short-overlap,hips-hfa-short-overlap-dcoverlap,no-wan} \
+    ROWS=${CU_ROWS:-hips-hfa-short-overlap-int8,hips-hfa-short-overlap-int8-dcoverlap,no-wan} \
     STEPS=${CU_STEPS:-120} EVAL_EVERY=${CU_STEPS:-120} SEED=0 FLAT_STEPS=6 bash "$scripts/device_cu.sh"
 fi
 echo "device_all: ${SECONDS} s"

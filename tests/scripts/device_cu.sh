@@ -4,9 +4,10 @@
 # Measured there on 2026-11-27 with the defaults (the tiny model): 0.41-0.43, no better than on 2 cores, since
 # the global average (~0.4 s over transpacific) takes longer than the 5-10 steps it travels behind (~0.026 s each
 # on 16 cores); docs/benchmarks.md, "Compute utilization on 16 cores". The next measurement is the small model's
-# K1=5/K2=2 overlapped row (2 cores: 0.80-0.85 with an evaluation every 10 steps, during which its global average
-# travels; 0.54-0.56 with one evaluation, at the end, the fair figure):
-#   ROWS=hips-hfa-short-overlap,hips-hfa-short-overlap-dcoverlap,no-wan MODEL=small STEPS=120 EVAL_EVERY=120 \
+# K1=5/K2=2 overlapped row with 8-bit global averages, the small model's fastest to FSA's target (2 cores, one
+# evaluation at the end: 0.87, 0.91 with its DC averages late; an evaluation every 10 steps would flatter it,
+# since its global average travels meanwhile):
+#   ROWS=hips-hfa-short-overlap-int8,hips-hfa-short-overlap-int8-dcoverlap,no-wan MODEL=small STEPS=120 EVAL_EVERY=120 \
 #     SEED=0 FLAT_STEPS=6 bash tests/scripts/device_cu.sh
 #
 # For the device machine: run(command="bash tests/scripts/device_cu.sh", carry=[".whl"], timeout_s=420), with
