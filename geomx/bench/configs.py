@@ -132,6 +132,10 @@ register(BenchConfig("hips-hfa-short-overlap-int8", "HiPS HFA (K1=5, K2=2, globa
 register(BenchConfig("hips-hfa-short-overlap-int8-dcoverlap", "HiPS HFA (K1=5, K2=2, global average overlapped, "
                      "D=1, each DC average one DC period late), global averages as 8-bit QSGD on the WAN",
                      env=launch_env({**SHORT_OVERLAP, "dc_overlap": 1}), train_args=WAN_INT8))
+# 4-bit levels (7 a sign), buckets of 48 so that error feedback stays on (levels^2 >= bucket): 4.7 bits an element
+WAN_INT4 = ("--compression", json.dumps({"wan": {"type": "qsgd", "levels": 7, "bucket_size": 48}}))
+register(BenchConfig("hips-hfa-short-overlap-int4", "HiPS HFA (K1=5, K2=2, global average overlapped, D=1), global "
+                     "averages as 4-bit QSGD on the WAN", env=launch_env(SHORT_OVERLAP), train_args=WAN_INT4))
 register(BenchConfig("hips-hfa-short-d2-int8", "HiPS HFA (K1=5, K2=2, global average overlapped, D=2), global "
                      "averages as 8-bit QSGD on the WAN", env=launch_env({**SHORT_OVERLAP, "overlap": 2}),
                      train_args=WAN_INT8))
