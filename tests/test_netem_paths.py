@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from geomx.bench.common import free_port
 from geomx.errors import ConfigError
 from geomx.netem import EmulatedLink, LinkEngine, WanEmulator, dc_lines, node_links
 from geomx.netem.link import DC_EGRESS, NODE_EGRESS, NODE_INGRESS
@@ -255,36 +256,20 @@ def test_wan_dc_lines_give_the_emulator_each_dcs_line_at_its_links_rate(tmp_path
         load_topology(None, wan="lan", wan_dc_lines=True)
 
 
-def emulator_and_node_with_a_line(on_message, attempts: int = 3):
-    """A started emulator whose node link is a started van's address: the van's port is found free, let go and
-    bound again once the emulator knows it, so another process may take it meanwhile (a suite running two at a
-    time did, once): then again with another port."""
-    for attempt in range(attempts):
-        probe = ZmqVan(node_id="probe", dc=CENTRAL_DC, on_message=lambda m: None)
-        probe.start()
-        port = probe.port
-        probe.stop()
-        em = WanEmulator(profile=custom_profile(1e9, 0.002), node_links={f"tcp://127.0.0.1:{port}": 1e8})
-        em.start()
-        van = ZmqVan(node_id="gs", dc=CENTRAL_DC, on_message=on_message, emulator=em.address, port=port)
-        try:
-            van.start()
-            return em, van, port
-        except ConfigError:
-            em.stop()
-            if attempt + 1 == attempts:
-                raise
-
-
 def test_through_the_emulator_a_node_with_a_line_receives_and_sends_across_it():
     """A global server's van at an address with a node link: a DC's push crosses a->central and the node's
     ingress line, the reply the node's egress line and central->a; a node without one crosses only the WAN."""
     got, cv, inbox = inboxes("gs", "other", "a")
-    em, gs, gs_port = emulator_and_node_with_a_line(inbox("gs"))
+    # a port below the kernel's ephemeral range, as geomx launch picks them: a port found free by binding to port
+    # 0 and let go was once taken by another process's connection before the van bound it again
+    gs_port = free_port()
+    em = WanEmulator(profile=custom_profile(1e9, 0.002), node_links={f"tcp://127.0.0.1:{gs_port}": 1e8})
+    em.start()
+    gs = ZmqVan(node_id="gs", dc=CENTRAL_DC, on_message=inbox("gs"), emulator=em.address, port=gs_port)
     other = ZmqVan(node_id="other", dc=CENTRAL_DC, on_message=inbox("other"), emulator=em.address)
     a = ZmqVan(node_id="a", dc="a", on_message=inbox("a"), emulator=em.address)
     try:
-        for van in (other, a):
+        for van in (gs, other, a):
             van.start()
         payload = np.zeros(250_000, dtype=np.uint8)
         a.send(gs.address, Message("push", tensors=[payload]), dst_dc=CENTRAL_DC)
