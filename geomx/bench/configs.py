@@ -68,12 +68,12 @@ register(BenchConfig("hips-diloco-overlap", "HiPS DiLoCo (K1=20, K2=10, outer st
                      env=launch_env({"algorithm": "diloco", "k1": 20, "k2": 10, "overlap": 5})))
 # short schedules for runs of tens of steps (the language model's WAN-bound recipe): a global round every 10 steps,
 # and the same with that round travelling while the next DC period (5 local steps) runs
+SHORT_OVERLAP = {"algorithm": "hfa", "k1": 5, "k2": 2, "overlap": 1}
 register(BenchConfig("hips-hfa-short-overlap", "HiPS HFA (K1=5, K2=2, global average overlapped, D=1)",
-                     env=launch_env({"algorithm": "hfa", "k1": 5, "k2": 2, "overlap": 1})))
+                     env=launch_env(SHORT_OVERLAP)))
 # the same with each DC average travelling one DC period (5 steps) behind training too: no worker waits for its DC
 register(BenchConfig("hips-hfa-short-overlap-dcoverlap", "HiPS HFA (K1=5, K2=2, global average overlapped, D=1, "
-                     "each DC average one DC period late)",
-                     env=launch_env({"algorithm": "hfa", "k1": 5, "k2": 2, "overlap": 1, "dc_overlap": 1})))
+                     "each DC average one DC period late)", env=launch_env({**SHORT_OVERLAP, "dc_overlap": 1})))
 register(BenchConfig("hips-diloco-short", "HiPS DiLoCo (K1=5, K2=2, outer Nesterov 0.7/0.9)",
                      env=launch_env({"algorithm": "diloco", "k1": 5, "k2": 2})))
 register(BenchConfig("hips-diloco-short-overlap", "HiPS DiLoCo (K1=5, K2=2, outer step overlapped, D=1)",
@@ -126,7 +126,6 @@ register(BenchConfig("hips-hfa-dc5-land-int8-keep-dcoverlap", "HiPS HFA (K1=1, K
                      env=launch_env({**HFA_DC5_LAND, "dc_overlap": 1}), train_args=WAN_INT8))
 # the small LM's K1=5/K2=2 row with its global averages as 8-bit levels (a round of ~1 s, about the 5 steps it
 # travels behind), with and without its DC averages one DC period late
-SHORT_OVERLAP = {"algorithm": "hfa", "k1": 5, "k2": 2, "overlap": 1}
 register(BenchConfig("hips-hfa-short-overlap-int8", "HiPS HFA (K1=5, K2=2, global average overlapped, D=1), global "
                      "averages as 8-bit QSGD on the WAN", env=launch_env(SHORT_OVERLAP), train_args=WAN_INT8))
 register(BenchConfig("hips-hfa-short-overlap-int8-dcoverlap", "HiPS HFA (K1=5, K2=2, global average overlapped, "
