@@ -45,9 +45,9 @@ def simulate(*, algorithm: str, k1: int, k2: int, weights: str, samples: list[fl
     models at its boundary and adopted D DC periods later, each worker keeping its progress since then;
     ``dc_sync="gradients"``: a DC's workers step on their DC's weighted mean gradient every step (with SGD from
     equal models: the DC's mean model after every step); ``keep``: the share of the progress since the send kept
-    on top of an overlapped average; ``dc_overlap`` 1: a DC-only average is computed from the models at its
-    boundary and adopted at the next boundary (before anything else there), each worker keeping all of its
-    progress since; (worker, key, "final"): after the last one landed."""
+    on top of an overlapped average; ``dc_overlap`` S: a DC-only average is computed from the models at its
+    boundary and adopted S steps later (at a boundary: before anything else there), each worker keeping all of
+    its progress since; (worker, key, "final"): after the last one landed."""
     n = sum(len(d) for d in dcs)
     out = {}
     for key, shape in KEYS.items():
@@ -55,7 +55,7 @@ def simulate(*, algorithm: str, k1: int, k2: int, weights: str, samples: list[fl
         w = {i: init.copy() for i in range(n)}
         anchor, buf = init.copy(), None
         flights = []            # (period sent, models sent, new global model), oldest first
-        dc_flight = None        # (models sent, their DC's mean by worker) of the DC average travelling
+        dc_flight = None        # (step sent, models sent, their DC's mean by worker) of the DC average travelling
 
         def dc_mean(d, w):
             return sum(samples[i] * w[i] for i in d) / sum(samples[i] for i in d)
@@ -74,19 +74,19 @@ def simulate(*, algorithm: str, k1: int, k2: int, weights: str, samples: list[fl
                     for i in d:
                         w[i] = m.copy()
             t = step + 1
+            if dc_flight is not None and t - dc_flight[0] == dc_overlap:
+                _, sent, means = dc_flight
+                for i in range(n):
+                    w[i] = w[i] + means[i] - sent[i]
+                dc_flight = None
             if t % k1 == 0:
                 period = t // k1
-                if dc_flight is not None:
-                    sent, means = dc_flight
-                    for i in range(n):
-                        w[i] = w[i] + means[i] - sent[i]
-                    dc_flight = None
                 while flights and period - flights[0][0] == overlap:
                     land(w, flights.pop(0))
                 if period % k2:
                     means = [dc_mean(d, w) for d in dcs]
                     if dc_overlap:
-                        dc_flight = ({i: w[i].copy() for i in range(n)},
+                        dc_flight = (t, {i: w[i].copy() for i in range(n)},
                                      {i: m for d, m in zip(dcs, means, strict=False) for i in d})
                     else:
                         for d, m in zip(dcs, means, strict=False):
@@ -110,7 +110,7 @@ def simulate(*, algorithm: str, k1: int, k2: int, weights: str, samples: list[fl
             for i in range(n):
                 out[(i, key, step)] = w[i]
         if dc_flight is not None:
-            sent, means = dc_flight
+            _, sent, means = dc_flight
             for i in range(n):
                 w[i] = w[i] + means[i] - sent[i]
         for flight in flights:
@@ -149,6 +149,12 @@ CASES = {
                            per_dc=[2, 2], samples=[10, 20, 30, 40], steps=8, slowdown=None),
     "diloco-dc-overlap": dict(algorithm="diloco", k1=1, k2=3, dc_overlap=1, weights="equal", per_dc=[2, 1],
                               samples=[5, 7, 9], steps=7, slowdown=None),
+    # K1 = 3: DC averages sent at steps 3 and 9 and adopted one step later (4 and 10), or at the next boundary
+    # (dc_overlap = K1: 6 and 12), with an overlapped global average sent at step 6 and adopted at 9
+    "hfa-dc-overlap-step": dict(algorithm="hfa", k1=3, k2=2, overlap=1, dc_overlap=1, weights="samples",
+                                per_dc=[2, 2], samples=[10, 20, 30, 40], steps=11, slowdown=None),
+    "hfa-dc-overlap-period": dict(algorithm="hfa", k1=3, k2=2, overlap=1, dc_overlap=3, weights="samples",
+                                  per_dc=[2, 2], samples=[10, 20, 30, 40], steps=11, slowdown=None),
     # the DC's workers step on their mean gradient every step, global averages overlapped as in hfa-overlap
     "hfa-dc-gradients": dict(algorithm="hfa", k1=1, k2=3, overlap=2, dc_sync="gradients", weights="samples",
                              per_dc=[2, 2], samples=[10, 20, 30, 40], steps=8, slowdown=None),
@@ -262,6 +268,15 @@ def test_model_averaging_matches_the_reference_at_every_step(tmp_path, name):
         np.testing.assert_allclose(waited[(0, "w", 0)], waited[(1, "w", 0)], rtol=0, atol=1e-12)
         assert np.abs(waited[(0, "w", last)] - ref[(0, "w", last)]).max() > 1e-3
         assert "dc_overlap=1" in infos[0]["algorithm"]
+    elif name in ("hfa-dc-overlap-step", "hfa-dc-overlap-period"):
+        # the DC average sent at step 3 is not in at step 3 (index 2), where waiting for it makes the DC's
+        # workers one model; one step late it is in at step 4 (index 3), a whole period late it is not
+        waited = simulate(**{**_reference_args(case, dcs), "dc_overlap": 0})
+        other = simulate(**{**_reference_args(case, dcs), "dc_overlap": 4 - case["dc_overlap"]})
+        assert np.abs(models[0]["w@2"] - models[1]["w@2"]).max() > 1e-3
+        np.testing.assert_allclose(waited[(0, "w", 2)], waited[(1, "w", 2)], rtol=0, atol=1e-12)
+        assert np.abs(other[(0, "w", 3)] - ref[(0, "w", 3)]).max() > 1e-3
+        assert f"dc_overlap={case['dc_overlap']}" in infos[0]["algorithm"]
     elif name in ("hfa-overlap-two", "diloco-overlap-two"):
         # two averages in flight: not the schedule that lands each one as the next leaves (D = K2)
         assert "overlap=3" in infos[0]["algorithm"]

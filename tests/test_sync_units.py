@@ -110,7 +110,9 @@ def test_sync_table_in_toml(tmp_path):
     ({"GEOMX_SYNC": "diloco", "GEOMX_HFA_DC_SYNC": "gradients", "MXNET_KVSTORE_HFA_K1": "5"},
      ["dc_sync=gradients (GEOMX_HFA_DC_SYNC)", "K1 (MXNET_KVSTORE_HFA_K1) must be 1", "got 5"]),
     ({"GEOMX_SYNC": "hfa", "MXNET_KVSTORE_HFA_K2": "4", "GEOMX_HFA_DC_OVERLAP": "2"},
-     ["hfa dc_overlap (GEOMX_HFA_DC_OVERLAP)", "must be 0", "or 1", "got 2"]),
+     ["hfa dc_overlap (GEOMX_HFA_DC_OVERLAP)", "must be in [0, K1 = 1]", "got 2"]),
+    ({"GEOMX_SYNC": "hfa", "MXNET_KVSTORE_HFA_K1": "5", "MXNET_KVSTORE_HFA_K2": "2", "GEOMX_HFA_DC_OVERLAP": "6"},
+     ["hfa dc_overlap (GEOMX_HFA_DC_OVERLAP)", "must be in [0, K1 = 5]", "got 6"]),
     ({"GEOMX_SYNC": "hfa", "MXNET_KVSTORE_HFA_K2": "4", "GEOMX_HFA_DC_OVERLAP": "1", "GEOMX_HFA_DC_SYNC": "gradients"},
      ["dc_overlap (GEOMX_HFA_DC_OVERLAP)", "dc_sync='gradients' (GEOMX_HFA_DC_SYNC)", "use dc_sync=models"]),
     ({"GEOMX_SYNC": "diloco", "GEOMX_HFA_DC_OVERLAP": "1"}, ["diloco dc_overlap (GEOMX_HFA_DC_OVERLAP)",
@@ -357,32 +359,39 @@ def test_several_averages_in_flight_are_saved_and_restored_in_order_and_land_ali
 
 
 def test_a_dc_average_in_flight_is_saved_and_restored_and_lands_alike():
-    """dc_overlap: a state saved between a DC average's send and its landing holds it; the restored policy adopts
-    it at the next boundary as the original does (keeping the steps taken since the send), and a state saved
-    before the option existed (no "dc_in_flight") loads with none travelling."""
+    """dc_overlap: a state saved between a DC average's send and its landing holds it with the step it left at;
+    the restored policy adopts it as the original does (keeping the steps taken since the send); a state of
+    2026-11-28 (its DC period in "dc_in_flight") loads with that period's step, and one saved before the option
+    existed loads with none travelling."""
     from geomx.sync.averaging import HFA, InFlight
 
     def policy() -> HFA:
-        hfa = HFA(k1=1, k2=3, dc_overlap=1)
+        hfa = HFA(k1=2, k2=3, dc_overlap=1)
         w = torch.nn.Parameter(torch.arange(3.0))
         hfa.params, hfa.base, hfa.dc_scale, hfa.global_scale = [("w", w)], [torch.zeros(3)], 1.0, 1.0
         return hfa
 
     original = policy()
     flight = InFlight([_Reply(0.0)], [torch.full((3,), 4.0)])
-    flight.sent, flight.period = [torch.ones(3)], 1
+    flight.sent, flight.period = [torch.ones(3)], 4         # left at step 4
     original.dc_flight = flight
     restored = policy()
     restored.load_state_dict(original.state_dict())
-    assert restored.dc_flight is not None and restored.dc_flight.period == 1
+    assert restored.dc_flight is not None and restored.dc_flight.period == 4
     for hfa in (original, restored):
         hfa.land_dc()
         assert hfa.dc_flight is None
     expected = torch.arange(3.0) + 4.0 - 1.0                # avg + (w - w_sent)
     assert torch.equal(original.params[0][1].detach(), expected)
     assert torch.equal(restored.params[0][1].detach(), expected)
+    by_period = original.state_dict()
+    by_period["dc_in_flight"] = {**_flight_state(), "period": 2}    # left at the 2nd DC boundary: step 2 x K1
+    del by_period["dc_in_flight_step"]
+    converted = policy()
+    converted.load_state_dict(by_period)
+    assert converted.dc_flight is not None and converted.dc_flight.period == 4
     older = original.state_dict()
-    del older["dc_in_flight"]
+    del older["dc_in_flight_step"]
     again = policy()
     again.load_state_dict(older)
     assert again.dc_flight is None

@@ -73,7 +73,7 @@ register(BenchConfig("hips-hfa-short-overlap", "HiPS HFA (K1=5, K2=2, global ave
                      env=launch_env(SHORT_OVERLAP)))
 # the same with each DC average travelling one DC period (5 steps) behind training too: no worker waits for its DC
 register(BenchConfig("hips-hfa-short-overlap-dcoverlap", "HiPS HFA (K1=5, K2=2, global average overlapped, D=1, "
-                     "each DC average one DC period late)", env=launch_env({**SHORT_OVERLAP, "dc_overlap": 1})))
+                     "each DC average one DC period late)", env=launch_env({**SHORT_OVERLAP, "dc_overlap": 5})))
 register(BenchConfig("hips-diloco-short", "HiPS DiLoCo (K1=5, K2=2, outer Nesterov 0.7/0.9)",
                      env=launch_env({"algorithm": "diloco", "k1": 5, "k2": 2})))
 register(BenchConfig("hips-diloco-short-overlap", "HiPS DiLoCo (K1=5, K2=2, outer step overlapped, D=1)",
@@ -125,11 +125,16 @@ register(BenchConfig("hips-hfa-dc5-land-int8-keep-dcoverlap", "HiPS HFA (K1=1, K
                      "meanwhile kept, each DC average one step late), global averages as 8-bit QSGD on the WAN",
                      env=launch_env({**HFA_DC5_LAND, "dc_overlap": 1}), train_args=WAN_INT8))
 # the small LM's K1=5/K2=2 row with its global averages as 8-bit levels (a round of ~1 s, about the 5 steps it
-# travels behind), with and without its DC averages one DC period late
+# travels behind), with and without its DC averages one DC period (dc_overlap = K1 = 5 steps) late
 register(BenchConfig("hips-hfa-short-overlap-int8", "HiPS HFA (K1=5, K2=2, global average overlapped, D=1), global "
                      "averages as 8-bit QSGD on the WAN", env=launch_env(SHORT_OVERLAP), train_args=WAN_INT8))
 register(BenchConfig("hips-hfa-short-overlap-int8-dcoverlap", "HiPS HFA (K1=5, K2=2, global average overlapped, "
                      "D=1, each DC average one DC period late), global averages as 8-bit QSGD on the WAN",
+                     env=launch_env({**SHORT_OVERLAP, "dc_overlap": 5}), train_args=WAN_INT8))
+# and with each DC average one step late: the LAN round and most of a sibling's lag hide behind that step, and the
+# average is 1 step old when adopted rather than 5
+register(BenchConfig("hips-hfa-short-overlap-int8-dcstep", "HiPS HFA (K1=5, K2=2, global average overlapped, "
+                     "D=1, each DC average one step late), global averages as 8-bit QSGD on the WAN",
                      env=launch_env({**SHORT_OVERLAP, "dc_overlap": 1}), train_args=WAN_INT8))
 # 4-bit levels (7 a sign), buckets of 48 so that error feedback stays on (levels^2 >= bucket): 4.7 bits an element
 WAN_INT4 = ("--compression", json.dumps({"wan": {"type": "qsgd", "levels": 7, "bucket_size": 48}}))
@@ -143,7 +148,7 @@ register(BenchConfig("hips-hfa-short-d2-int8", "HiPS HFA (K1=5, K2=2, global ave
 register(BenchConfig("hips-hfa-k5-d3-int8-keep-dcoverlap", "HiPS HFA (K1=5, K2=4, D=3, half the steps taken "
                      "meanwhile kept, each DC average one DC period late), global averages as 8-bit QSGD on the WAN",
                      env=launch_env({"algorithm": "hfa", "k1": 5, "k2": 4, "overlap": 3, **KEEP_HALF,
-                                     "dc_overlap": 1}), train_args=WAN_INT8))
+                                     "dc_overlap": 5}), train_args=WAN_INT8))
 # a DC's workers step on their mean gradient (one optimizer state per DC) instead of averaging models
 HFA_DC_GRADIENTS = launch_env({**HFA_DC, "dc_sync": "gradients"})
 register(BenchConfig("hips-hfa-dcgrad-overlap", "HiPS HFA (DC gradient average every step, K2=10, global average "

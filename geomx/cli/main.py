@@ -41,10 +41,10 @@ def _add_topology_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hfa-dc-sync", choices=["models", "gradients"],
                    help="hfa/diloco: within a DC average the workers' models every K1 steps (default), or their "
                         "gradients before every step (K1 = 1; one model and optimizer state per DC)")
-    p.add_argument("--hfa-dc-overlap", type=int, choices=[0, 1], metavar="0|1",
-                   help="hfa/diloco (K2 >= 2): 1 lets each DC-only average of the models travel one DC period "
-                        "behind training, adopted at the next DC boundary with the steps taken meanwhile kept, so "
-                        "no worker waits for its DC's slowest (default 0: wait for it)")
+    p.add_argument("--hfa-dc-overlap", type=int, metavar="STEPS",
+                   help="hfa/diloco (K2 >= 2): each DC-only average of the models travels STEPS local steps "
+                        "(1..K1; K1: to the next DC boundary) behind training and is adopted with the steps taken "
+                        "meanwhile kept, so no worker waits for its DC's slowest (default 0: wait for it)")
     p.add_argument("--dga-delay", type=int, help="dga: steps between pushing a gradient and applying its average "
                                                   "(default 1)")
     p.add_argument("--esync-steps", type=int, help="esync: local steps of the slowest worker per round (default 1)")

@@ -21,13 +21,15 @@ D = 0 (default) waits for the average at the boundary. Each worker counts the av
 their landing step and the time it waited for them (``landing_waits``, in every step record; ``geomx report``
 shows them): the sign that D is too short for the WAN.
 
-DC overlap (``dc_overlap`` 1, K2 >= 2): a DC-only average travels one DC period behind training too. At a DC
-boundary each worker sends a copy of its model to its local server and goes on; at the next boundary it adopts
-w = avg + (w - w_sent), the step(s) taken meanwhile kept in full. Without it every DC round waits for the DC's
-slowest worker and for the local server, which on a fast step is most of the time not spent computing
-(docs/benchmarks.md: the tiny LM's control row computed 52% of its time on 2 cores, 72% on 16). The workers of a
-DC then differ by their own last period's steps, which the next average folds in; a global boundary lands the
-DC average first, so the global average starts from models that include it.
+DC overlap (``dc_overlap`` S in [1, K1], K2 >= 2): a DC-only average travels S local steps behind training. At
+a DC boundary each worker sends a copy of its model to its local server and goes on; S steps later it adopts
+w = avg + (w - w_sent), the steps taken meanwhile kept in full (S = K1: at the next DC boundary). Without it
+every DC round waits for the DC's slowest worker and for the local server, which on a fast step is most of the
+time not spent computing (docs/benchmarks.md: the tiny LM's control row computed 52% of its time on 2 cores, 72%
+on 16). One step is enough to hide a LAN round and most of a sibling's lag, and costs the average less than a
+whole period late. The workers of a DC then differ by their own steps since the send, which the next average
+folds in; S <= K1, so a DC average always lands by the next boundary and a global average starts from models
+that include it.
 
 DiLoCo (Douillard et al. 2023): the same inner loop, but the global average does not replace the model: the
 pseudo-gradient (global model before - average) feeds an outer Nesterov SGD (lr 0.7, momentum 0.9) whose
@@ -141,14 +143,14 @@ class HFA:
     def after_step(self) -> float:
         """Called after each local optimizer step; returns the seconds spent waiting for the network."""
         self.steps += 1
-        if self.steps % self.k1:
-            return 0.0
-        self.dc_averages += 1
         started = time.perf_counter()
-        # averages due here land first: the DC average sent at the last boundary, then the global ones (D = K2:
-        # the previous one lands as the next leaves)
-        if self.dc_flight is not None:
+        # the DC average sent S steps ago lands first (S <= K1: by this boundary at the latest)
+        if self.dc_flight is not None and self.steps - self.dc_flight.period >= self.dc_overlap:
             self.land_dc()
+        if self.steps % self.k1:
+            return time.perf_counter() - started
+        self.dc_averages += 1
+        # then the global averages due here (D = K2: the previous one lands as the next leaves)
         while self.flights and self.dc_averages - self.flights[0].period == self.overlap:
             self.land(scheduled=True)
         if self.dc_averages % self.k2:
@@ -195,7 +197,8 @@ class HFA:
         state = {"algorithm": self.name, "steps": self.steps, "dc_averages": self.dc_averages,
                  "global_averages": self.global_averages, "landings": asdict(self.landings),
                  "in_flight": [flight.state_dict() for flight in self.flights],
-                 "dc_in_flight": None if self.dc_flight is None else self.dc_flight.state_dict()}
+                 # its period: the step it left at (states saved on 2026-11-28 held "dc_in_flight", the DC period)
+                 "dc_in_flight_step": None if self.dc_flight is None else self.dc_flight.state_dict()}
         if hasattr(self, "base"):          # the master worker trains nothing and has none
             state.update(base=_clones(self.base), dc_scale=self.dc_scale, global_scale=self.global_scale)
         return state
@@ -211,8 +214,11 @@ class HFA:
         saved = state["in_flight"]          # a list; states saved before 2026-11-27 held one average or None
         saved = [] if saved is None else [saved] if isinstance(saved, dict) else saved
         self.flights = deque(InFlight.from_state_dict(flight) for flight in saved)
-        dc_saved = state.get("dc_in_flight")        # absent from states saved before 2026-11-28
+        dc_saved = state.get("dc_in_flight_step")
         self.dc_flight = None if dc_saved is None else InFlight.from_state_dict(dc_saved)
+        by_period = state.get("dc_in_flight")       # saved on 2026-11-28: left at DC boundary ``period``
+        if by_period is not None:
+            self.dc_flight = InFlight.from_state_dict({**by_period, "period": by_period["period"] * self.k1})
 
     def global_average(self) -> None:
         averaged = [torch.empty_like(p) for _, p in self.params]
@@ -261,7 +267,7 @@ class HFA:
         self.flights.append(flight)
 
     def send_dc(self) -> None:
-        """dc_overlap: send a copy of the model for the DC's average, adopted at the next DC boundary. One DC
+        """dc_overlap: send a copy of the model for the DC's average, adopted ``dc_overlap`` steps later. One DC
         average travels at a time, so its two model-sized buffers are allocated once and reused."""
         if self._dc_buffers is None:
             self._dc_buffers = ([torch.empty_like(p) for _, p in self.params],
@@ -271,10 +277,10 @@ class HFA:
             for (_, p), s in zip(self.params, sent, strict=True):
                 s.copy_(p)
         self.dc_flight = InFlight(self.start_average("dc", self.dc_scale, sent, into), into)
-        self.dc_flight.sent, self.dc_flight.period = sent, self.dc_averages
+        self.dc_flight.sent, self.dc_flight.period = sent, self.steps      # a DC average: the step it left at
 
     def land_dc(self) -> None:
-        """Adopt the DC average sent at the last boundary, keeping every step taken since in full."""
+        """Adopt the DC average sent ``dc_overlap`` steps ago, keeping every step taken since in full."""
         flight, self.dc_flight = self.dc_flight, None
         averaged = flight.land_into()
         with torch.no_grad():
@@ -321,8 +327,8 @@ class LandingWaits:
 
 
 class InFlight:
-    """A global average on its way: the request handles, where the result lands, and (overlap) the model
-    sent and the DC period it left in."""
+    """An average on its way: the request handles, where the result lands, and (overlap) the model sent and
+    when it left (``period``: a global average's DC period, a DC average's local step)."""
 
     def __init__(self, handles: list, into: list[torch.Tensor], *, deltas: list[torch.Tensor] | None = None,
                  base: list[torch.Tensor] | None = None) -> None:

@@ -8,7 +8,7 @@ algorithm   what a worker does
 ``fsa``     push every gradient, step on the mean over all workers (default; MixedSync is ``--mode dist_async``)
 ``hfa``     K1 local steps, then a DC-wide model average; every K2 DC averages a global model average
             (``overlap`` D > 0: the global average travels while D x K1 more local steps run; D > K2: several
-            travel at once; ``dc_overlap`` 1: each DC average travels behind the next DC period)
+            travel at once; ``dc_overlap`` S: each DC average travels S <= K1 local steps behind training)
 ``diloco``  as hfa, but the global average feeds an outer optimizer (Nesterov SGD) instead of replacing the model
 ``dga``     push every gradient but step on the average from D steps ago, corrected (communication overlaps D steps)
 ``esync``   faster workers take more local steps per round, so all reach the global average together
@@ -98,7 +98,7 @@ class SyncSettings:
     overlap: int = 0
     dc_sync: str = "models"
     overlap_keep: float = 1.0    # hfa/diloco overlap: the share of the steps taken meanwhile kept on the average
-    dc_overlap: int = 0          # hfa/diloco: 1 = a DC average lands one DC period after it left (0: waited for)
+    dc_overlap: int = 0          # hfa/diloco: S = a DC average lands S local steps after it left (0: waited for)
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     delay: int = 1
@@ -150,9 +150,10 @@ def check(algorithm: str, options: Mapping, where: str = "") -> SyncSettings:
     if s.dc_sync not in DC_SYNCS:
         raise ConfigError(f"{algorithm} dc_sync ({OPTIONS['dc_sync'][0]}){where} must be one of "
                           f"{', '.join(DC_SYNCS)}, got {s.dc_sync!r}")
-    if s.dc_overlap not in (0, 1):
-        raise ConfigError(f"{algorithm} dc_overlap ({OPTIONS['dc_overlap'][0]}){where} must be 0 (wait for each DC "
-                          f"average) or 1 (adopt it one DC period later), got {s.dc_overlap}")
+    if not 0 <= s.dc_overlap <= s.k1:
+        raise ConfigError(f"{algorithm} dc_overlap ({OPTIONS['dc_overlap'][0]}){where}: local steps a DC average "
+                          f"travels behind training must be in [0, K1 = {s.k1}] (0: wait for it; K1: adopt it at "
+                          f"the next DC boundary), got {s.dc_overlap}")
     if s.dc_overlap and s.dc_sync != "models":
         raise ConfigError(f"{algorithm} dc_overlap ({OPTIONS['dc_overlap'][0]}){where} lets a DC average of the "
                           f"models travel behind training; with dc_sync={s.dc_sync!r} ({OPTIONS['dc_sync'][0]}) "
