@@ -255,6 +255,46 @@ def test_fusion_of_zero_bytes_sends_every_tensor_alone(monkeypatch):
         Fusion("x", ["a", "b"], tensors)
 
 
+@pytest.mark.parametrize("compression, keys", [
+    (None, ["__geomx.fused/x/t0+2", "t1"]),                    # t0 and t2 fused, the large t1 alone
+    ({"lan": "fp16", "small": "fp16", "size_lower_bound": 10}, ["t0", "t1", "t2"]),   # not fused: each alone
+])
+def test_a_packed_round_sends_each_tensor_scaled_once_and_reads_sent_and_result_in_place(compression, keys):
+    """PackedRound (HFA's overlapped DC averages): one message per bucket or tensor alone, the sent buffers hold
+    the tensors times the scale, the result lands where result_views read it, and the next round reuses the
+    same buffers."""
+    from types import SimpleNamespace
+
+    from geomx.compression import parse_policy
+    from geomx.sync.fusion import PackedRound
+
+    policy = parse_policy(compression).to_wire() if compression else None
+
+    class SumOfTwo:         # the DC's sum of two workers that sent the same: twice what this one sent
+        compression = policy
+
+        def __init__(self):
+            self.keys = []
+
+        def pushpull(self, key, value, *, out, scope):
+            assert scope == "dc"
+            self.keys.append(key)
+            torch.mul(value, 2.0, out=out)
+            return SimpleNamespace(wait=lambda: None)
+
+    tensors = [torch.arange(6.0).reshape(2, 3), torch.arange(300.0), torch.full((4,), -1.5)]
+    packed = PackedRound(Fusion("x", ["t0", "t1", "t2"], tensors, bucket_bytes=1024), SumOfTwo(), tensors,
+                         scope="dc")
+    for scale in (0.25, 1.0):
+        kv = SumOfTwo()
+        for h in packed.pushpull(kv, tensors, scale=scale):
+            h.wait()
+        assert kv.keys == keys
+        for t, sent, result in zip(tensors, packed.sent_views, packed.result_views, strict=True):
+            assert sent.shape == t.shape and torch.equal(sent, t * scale) and torch.equal(result, 2 * t * scale)
+    assert len(packed.sent) == len(keys)        # one buffer per message, the same ones for every round
+
+
 def test_buckets_of_a_round_that_crosses_the_wan_are_at_most_one_part(monkeypatch):
     from types import SimpleNamespace
 
@@ -373,11 +413,13 @@ def test_a_dc_average_in_flight_is_saved_and_restored_and_lands_alike():
 
     original = policy()
     flight = InFlight([_Reply(0.0)], [torch.full((3,), 4.0)])
-    flight.sent, flight.period = [torch.ones(3)], 4         # left at step 4
+    flight.sent, flight.period = [torch.full((3,), 0.5)], 4     # left at step 4, packed as the model x 0.5
+    flight.sent_scale = 0.5
     original.dc_flight = flight
     restored = policy()
     restored.load_state_dict(original.state_dict())
     assert restored.dc_flight is not None and restored.dc_flight.period == 4
+    assert restored.dc_flight.sent_scale == 0.5
     for hfa in (original, restored):
         hfa.land_dc()
         assert hfa.dc_flight is None

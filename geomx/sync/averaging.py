@@ -48,7 +48,7 @@ import torch
 
 from geomx.compat import check_kvstore
 from geomx.errors import ConfigError
-from geomx.sync.fusion import Fusion, bucket_bytes_for, compressed
+from geomx.sync.fusion import Fusion, PackedRound, bucket_bytes_for, compressed
 from geomx.sync.settings import check, check_saved_algorithm
 
 WEIGHTS_KEY = "__geomx.sync.weights"
@@ -65,7 +65,7 @@ class HFA:
         self.overlap_keep, self.dc_overlap = s.overlap_keep, s.dc_overlap
         self.flights: deque[InFlight] = deque()     # global averages travelling (overlap > 0), oldest first
         self.dc_flight: InFlight | None = None      # the DC average travelling (dc_overlap)
-        self._dc_buffers: tuple[list, list] | None = None   # (model sent, result) of dc_overlap, made once
+        self._dc_round: PackedRound | None = None    # dc_overlap's buffers (model sent, result), made once
         self.steps = 0               # local steps taken
         self.dc_averages = 0         # K1 boundaries passed (each one a DC or a global average)
         self.global_averages = 0
@@ -267,17 +267,16 @@ class HFA:
         self.flights.append(flight)
 
     def send_dc(self) -> None:
-        """dc_overlap: send a copy of the model for the DC's average, adopted ``dc_overlap`` steps later. One DC
-        average travels at a time, so its two model-sized buffers are allocated once and reused."""
-        if self._dc_buffers is None:
-            self._dc_buffers = ([torch.empty_like(p) for _, p in self.params],
-                                [torch.empty_like(p) for _, p in self.params])
-        sent, into = self._dc_buffers
-        with torch.no_grad():
-            for (_, p), s in zip(self.params, sent, strict=True):
-                s.copy_(p)
-        self.dc_flight = InFlight(self.start_average("dc", self.dc_scale, sent, into), into)
-        self.dc_flight.sent, self.dc_flight.period = sent, self.steps      # a DC average: the step it left at
+        """dc_overlap: send the model for the DC's average, adopted ``dc_overlap`` steps later. One DC average
+        travels at a time, so its buffers are allocated once and reused; the scaled copy packed for sending is
+        also the record of what was sent (no second copy of the model, no unpacking of the result)."""
+        models = [p.detach() for _, p in self.params]
+        if self._dc_round is None:
+            self._dc_round = PackedRound(self.dc_fusion, self.kv, models, scope="dc")
+        packed = self._dc_round
+        self.dc_flight = InFlight(packed.pushpull(self.kv, models, scale=self.dc_scale), packed.result_views)
+        self.dc_flight.sent, self.dc_flight.sent_scale = packed.sent_views, self.dc_scale
+        self.dc_flight.period = self.steps      # a DC average: the step it left at
 
     def land_dc(self) -> None:
         """Adopt the DC average sent ``dc_overlap`` steps ago, keeping every step taken since in full."""
@@ -285,7 +284,7 @@ class HFA:
         averaged = flight.land_into()
         with torch.no_grad():
             for (_, p), avg, sent in zip(self.params, averaged, flight.sent, strict=True):
-                p.add_(avg).sub_(sent)
+                p.add_(avg).sub_(sent, alpha=1.0 / flight.sent_scale)
 
     def land(self, *, scheduled: bool = False) -> None:
         """Adopt the oldest global average in flight, waiting for it if need be. ``scheduled``: at its landing
@@ -335,6 +334,7 @@ class InFlight:
         self.handles, self.into, self.deltas, self.base = handles, into, deltas, base
         self.sent: list[torch.Tensor] | None = None
         self.period = 0
+        self.sent_scale = 1.0        # ``sent`` holds the model sent times this (a packed DC average: its share)
         self.waited_s = 0.0          # seconds land_into blocked on the network
 
     def state_dict(self) -> dict:
@@ -343,13 +343,14 @@ class InFlight:
             h.wait()
         self.handles = []
         return {"into": _clones(self.into), "deltas": _clones(self.deltas), "base": _clones(self.base),
-                "sent": _clones(self.sent), "period": self.period}
+                "sent": _clones(self.sent), "sent_scale": self.sent_scale, "period": self.period}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> InFlight:
         """An average that has landed (no handles) but is not adopted yet."""
         flight = cls([], _clones(state["into"]), deltas=_clones(state["deltas"]), base=_clones(state["base"]))
         flight.sent, flight.period = _clones(state["sent"]), state["period"]
+        flight.sent_scale = state.get("sent_scale", 1.0)       # absent from older states: the model sent as is
         return flight
 
     def land_into(self) -> list[torch.Tensor]:
@@ -361,7 +362,7 @@ class InFlight:
         if self.deltas is not None:
             with torch.no_grad():
                 for b, d, out in zip(self.base, self.deltas, self.into, strict=False):
-                    out.copy_(b + d)
+                    torch.add(b, d, out=out)
         return self.into
 
 

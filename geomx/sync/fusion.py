@@ -169,11 +169,7 @@ class Fusion:
     def pack(self, bucket: Bucket, tensors: list[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
         """A new flat CPU buffer holding the bucket's members of ``tensors`` (times ``scale``)."""
         buf = torch.empty(bucket.numel, dtype=bucket.dtype)
-        with torch.no_grad():
-            for t, start, stop in bucket.slices(tensors):
-                buf[start:stop].view_as(t).copy_(t)
-            if scale != 1.0:
-                buf.mul_(scale)
+        _scaled_into([(t, buf[start:stop].view_as(t)) for t, start, stop in bucket.slices(tensors)], scale)
         return buf
 
     def pushpull(self, kv, values: list[torch.Tensor], into: list[torch.Tensor], *, scale: float = 1.0,
@@ -197,6 +193,50 @@ class Fusion:
                 value = values[i] if scale == 1.0 else values[i] * scale
             handles.append(kv.pushpull(self.names[i], value, out=into[i], priority=priority(i), scope=scope))
         return handles
+
+
+class PackedRound:
+    """One list of tensors' rounds through buffers allocated once and kept for a whole flight: each round packs
+    the tensors times ``scale`` into ``sent`` (one pass), and its result lands in ``result``, both read in place
+    through per-tensor views (``sent_views``, ``result_views``). What was sent is then the sender's record of it:
+    a round that travels while training goes on (HFA's overlapped DC averages) needs no copy of the model besides
+    the packed one, and no unpacking of the result. One round at a time: the next overwrites the buffers."""
+
+    def __init__(self, fusion: Fusion, kv, tensors: list[torch.Tensor], *, scope: str | None = None) -> None:
+        self.scope = scope
+        # (key, tensor indices, their buffer): a bucket where the round travels fused, else a tensor alone
+        layout = [(b.key, b.members, b.numel, b.dtype) for b in (fusion.buckets if fusion.fuses(kv, scope) else [])]
+        fused = {i for _, members, _, _ in layout for i in members}
+        layout += [(fusion.names[i], (i,), tensors[i].numel(), tensors[i].dtype)
+                   for i in range(len(tensors)) if i not in fused]
+        self.keys = [key for key, _, _, _ in layout]
+        self.sent = [torch.empty(n, dtype=dtype) for _, _, n, dtype in layout]
+        self.result = [torch.empty(n, dtype=dtype) for _, _, n, dtype in layout]
+        self.sent_views: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+        self.result_views: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+        for (_, members, _, _), sent, result in zip(layout, self.sent, self.result, strict=True):
+            start = 0
+            for i in members:
+                stop = start + tensors[i].numel()
+                self.sent_views[i] = sent[start:stop].view_as(tensors[i])
+                self.result_views[i] = result[start:stop].view_as(tensors[i])
+                start = stop
+
+    def pushpull(self, kv, tensors: list[torch.Tensor], *, scale: float = 1.0) -> list:
+        """Pack ``tensors`` times ``scale`` and start the round; returns the handles."""
+        _scaled_into(list(zip(tensors, self.sent_views, strict=True)), scale)
+        return [kv.pushpull(key, sent, out=result, scope=self.scope)
+                for key, sent, result in zip(self.keys, self.sent, self.result, strict=True)]
+
+
+def _scaled_into(pairs: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
+    """Each (source, destination): destination = source x scale, in one pass over the memory."""
+    with torch.no_grad():
+        for t, out in pairs:
+            if scale == 1.0:
+                out.copy_(t)
+            else:
+                torch.mul(t, scale, out=out)
 
 
 def _unpacker(bucket: Bucket, buf: torch.Tensor, into: list[torch.Tensor]):
