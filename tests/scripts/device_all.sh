@@ -13,7 +13,7 @@
 # 2026-11-27 (an H200, the first version of this script): 377 s; P3 1.00-1.41x, CU of the tiny rows 0.41-0.43.
 # Every part gets at most its own cap and what is left of TOTAL_S, so the whole ends inside one call's limit.
 # Knobs: MODEL (small), BATCHES (candidates, "16,64,128,256,512"), P3_STEPS (12), REPEATS (2), SKIP_CU, CU_ROWS
-# ("hips-hfa-short-overlap-int8,hips-hfa-short-overlap-int8-dcoverlap,no-wan"), CU_MODEL (small), CU_STEPS (120),
+# ("hips-hfa-short-overlap-int8,hips-hfa-short-overlap-int8-dcstep,no-wan"), CU_MODEL (small), CU_STEPS (120),
 # TOTAL_S (560), DEVICE (cuda).
 set -u
 total=${TOTAL_S:-560}
@@ -40,7 +40,7 @@ for run in $(seq "$repeats"); do
 done
 if [ -z "${SKIP_CU:-}" ] && [ "$(left 200)" -ge 100 ]; then
   OUT="$work/cu" CU_S=$(left 200) MODEL=${CU_MODEL:-small} \
-    ROWS=${CU_ROWS:-hips-hfa-short-overlap-int8,hips-hfa-short-overlap-int8-dcoverlap,no-wan} \
+    ROWS=${CU_ROWS:-hips-hfa-short-overlap-int8,hips-hfa-short-overlap-int8-dcstep,no-wan} \
     STEPS=${CU_STEPS:-120} EVAL_EVERY=${CU_STEPS:-120} SEED=0 FLAT_STEPS=6 bash "$scripts/device_cu.sh"
 fi
 echo "device_all: ${SECONDS} s"

@@ -7,7 +7,7 @@
 # K1=5/K2=2 overlapped row with 8-bit global averages, the small model's fastest to FSA's target (2 cores, one
 # evaluation at the end: 0.87, 0.91 with its DC averages late; an evaluation every 10 steps would flatter it,
 # since its global average travels meanwhile):
-#   ROWS=hips-hfa-short-overlap-int8,hips-hfa-short-overlap-int8-dcoverlap,no-wan MODEL=small STEPS=120 EVAL_EVERY=120 \
+#   ROWS=hips-hfa-short-overlap-int8,hips-hfa-short-overlap-int8-dcstep,no-wan MODEL=small STEPS=120 EVAL_EVERY=120 \
 #     SEED=0 FLAT_STEPS=6 bash tests/scripts/device_cu.sh
 #
 # For the device machine: run(command="bash tests/scripts/device_cu.sh", carry=[".whl"], timeout_s=420), with
