@@ -17,7 +17,9 @@ kind        fields
             ``wan_rounds_waited``: cross-DC rounds started so far, and those whose round trip the worker
             waited out (``DistributedOptimizer.wan_rounds``); with overlapped global averages (HFA/DiLoCo, D >=
             1) ``landings``, ``late_landings``, ``landing_wait_s``: those that reached their landing step, those
-            not in yet there, and the seconds waited for them (``geomx.sync.averaging.LandingWaits``)
+            not in yet there, and the seconds waited for them (``geomx.sync.averaging.LandingWaits``);
+            ``wait_phases``: {phase: cumulative seconds} where the policy breaks its waiting down (HFA/DiLoCo:
+            ``geomx.sync.averaging.WaitPhases``)
 ``ready``   ``elapsed_s``, ``comm_wait_s``: the worker is set up (joined, keys initialized, initial model
             pulled) and starts training; reports measure training from here
 ``model``   ``keys``, ``dense_bytes``: fp32 bytes of every key this worker initialized (one dense copy)
@@ -46,6 +48,7 @@ _writer: MetricsWriter | None = None
 _comm_wait_s = 0.0
 _wan_rounds: tuple[int, int] | None = None
 _landings: dict[str, float] = {}
+_wait_phases: dict[str, dict[str, float]] = {}
 
 
 class MetricsWriter:
@@ -101,6 +104,13 @@ def set_landings(landings: int, late: int, waited_s: float) -> None:
     _landings = {"landings": int(landings), "late_landings": int(late), "landing_wait_s": float(waited_s)}
 
 
+def set_wait_phases(phases: dict[str, float]) -> None:
+    """Called by DistributedOptimizer after every step of a policy that breaks its network wait down by phase
+    (cumulative seconds; step records carry them)."""
+    global _wait_phases
+    _wait_phases = {"wait_phases": {name: float(v) for name, v in phases.items()}}
+
+
 def comm_wait_s() -> float:
     return _comm_wait_s
 
@@ -112,7 +122,7 @@ def log(*, step: int, **numbers: Any) -> None:
         return
     rounds = {} if _wan_rounds is None else {"wan_rounds": _wan_rounds[0], "wan_rounds_waited": _wan_rounds[1]}
     writer.write("step", step=int(step), elapsed_s=time.time() - writer.started, comm_wait_s=_comm_wait_s,
-                 **rounds, **_landings, **numbers)
+                 **rounds, **_landings, **_wait_phases, **numbers)
 
 
 def ready() -> None:

@@ -241,6 +241,30 @@ def test_the_report_shows_how_many_overlapped_averages_landed_late_and_the_mean_
     assert s["landings"] is None and _report_line(format_report(s), "late at landing") == "-"
 
 
+def test_the_report_breaks_the_network_wait_down_by_the_phases_the_policy_recorded(tmp_path):
+    """Two workers of an HFA run: the mean over workers of each phase, those under 0.05 s left out, beside the
+    whole wait per worker (after set-up); a run whose policy records no phases shows the whole wait alone."""
+    from geomx.report.summary import format_report, summarize
+
+    (tmp_path / "launch.json").write_text(json.dumps({"topology": "hips", "mode": "dist_sync", "dcs": ["a", "b"]}))
+    (tmp_path / METRICS_DIR).mkdir()
+    for pid, dc, dc_average, global_send in ((1, "a", 3.0, 1.0), (2, "b", 5.0, 2.0)):
+        phases = {"dc_average": dc_average, "dc_send": 0.0, "global_send": global_send, "global_landing": 0.01}
+        lines = [{"t": 0, "kind": "start", "role": "worker", "dc": dc, "pid": pid},
+                 {"t": 0, "kind": "ready", "elapsed_s": 0.0, "comm_wait_s": 0.5},
+                 {"t": 9, "kind": "step", "step": 20, "elapsed_s": 20.0, "comm_wait_s": 0.5 + dc_average + global_send
+                  + 0.01, "wait_phases": phases}]
+        (tmp_path / METRICS_DIR / f"worker-{dc}-{pid}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    s = summarize(load_run(tmp_path))
+    assert s["wait_by_phase"] == pytest.approx({"dc_average": 4.0, "dc_send": 0.0, "global_send": 1.5,
+                                                "global_landing": 0.01})
+    assert _report_line(format_report(s), "(by phase)") == "5.5 s: dc_average 4.0 s, global_send 1.5 s"
+    for path in (tmp_path / METRICS_DIR).iterdir():
+        path.write_text(path.read_text().replace(', "wait_phases"', ', "other"'))
+    s = summarize(load_run(tmp_path))
+    assert s["wait_by_phase"] is None and _report_line(format_report(s), "(by phase)") == "5.5 s"
+
+
 def _report_line(report: str, label_ends: str) -> str:
     """The value on the report's line whose label ends with ``label_ends``."""
     for line in report.splitlines():

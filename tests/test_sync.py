@@ -235,6 +235,16 @@ def test_model_averaging_matches_the_reference_at_every_step(tmp_path, name):
     landed = max(0, (case["steps"] // case["k1"] - case["overlap"]) // case["k2"]) if case.get("overlap") else None
     assert all((x["landings"] or {}).get("landings") == landed for x in infos), infos
     assert all(x["landings"] is None or 0 <= x["landings"]["late"] <= landed for x in infos), infos
+    # every second the policy made training wait is charged to one phase of its work, and only to phases it has
+    for x in infos:
+        phases = x["wait_phases"]
+        assert abs(sum(phases.values()) - x["comm_wait_s"]) < 1e-6, x
+        overlapped_dc, waited_dc = phases["dc_send"] + phases["dc_landing"], phases["dc_average"]
+        assert overlapped_dc > 0 if case.get("dc_overlap") and x["dc_workers"] > 1 else overlapped_dc == 0, x
+        assert waited_dc == 0 if case.get("dc_overlap") or x["dc_workers"] == 1 else waited_dc > 0, x
+        overlapped_global = phases["global_send"] + phases["global_landing"]
+        assert (overlapped_global > 0 and phases["global_average"] == 0 if case.get("overlap")
+                else overlapped_global == 0 and phases["global_average"] > 0), x
     if name == "hfa-overlap":
         # while the average sent at step 3 travels (steps 3 and 4: indices 2, 3) the DCs train on their own
         # models, not on the average as a blocking HFA does

@@ -361,8 +361,10 @@ def test_an_overlapped_average_counts_as_late_only_when_its_landing_had_to_wait_
     assert 0.1 <= waits.waited_s < 0.1 + 2 * waits.LATE_S + 0.5
     assert HFA(k1=1, k2=2).landing_waits is None            # without overlap every average is waited for
     restored = HFA(k1=1, k2=2, overlap=1)
+    hfa.waits.global_landing = 0.25
     restored.load_state_dict(hfa.state_dict())
     assert restored.landing_waits == waits
+    assert restored.wait_phases == hfa.wait_phases and restored.wait_phases["global_landing"] == 0.25
 
 
 def test_several_averages_in_flight_are_saved_and_restored_in_order_and_land_alike():

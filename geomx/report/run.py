@@ -69,6 +69,8 @@ class WorkerSeries:
     # overlapped global averages (HFA/DiLoCo, D >= 1), at the last step: landed, late at their landing step, and
     # the seconds waited for them (None: not recorded)
     landings: tuple[int, int, float] | None = None
+    # seconds waited by phase of the policy's work, at the last step (None: not recorded)
+    wait_phases: dict[str, float] | None = None
 
     @property
     def compute_s(self) -> float:
@@ -196,6 +198,8 @@ def load_run(path: str | Path) -> Run:
         if steps[-1].get("landings") is not None:
             last = steps[-1]
             w.landings = (int(last["landings"]), int(last["late_landings"]), float(last["landing_wait_s"]))
+        if steps[-1].get("wait_phases") is not None:
+            w.wait_phases = {name: float(v) for name, v in steps[-1]["wait_phases"].items()}
         workers.append(w)
     links_file = path / "wan_links.json"
     links = json.loads(links_file.read_text()) if links_file.exists() else None

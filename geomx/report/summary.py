@@ -28,6 +28,10 @@ initial model pulled) to the last step; set-up is reported apart. Definitions:
   periods it travelled behind); waited = seconds per worker, the mean over workers (part of the waiting that
   compute utilization excludes); each late one = the mean wait per late landing, also in steps of this run's
   mean step time: about how many more steps of overlap would have hidden it;
+* network wait by phase = the seconds per worker (mean over workers) the synchronization policy spent in
+  each kind of its work that stopped training, where it records them (HFA/DiLoCo: DC averages waited for,
+  overlapped DC sends and landings, global averages waited for, overlapped global sends and landings;
+  ``geomx.sync.averaging.WaitPhases``), beside the whole network wait per worker;
 * serial bound = compute time + the busiest directed WAN link's bytes / its rate + round trips: what a run
   that never overlaps communication with compute needs; overlapped bound = max(compute, busiest link's bytes
   / rate) + round trips: what no schedule can beat; efficiency = overlapped bound / measured training time
@@ -157,6 +161,14 @@ def wait_per_late_landing(run: Run) -> float | None:
     return mean(per_worker) if per_worker else None
 
 
+def wait_by_phase(run: Run) -> dict[str, float] | None:
+    """The mean over workers of the seconds waited in each phase of the policy's work (None: not recorded)."""
+    recorded = [w.wait_phases for w in run.workers if w.wait_phases is not None]
+    if not recorded:
+        return None
+    return {phase: mean(r.get(phase, 0.0) for r in recorded) for phase in recorded[0]}
+
+
 def summarize(run: Run, target: float | None = None) -> dict:
     m = run.manifest
     wan = m.get("wan", {})
@@ -207,6 +219,8 @@ def summarize(run: Run, target: float | None = None) -> dict:
         "wan_rounds_waited": waited_rounds, "first_wan_step": first_wan_step, "round_trips_s": round_trips,
         "landings": landed, "late_landings": late, "landing_wait_s": landing_wait,
         "wait_per_late_landing_s": wait_per_late_landing(run),
+        "comm_wait_s": mean(w.comm_wait_s - w.ready_comm_wait_s for w in run.workers) if run.workers else math.nan,
+        "wait_by_phase": wait_by_phase(run),
         "lower_bound_s": compute + wire + round_trips, "overlapped_bound_s": overlapped,
         "efficiency": overlapped / train_s if train_s > 0 else math.nan,
         "bytes_roles_vs_links": _consistency(run),
@@ -249,6 +263,16 @@ def _late_landings(s: dict) -> str:
     return text
 
 
+def _waits(s: dict) -> str:
+    """The whole network wait per worker, and its phases that took 0.05 s or more."""
+    text = fmt_number(s["comm_wait_s"], ".1f", " s")
+    phases = s.get("wait_by_phase")
+    if phases:
+        shown = [f"{phase} {seconds:.1f} s" for phase, seconds in phases.items() if seconds >= 0.05]
+        text += ": " + (", ".join(shown) if shown else "no phase over 0.05 s")
+    return text
+
+
 def format_report(s: dict) -> str:
     num = fmt_number
     target = (f"{num(s['time_to_target_s'], '.1f', ' s')} (step {s['steps_to_target']})" if s["time_to_target_s"]
@@ -273,6 +297,7 @@ def format_report(s: dict) -> str:
         ("compute utilization", num(s["compute_utilization"], ".0%")),
         ("cross-DC rounds (waited out) / first at", f"{s['wan_rounds']} ({s['wan_rounds_waited']}) / {first_wan}"),
         ("overlapped global averages: late at landing", _late_landings(s)),
+        ("network wait per worker (by phase)", _waits(s)),
         ("serial bound: compute + busiest link + round trips", f"{num(s['lower_bound_s'], '.1f', ' s')} = "
          f"{num(s['compute_s'], '.1f')} + {num(s['wire_s'], '.1f')} + {num(s['round_trips_s'], '.1f')} s"),
         ("overlapped bound: max(compute, busiest link) + round trips",

@@ -19,7 +19,9 @@ periods after it left, oldest first, which hides a round longer than a global pe
 worker lands the same average at the same step, and the DC average that follows brings them together again.
 D = 0 (default) waits for the average at the boundary. Each worker counts the averages that were not in yet at
 their landing step and the time it waited for them (``landing_waits``, in every step record; ``geomx report``
-shows them): the sign that D is too short for the WAN.
+shows them): the sign that D is too short for the WAN. The seconds spent in each kind of averaging work that
+stops training (DC average, DC send and landing, global average, send and landing: ``wait_phases``) go into
+the step records too, so a report says which one to overlap next.
 
 DC overlap (``dc_overlap`` S in [1, K1], K2 >= 2): a DC-only average travels S local steps behind training. At
 a DC boundary each worker sends a copy of its model to its local server and goes on; S steps later it adopts
@@ -72,6 +74,7 @@ class HFA:
         # overlapped global averages that reached their landing step, those the workers had to wait for
         # (late: the round trip outlasted the D DC periods it travelled behind), and the seconds waited for them
         self.landings = LandingWaits()
+        self.waits = WaitPhases()
         self.kv = None
 
     def __repr__(self) -> str:
@@ -121,58 +124,71 @@ class HFA:
     def step(self, optimizer: torch.optim.Optimizer, *, compute_s: float = 0.0) -> float:
         """One training step: the local step, then an average when one is due. Returns the seconds spent
         waiting for the network."""
-        waited = self.dc_gradient_average() if self.dc_sync == "gradients" else 0.0
+        waited = 0.0
+        if self.dc_sync == "gradients":
+            started = time.perf_counter()
+            self.dc_gradient_average()
+            waited = self.waits.add("dc_average", started) - started
         optimizer.step()
         return waited + self.after_step()
 
-    def dc_gradient_average(self) -> float:
+    def dc_gradient_average(self) -> None:
         """``dc_sync="gradients"``: the DC's workers step on their mean gradient (a DC-only round), so they keep
-        one optimizer state and one model, as data-parallel training within the DC does; returns the seconds
-        waited. A parameter without a gradient this step counts zeros, so the round completes in the DC."""
+        one optimizer state and one model, as data-parallel training within the DC does. A parameter without a
+        gradient this step counts zeros, so the round completes in the DC."""
         if self.kv.num_workers == 1:
-            return 0.0
-        started = time.perf_counter()
+            return
         with torch.no_grad():
             for _, p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
         grads = [p.grad for _, p in self.params]
         self.average("dc", self.dc_scale, grads, grads)
-        return time.perf_counter() - started
 
     def after_step(self) -> float:
         """Called after each local optimizer step; returns the seconds spent waiting for the network."""
         self.steps += 1
-        started = time.perf_counter()
+        started = now = time.perf_counter()
         # the DC average sent S steps ago lands first (S <= K1: by this boundary at the latest)
         if self.dc_flight is not None and self.steps - self.dc_flight.period >= self.dc_overlap:
             self.land_dc()
+            now = self.waits.add("dc_landing", now)
         if self.steps % self.k1:
-            return time.perf_counter() - started
+            return now - started
         self.dc_averages += 1
         # then the global averages due here (D = K2: the previous one lands as the next leaves)
         while self.flights and self.dc_averages - self.flights[0].period == self.overlap:
             self.land(scheduled=True)
+            now = self.waits.add("global_landing", now)
         if self.dc_averages % self.k2:
             # a DC of one worker is its own average; one that averages its gradients has one model already
             if self.kv.num_workers > 1 and self.dc_sync == "models":
                 if self.dc_overlap:
                     self.send_dc()
+                    now = self.waits.add("dc_send", now)
                 else:
                     models = [p.data for _, p in self.params]
                     self.average("dc", self.dc_scale, models, models)
+                    now = self.waits.add("dc_average", now)
         else:
             self.global_averages += 1
             if not self.overlap:
                 self.global_average()
+                now = self.waits.add("global_average", now)
             else:
                 self.send_global()
-        return time.perf_counter() - started
+                now = self.waits.add("global_send", now)
+        return now - started
 
     @property
     def landing_waits(self) -> LandingWaits | None:
         """How the overlapped global averages landed (None without overlap: every average is waited for)."""
         return self.landings if self.overlap else None
+
+    @property
+    def wait_phases(self) -> dict[str, float]:
+        """Seconds spent so far in each kind of averaging work that stopped training (:class:`WaitPhases`)."""
+        return asdict(self.waits)
 
     @property
     def wan_rounds(self) -> tuple[int, int]:
@@ -183,12 +199,14 @@ class HFA:
     def finish(self) -> float:
         """Land the global averages still travelling (overlap > 0), e.g. after the last step; returns the
         seconds waited. Without it, a run that ends between a send and its landing ignores that average."""
-        started = time.perf_counter()
+        started = now = time.perf_counter()
         if self.dc_flight is not None:
             self.land_dc()
+            now = self.waits.add("dc_landing", now)
         while self.flights:
             self.land()
-        return time.perf_counter() - started
+            now = self.waits.add("global_landing", now)
+        return now - started
 
     # saving and restoring --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -196,6 +214,7 @@ class HFA:
         (waited for, not yet adopted: loading them lands each at the same step as it would have)."""
         state = {"algorithm": self.name, "steps": self.steps, "dc_averages": self.dc_averages,
                  "global_averages": self.global_averages, "landings": asdict(self.landings),
+                 "wait_phases": asdict(self.waits),
                  "in_flight": [flight.state_dict() for flight in self.flights],
                  # its period: the step it left at (states saved on 2026-11-28 held "dc_in_flight", the DC period)
                  "dc_in_flight_step": None if self.dc_flight is None else self.dc_flight.state_dict()}
@@ -208,6 +227,7 @@ class HFA:
         self.steps, self.dc_averages = state["steps"], state["dc_averages"]
         self.global_averages = state["global_averages"]
         self.landings = LandingWaits(**state.get("landings", {}))      # absent from states saved before 2026-11-27
+        self.waits = WaitPhases(**state.get("wait_phases", {}))        # absent from states saved before 2026-11-28
         if "base" in state:
             self.base = _clones(state["base"])
             self.dc_scale, self.global_scale = state["dc_scale"], state["global_scale"]
@@ -323,6 +343,26 @@ class LandingWaits:
         self.landings += 1
         self.waited_s += waited_s
         self.late += waited_s > self.LATE_S
+
+
+@dataclass
+class WaitPhases:
+    """Seconds a worker spent in each kind of averaging work that stops its training, cumulative: what
+    ``geomx report`` breaks the network wait into. A waited-for round counts whole (its sends, the wait, the
+    adoption); an overlapped one counts its send where it leaves and its landing (mostly waiting for what is
+    not in yet) where it lands. The sum is the policy's share of ``DistributedOptimizer.comm_wait_s``."""
+    dc_average: float = 0.0      # DC-only rounds waited for (models, or gradients before every step)
+    dc_send: float = 0.0         # dc_overlap: packing and sending the model
+    dc_landing: float = 0.0      # dc_overlap: waiting for the DC average and adopting it
+    global_average: float = 0.0  # global rounds waited for (overlap 0)
+    global_send: float = 0.0     # overlap: copying, packing and sending the model or its change
+    global_landing: float = 0.0  # overlap: waiting for the global average and adopting it
+
+    def add(self, phase: str, since: float) -> float:
+        """Charge the time since ``since`` (a perf_counter reading) to ``phase``; returns the reading now."""
+        now = time.perf_counter()
+        setattr(self, phase, getattr(self, phase) + now - since)
+        return now
 
 
 class InFlight:

@@ -199,11 +199,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         compute = self.slowdown.pause()
         self.steps_taken += 1
         self._count_wait(self.sync.step(self.optimizer, compute_s=compute))
+        self._record_counters()
+        self.slowdown.compute_starts()
+
+    def _record_counters(self) -> None:
+        """Hand the policy's counters to the next step record."""
         metrics.set_wan_rounds(*self.wan_rounds)
         landings = getattr(self.sync, "landing_waits", None)
         if landings is not None:
             metrics.set_landings(landings.landings, landings.late, landings.waited_s)
-        self.slowdown.compute_starts()
+        phases = getattr(self.sync, "wait_phases", None)     # a policy that breaks its waiting down by phase
+        if phases is not None:
+            metrics.set_wait_phases(phases)
 
     def finish(self) -> None:
         """Call after the last step: lands what a synchronization algorithm still has on the way (HFA/DiLoCo
@@ -211,6 +218,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finish = getattr(self.sync, "finish", None)
         if finish is not None:
             self._count_wait(finish())
+            self._record_counters()       # the last step record (written after it) counts its waits too
 
     def synchronize(self) -> list:
         """FSA: push what backward did not push and wait for all results (see geomx.sync.fsa.FSA.synchronize)."""

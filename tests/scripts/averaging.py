@@ -41,7 +41,8 @@ def train(kv, me: int, steps: int, *, samples=None, sync=None, compute_s: float 
         out[f"{k}@final"] = p.detach().numpy().copy()
     return out, {"algorithm": repr(opt.sync), "factor": opt.slowdown.factor, "slept_s": opt.slowdown.slept_s,
                  "global_averages": getattr(opt.sync, "global_averages", None),
-                 "landings": _landings(opt.sync)}
+                 "landings": _landings(opt.sync), "wait_phases": getattr(opt.sync, "wait_phases", None),
+                 "comm_wait_s": opt.comm_wait_s, "dc_workers": kv.num_workers}
 
 
 def _landings(sync) -> dict | None:
