@@ -125,7 +125,7 @@ class HFA:
         """One training step: the local step, then an average when one is due. Returns the seconds spent
         waiting for the network."""
         waited = 0.0
-        if self.dc_sync == "gradients":
+        if self.dc_sync == "gradients" and self.kv.num_workers > 1:    # a DC of one has its mean gradient
             started = time.perf_counter()
             self.dc_gradient_average()
             waited = self.waits.add("dc_average", started) - started
@@ -136,8 +136,6 @@ class HFA:
         """``dc_sync="gradients"``: the DC's workers step on their mean gradient (a DC-only round), so they keep
         one optimizer state and one model, as data-parallel training within the DC does. A parameter without a
         gradient this step counts zeros, so the round completes in the DC."""
-        if self.kv.num_workers == 1:
-            return
         with torch.no_grad():
             for _, p in self.params:
                 if p.grad is None:
