@@ -366,7 +366,8 @@ def format_wan_report(r: dict) -> str:
         f"time it spent evaluating (the benchmark's probe, every {r['eval_every']} steps), and the speedup on that "
         f"basis. A row whose averages travel while it trains (overlapped) has them travel during its evaluations "
         f"too, so both of these flatter it: measure utilization with --eval-every equal to --steps. "
-        f"Definitions: `geomx report` (geomx/report/summary.py)."]
+        f"Definitions, and where a row's waiting went (by phase of its averages): `geomx report` of the row's run "
+        f"directory (geomx/report/summary.py)."]
     return "\n".join(lines)
 
 
