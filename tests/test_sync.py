@@ -311,6 +311,18 @@ def test_model_averaging_matches_the_reference_at_every_step(tmp_path, name):
         assert np.abs(hfa[(0, "w", last)] - ref[(0, "w", last)]).max() > 1e-3
 
 
+def test_overlapped_dc_averages_of_tensors_that_travel_alone_match_the_reference(monkeypatch):
+    """GEOMX_FUSION_BYTES=0: every tensor its own key, each packed in its own shape (the shape its key was
+    initialized with); the one-step-late DC averages still give the reference's model at every step."""
+    monkeypatch.setenv("GEOMX_FUSION_BYTES", "0")
+    case = CASES["hfa-dc-overlap-step"]
+    models, _ = _run_inproc(_sync_table(case), case["per_dc"], case["steps"], case["samples"])
+    ref = simulate(**_reference_args(case, [[0, 1], [2, 3]]))
+    for (i, key, step), expected in ref.items():
+        np.testing.assert_allclose(models[i][f"{key}@{step}"], expected, rtol=0, atol=2e-5,
+                                   err_msg=f"worker {i}, key {key}, step {step}")
+
+
 def test_hfa_composes_with_compression_its_global_averages_travel_as_compressed_model_changes(tmp_path):
     """fp16 on both tiers: the global average moves each worker's change since the last global average in 16
     bits (a model itself would lose its low bits for good), so the run tracks the exact reference within

@@ -293,6 +293,9 @@ def test_a_packed_round_sends_each_tensor_scaled_once_and_reads_sent_and_result_
         for t, sent, result in zip(tensors, packed.sent_views, packed.result_views, strict=True):
             assert sent.shape == t.shape and torch.equal(sent, t * scale) and torch.equal(result, 2 * t * scale)
     assert len(packed.sent) == len(keys)        # one buffer per message, the same ones for every round
+    # a tensor alone travels in its own shape: its key was initialized so, and a codec may read the shape
+    alone = [buf.shape for key, buf in zip(keys, packed.sent, strict=True) if key in ("t0", "t1", "t2")]
+    assert alone == [t.shape for name, t in zip(["t0", "t1", "t2"], tensors, strict=True) if name in keys]
 
 
 def test_buckets_of_a_round_that_crosses_the_wan_are_at_most_one_part(monkeypatch):

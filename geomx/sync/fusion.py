@@ -204,22 +204,24 @@ class PackedRound:
 
     def __init__(self, fusion: Fusion, kv, tensors: list[torch.Tensor], *, scope: str | None = None) -> None:
         self.scope = scope
-        # (key, tensor indices, their buffer): a bucket where the round travels fused, else a tensor alone
-        layout = [(b.key, b.members, b.numel, b.dtype) for b in (fusion.buckets if fusion.fuses(kv, scope) else [])]
+        # (key, tensor indices, its buffer's shape and dtype): a flat bucket where the round travels fused, else a
+        # tensor alone in its own shape (its key was initialized so, and a codec may read the shape)
+        layout = [(b.key, b.members, (b.numel,), b.dtype)
+                  for b in (fusion.buckets if fusion.fuses(kv, scope) else [])]
         fused = {i for _, members, _, _ in layout for i in members}
-        layout += [(fusion.names[i], (i,), tensors[i].numel(), tensors[i].dtype)
+        layout += [(fusion.names[i], (i,), tuple(tensors[i].shape), tensors[i].dtype)
                    for i in range(len(tensors)) if i not in fused]
         self.keys = [key for key, _, _, _ in layout]
-        self.sent = [torch.empty(n, dtype=dtype) for _, _, n, dtype in layout]
-        self.result = [torch.empty(n, dtype=dtype) for _, _, n, dtype in layout]
+        self.sent = [torch.empty(shape, dtype=dtype) for _, _, shape, dtype in layout]
+        self.result = [torch.empty(shape, dtype=dtype) for _, _, shape, dtype in layout]
         self.sent_views: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
         self.result_views: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
         for (_, members, _, _), sent, result in zip(layout, self.sent, self.result, strict=True):
             start = 0
             for i in members:
                 stop = start + tensors[i].numel()
-                self.sent_views[i] = sent[start:stop].view_as(tensors[i])
-                self.result_views[i] = result[start:stop].view_as(tensors[i])
+                self.sent_views[i] = sent.view(-1)[start:stop].view_as(tensors[i])
+                self.result_views[i] = result.view(-1)[start:stop].view_as(tensors[i])
                 start = stop
 
     def pushpull(self, kv, tensors: list[torch.Tensor], *, scale: float = 1.0) -> list:

@@ -7,7 +7,8 @@ small LM's parameters (examples/train_lm.py), plain SGD at learning rate 0, so o
 
 Each worker prints one line: phase -> [calls, mean ms]; send_dc / land_dc are the overlapped DC average's send
 and landing, send_global / land the overlapped global average's, average a waited-for one. ``PROF=PHASE`` adds a
-cProfile of that phase; ``STEPS`` (40) and ``COMPUTE`` (0.2 s a step) set the run.
+cProfile of that phase; ``STEPS`` (40) and ``COMPUTE`` (0.2 s a step) set the run; ``COMPRESSION`` (JSON, as
+the examples' ``--compression``) the deployment's gradient compression.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import time
 from pathlib import Path
 
 import torch
+
+import geomx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from train_lm import SIZES, ByteGPT  # noqa: E402
@@ -52,7 +55,10 @@ def main() -> None:
     for name in PHASES:
         setattr(averaging.HFA, name, timed(name, getattr(averaging.HFA, name)))
     model = ByteGPT(SIZES["small"])
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters())
+    kv = geomx.kvstore.create()
+    if os.environ.get("COMPRESSION"):
+        kv.set_gradient_compression(json.loads(os.environ["COMPRESSION"]))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters(), kvstore=kv)
     if opt.kv.is_master_worker:
         return
     for p in model.parameters():
