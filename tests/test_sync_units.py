@@ -450,3 +450,36 @@ def _flight_state() -> dict:
     flight = InFlight([], [torch.ones(3)])
     flight.sent = [torch.zeros(3)]
     return flight.state_dict()
+
+
+def test_a_lan_only_key_travels_in_lan_sized_parts_and_is_refused_in_rounds_that_cross_the_wan():
+    """init(lan_only=True) (tensor fusion's DC-only buckets): with the WAN's parts 1 KiB, a 4 KiB key is cut in
+    4 parts, the same key initialized for DC-only rounds travels whole; its DC rounds sum the DC's workers, and a
+    round that would cross the WAN is refused naming the key."""
+    import numpy as np
+
+    from geomx.errors import KVError
+    from inproc import DEADLINE_S, HipsCluster
+
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=2)
+    try:
+        kvs = [kv for workers in cluster.workers.values() for kv in workers]
+        for kv in (cluster.master, *kvs):
+            kv.cfg.partition_bytes = 1024          # what GEOMX_PARTITION_BYTES would give every process
+        value = np.arange(1024, dtype=np.float32)
+        for key, lan_only in (("wan-key", False), ("lan-key", True)):
+            cluster.master.init(key, value, lan_only=lan_only)
+            for kv in kvs:
+                kv.init(key, np.zeros_like(value), lan_only=lan_only)
+        a0 = cluster.workers["a"][0]
+        assert len(a0._layout["wan-key"][2]) == 4 and a0._layout["lan-key"][2] is None     # the parts planned
+        rounds = [kv.pushpull("lan-key", value * (i + 1), scope="dc") for i, kv in enumerate(kvs)]
+        sums = [h.wait(DEADLINE_S) for h in rounds]
+        np.testing.assert_array_equal(sums[0], value * 3)       # DC a: workers 1 and 2
+        np.testing.assert_array_equal(sums[3], value * 7)       # DC b: workers 3 and 4
+        for op in (lambda: a0.pushpull("lan-key", value), lambda: a0.push("lan-key", value),
+                   lambda: a0.pull("lan-key")):
+            with pytest.raises(KVError, match=r"key 'lan-key' was initialized for DC-only rounds"):
+                op()
+    finally:
+        cluster.close()

@@ -31,7 +31,7 @@ from geomx.compat import check as check_combination
 from geomx.compression import parse_policy
 from geomx.config import MODES, REDUCTIONS, NodeConfig, config_from_env
 from geomx.errors import ConfigError, GeomxError, KVError
-from geomx.kvstore.partition import check_user_key, part_views, plan_parts
+from geomx.kvstore.partition import LAN_PART_BYTES, check_user_key, part_views, plan_parts
 from geomx.lifeline import watch_launcher
 from geomx.profiles import CENTRAL_DC
 from geomx.sync.settings import settings_from_env, sync_requested
@@ -98,6 +98,7 @@ class KVStore:
         self._outstanding: list[Handle] = []
         self._initialized_keys: set = set()
         self._packed_keys: set = set()          # keys of packed tensors (tensor fusion): not the model
+        self._lan_only_keys: set = set()        # keys cut into LAN-sized parts: DC-only rounds only
         self._layout: dict = {}           # key -> (shape, dtype, parts or None), from this worker's init
         self._compression: dict | None = None   # this worker's own set_gradient_compression, to check
         self._closed = False
@@ -288,12 +289,14 @@ class KVStore:
         self._client.load_wire_state_dict(state)
 
     # key-value operations -----------------------------------------------------------------------------------
-    def init(self, key, value, *, slice_elements: int = 0, packed: bool = False) -> None:
+    def init(self, key, value, *, slice_elements: int = 0, packed: bool = False, lan_only: bool = False) -> None:
         """Initialize one key (or a list of keys with a list of values). Blocks until the key exists
         everywhere; the master worker's value is the one every worker will pull. ``slice_elements`` (P3): cut
         each value into parts of at most that many elements (and of at most ``GEOMX_PARTITION_BYTES``); every
         process that initializes the key must give the same. ``packed``: the keys carry other keys' values
-        packed together (tensor fusion, geomx.sync.fusion), so the model's dense size leaves them out."""
+        packed together (tensor fusion, geomx.sync.fusion), so the model's dense size leaves them out.
+        ``lan_only``: only DC-only rounds (``pushpull(scope="dc")``) will use the keys, so they are cut into
+        parts of ``LAN_PART_BYTES``, not into the WAN's smaller parts; every process must give the same."""
         keys, values = _pairs(key, value)
         handles = []
         for k, v in zip(keys, values, strict=False):
@@ -301,6 +304,8 @@ class KVStore:
             check_user_key(k)
             arr = np.ascontiguousarray(_as_numpy_view(_one_device(k, v)))   # init blocks until answered: no copy
             limit = self.cfg.partition_bytes
+            if lan_only and limit:
+                limit = max(limit, LAN_PART_BYTES)
             if slice_elements:
                 limit = min(limit, slice_elements * arr.itemsize) if limit else slice_elements * arr.itemsize
             parts = plan_parts(k, arr.shape, arr.itemsize, limit)
@@ -317,6 +322,8 @@ class KVStore:
             self._initialized_keys.add(k)
             if packed:
                 self._packed_keys.add(k)
+            if lan_only:
+                self._lan_only_keys.add(k)
         if self.po.metrics is not None:
             dense = sum(int(np.prod(shape)) * 4 for k, (shape, _, _) in self._layout.items()
                         if k not in self._packed_keys)
@@ -390,6 +397,10 @@ class KVStore:
     def _request(self, op: str, key, value, out, priority: int) -> Handle:
         """One push, pull or pushpull of a user key: of the whole tensor, or of each of its parts."""
         check_key(key)
+        if key in self._lan_only_keys and op != Op.DC_PUSHPULL:
+            raise KVError(f"key {key!r} was initialized for DC-only rounds (init(lan_only=True): cut into LAN-sized "
+                          f"parts), but this {op} would cross the WAN: use pushpull(scope='dc'), or a key "
+                          f"initialized without lan_only")
         if self._unclaimed_sync is not None and op != "pull" and not self._client.info.get("hfa_k2"):
             raise ConfigError(self._unclaimed_sync)
         src = _as_numpy_view(_device_sum(key, value)) if value is not None else None

@@ -145,7 +145,7 @@ class Fusion:
         the servers."""
         tensors = [t.detach() for _, t in named]
         fusion = cls(use, [n for n, _ in named], tensors, bucket_bytes=bucket_bytes_for(kv, crosses_wan=crosses_wan))
-        fusion.init(kv, tensors)
+        fusion.init(kv, tensors, lan_only=not crosses_wan)
         return fusion
 
     @staticmethod
@@ -160,11 +160,14 @@ class Fusion:
         """Keys one round of these tensors sends."""
         return len(self.buckets) + len(self.alone)
 
-    def init(self, kv, tensors: list[torch.Tensor]) -> None:
+    def init(self, kv, tensors: list[torch.Tensor], *, lan_only: bool = False) -> None:
         """Create the bucket keys on the servers, valued ``tensors`` packed (every process of the deployment
-        calls it; the master worker's values count, as for any key)."""
+        calls it; the master worker's values count, as for any key). ``lan_only``: only DC-only rounds use the
+        buckets, which then travel in LAN-sized parts (the tensors alone keep their own keys, which global
+        rounds may use too)."""
         if self.buckets:
-            kv.init([b.key for b in self.buckets], [self.pack(b, tensors) for b in self.buckets], packed=True)
+            kv.init([b.key for b in self.buckets], [self.pack(b, tensors) for b in self.buckets], packed=True,
+                    lan_only=lan_only)
 
     def pack(self, bucket: Bucket, tensors: list[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
         """A new flat CPU buffer holding the bucket's members of ``tensors`` (times ``scale``)."""
