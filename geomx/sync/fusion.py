@@ -207,25 +207,31 @@ class PackedRound:
 
     def __init__(self, fusion: Fusion, kv, tensors: list[torch.Tensor], *, scope: str | None = None) -> None:
         self.scope = scope
-        # (key, tensor indices, its buffer's shape and dtype): a flat bucket where the round travels fused, else a
-        # tensor alone in its own shape (its key was initialized so, and a codec may read the shape)
-        layout = [(b.key, b.members, (b.numel,), b.dtype)
-                  for b in (fusion.buckets if fusion.fuses(kv, scope) else [])]
-        fused = {i for _, members, _, _ in layout for i in members}
-        layout += [(fusion.names[i], (i,), tuple(tensors[i].shape), tensors[i].dtype)
-                   for i in range(len(tensors)) if i not in fused]
-        self.keys = [key for key, _, _, _ in layout]
-        self.sent = [torch.empty(shape, dtype=dtype) for _, _, shape, dtype in layout]
-        self.result = [torch.empty(shape, dtype=dtype) for _, _, shape, dtype in layout]
+        self.keys: list[str] = []
+        self.sent: list[torch.Tensor] = []
+        self.result: list[torch.Tensor] = []
         self.sent_views: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
         self.result_views: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
-        for (_, members, _, _), sent, result in zip(layout, self.sent, self.result, strict=True):
-            start = 0
-            for i in members:
-                stop = start + tensors[i].numel()
-                self.sent_views[i] = sent.view(-1)[start:stop].view_as(tensors[i])
-                self.result_views[i] = result.view(-1)[start:stop].view_as(tensors[i])
-                start = stop
+        # a flat buffer per bucket where the round travels fused, else a tensor alone in its own shape (its key
+        # was initialized so, and a codec may read the shape)
+        buckets = fusion.buckets if fusion.fuses(kv, scope) else []
+        for b in buckets:
+            self._message(b.key, (b.numel,), b.dtype, zip(b.members, b.offsets, strict=True), tensors)
+        fused = {i for b in buckets for i in b.members}
+        for i, t in enumerate(tensors):
+            if i not in fused:
+                self._message(fusion.names[i], tuple(t.shape), t.dtype, [(i, 0)], tensors)
+
+    def _message(self, key: str, shape: tuple, dtype: torch.dtype, placed, tensors: list[torch.Tensor]) -> None:
+        """One message's buffers; ``placed``: (tensor index, its first element in them) pairs."""
+        sent, result = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+        self.keys.append(key)
+        self.sent.append(sent)
+        self.result.append(result)
+        for i, start in placed:
+            stop = start + tensors[i].numel()
+            self.sent_views[i] = sent.view(-1)[start:stop].view_as(tensors[i])
+            self.result_views[i] = result.view(-1)[start:stop].view_as(tensors[i])
 
     def pushpull(self, kv, tensors: list[torch.Tensor], *, scale: float = 1.0) -> list:
         """Pack ``tensors`` times ``scale`` and start the round; returns the handles."""
