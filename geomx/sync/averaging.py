@@ -68,6 +68,7 @@ class HFA:
         self.flights: deque[InFlight] = deque()     # global averages travelling (overlap > 0), oldest first
         self.dc_flight: InFlight | None = None      # the DC average travelling (dc_overlap)
         self._dc_round: PackedRound | None = None    # dc_overlap's buffers (model sent, result), made once
+        self._free_rounds: list[PackedRound] = []    # global averages' buffers, free for the next one to leave
         self.steps = 0               # local steps taken
         self.dc_averages = 0         # K1 boundaries passed (each one a DC or a global average)
         self.global_averages = 0
@@ -165,8 +166,7 @@ class HFA:
                     self.send_dc()
                     now = self.waits.add("dc_send", now)
                 else:
-                    models = [p.data for _, p in self.params]
-                    self.average("dc", self.dc_scale, models, models)
+                    self.dc_average()
                     now = self.waits.add("dc_average", now)
         else:
             self.global_averages += 1
@@ -239,61 +239,90 @@ class HFA:
             self.dc_flight = InFlight.from_state_dict({**by_period, "period": by_period["period"] * self.k1})
 
     def global_average(self) -> None:
-        averaged = [torch.empty_like(p) for _, p in self.params]
-        self.global_mean(averaged)
-        self.adopt(averaged)
+        """Wait for the global average of every worker's model and adopt it."""
+        flight = self.start_global_mean([p.detach() for _, p in self.params])
+        self.adopt(flight.land_into())
+        self._release(flight)
 
-    def adopt(self, averaged: list[torch.Tensor], sent: list[torch.Tensor] | None = None) -> None:
+    def adopt(self, averaged: list[torch.Tensor], flight: InFlight | None = None) -> None:
         """The global average of the models is in: the new global model (HFA: the average itself) becomes
-        every worker's model and the next round's base. ``sent``: the model this worker sent (overlap), whose
-        difference to the current model (the local steps taken meanwhile) is kept on top, times
-        ``overlap_keep``."""
+        every worker's model and the next round's base. ``flight``: the average as it travelled behind training
+        (overlap), whose record of the model sent gives the local steps taken meanwhile, kept on top times
+        ``overlap_keep``. Every update in place: no copy of the model is made."""
         new = self.global_model(averaged)
         with torch.no_grad():
-            for (_, p), g, s in zip(self.params, new, sent or [None] * len(new), strict=False):
-                if s is None:
+            for i, ((_, p), g) in enumerate(zip(self.params, new, strict=True)):
+                if flight is None or flight.sent is None:
                     p.copy_(g)
                 elif self.overlap_keep == 1.0:
-                    p.add_(g - s)
+                    flight.subtract_sent(i, p.add_(g))
                 else:
-                    p.sub_(s).mul_(self.overlap_keep).add_(g)
-        self.base = [g.detach().clone() for g in new]
+                    flight.subtract_sent(i, p).mul_(self.overlap_keep).add_(g)
+        self._rebase(new)
+
+    def _rebase(self, new: list[torch.Tensor]) -> None:
+        """``new`` becomes the base of the next rounds: copied into the base's own tensors, unless a compressed
+        average still travelling was sent as a change from them (D > K2), which then keeps them."""
+        if hasattr(self, "base") and not any(f.base is self.base for f in self.flights):
+            with torch.no_grad():
+                for b, g in zip(self.base, new, strict=True):
+                    b.copy_(g)
+        else:
+            self.base = [g.detach().clone() for g in new]
 
     def global_model(self, averaged: list[torch.Tensor]) -> list[torch.Tensor]:
         return averaged
 
-    def global_mean(self, into: list[torch.Tensor]) -> None:
-        """The weighted mean of every worker's model, into ``into`` (waits for it)."""
-        self.start_global_mean([p.detach() for _, p in self.params], into).land_into()
+    def start_global_mean(self, models: list[torch.Tensor]) -> InFlight:
+        """Send ``models`` for the weighted global mean. They are packed once, times their share, into buffers
+        of the flight's own (:class:`PackedRound`, reused once it landed), which stay its record of what was
+        sent (``sent``), and the mean lands in its result buffers. Under gradient compression the models travel
+        as their change since ``base``, the model every worker started the round from: a codec built for
+        gradients, with its residual, compresses a change, not a model; the mean change lands, and landing adds
+        ``base`` to it in place."""
+        packed = self._free_rounds.pop() if self._free_rounds else PackedRound(self.fusion, self.kv, models)
+        if compressed(self.kv):
+            handles = packed.pushpull(self.kv, models, scale=self.global_scale, minus=self.base)
+            flight = InFlight(handles, packed.result_views, deltas=packed.result_views, base=self.base)
+            flight.sent_relative = True
+        else:
+            flight = InFlight(packed.pushpull(self.kv, models, scale=self.global_scale), packed.result_views)
+        flight.sent, flight.sent_scale, flight.packed = packed.sent_views, self.global_scale, packed
+        return flight
 
-    def start_global_mean(self, models: list[torch.Tensor], into: list[torch.Tensor]) -> InFlight:
-        """Send ``models`` (left untouched until the result landed) for the weighted global mean, which lands
-        in ``into``. Under gradient compression the models travel as their change since ``base``, the model
-        every worker started the round from: a codec built for gradients, with its residual, compresses a
-        change, not a model."""
-        if not compressed(self.kv):
-            return InFlight(self.start_average(None, self.global_scale, models, into), into)
-        with torch.no_grad():
-            deltas = [m - b for m, b in zip(models, self.base, strict=False)]
-        return InFlight(self.start_average(None, self.global_scale, deltas, deltas), into,
-                        deltas=deltas, base=self.base)
+    def _release(self, flight: InFlight) -> None:
+        """A flight was adopted: its buffers may carry the next global average."""
+        if flight.packed is not None:
+            self._free_rounds.append(flight.packed)
+            flight.packed = None
 
     def send_global(self) -> None:
-        sent = [p.detach().clone() for _, p in self.params]
-        flight = self.start_global_mean(sent, [torch.empty_like(m) for m in sent])
-        flight.sent, flight.period = sent, self.dc_averages
+        flight = self.start_global_mean([p.detach() for _, p in self.params])
+        flight.period = self.dc_averages
         self.flights.append(flight)
 
-    def send_dc(self) -> None:
-        """dc_overlap: send the model for the DC's average, adopted ``dc_overlap`` steps later. One DC average
-        travels at a time, so its buffers are allocated once and reused; the scaled copy packed for sending is
-        also the record of what was sent (no second copy of the model, no unpacking of the result)."""
+    def dc_average(self) -> None:
+        """Wait for the DC's average of its workers' models and adopt it."""
+        flight = self.start_dc_mean()
+        with torch.no_grad():
+            for (_, p), avg in zip(self.params, flight.land_into(), strict=True):
+                p.copy_(avg)
+
+    def start_dc_mean(self) -> InFlight:
+        """Send the model for the DC's average. One DC average travels at a time, so its buffers are allocated
+        once and reused; the scaled copy packed for sending is also the record of what was sent (no second copy
+        of the model), and the average is read where it landed."""
         models = [p.detach() for _, p in self.params]
         if self._dc_round is None:
             self._dc_round = PackedRound(self.dc_fusion, self.kv, models, scope="dc")
         packed = self._dc_round
-        self.dc_flight = InFlight(packed.pushpull(self.kv, models, scale=self.dc_scale), packed.result_views)
-        self.dc_flight.sent, self.dc_flight.sent_scale = packed.sent_views, self.dc_scale
+        flight = InFlight(packed.pushpull(self.kv, models, scale=self.dc_scale), packed.result_views)
+        flight.sent, flight.sent_scale = packed.sent_views, self.dc_scale
+        return flight
+
+    def send_dc(self) -> None:
+        """dc_overlap: send the model for the DC's average, adopted ``dc_overlap`` steps later."""
+        self.dc_flight = self.start_dc_mean()
         self.dc_flight.period = self.steps      # a DC average: the step it left at
 
     def land_dc(self) -> None:
@@ -301,8 +330,8 @@ class HFA:
         flight, self.dc_flight = self.dc_flight, None
         averaged = flight.land_into()
         with torch.no_grad():
-            for (_, p), avg, sent in zip(self.params, averaged, flight.sent, strict=True):
-                p.add_(avg).sub_(sent, alpha=1.0 / flight.sent_scale)
+            for i, ((_, p), avg) in enumerate(zip(self.params, averaged, strict=True)):
+                flight.subtract_sent(i, p.add_(avg))
 
     def land(self, *, scheduled: bool = False) -> None:
         """Adopt the oldest global average in flight, waiting for it if need be. ``scheduled``: at its landing
@@ -311,7 +340,8 @@ class HFA:
         averaged = flight.land_into()
         if scheduled:
             self.landings.count(flight.waited_s)
-        self.adopt(averaged, flight.sent)
+        self.adopt(averaged, flight)
+        self._release(flight)
 
     def average(self, scope: str | None, scale: float, tensors: list[torch.Tensor],
                 into: list[torch.Tensor]) -> None:
@@ -372,7 +402,9 @@ class InFlight:
         self.handles, self.into, self.deltas, self.base = handles, into, deltas, base
         self.sent: list[torch.Tensor] | None = None
         self.period = 0
-        self.sent_scale = 1.0        # ``sent`` holds the model sent times this (a packed DC average: its share)
+        self.sent_scale = 1.0        # ``sent`` holds the model sent times this (a packed average: its share)
+        self.sent_relative = False   # ``sent`` holds the model's change since ``base`` (a compressed average)
+        self.packed: PackedRound | None = None      # the buffers it travels in, while it is not adopted
         self.waited_s = 0.0          # seconds land_into blocked on the network
 
     def state_dict(self) -> dict:
@@ -381,7 +413,8 @@ class InFlight:
             h.wait()
         self.handles = []
         return {"into": _clones(self.into), "deltas": _clones(self.deltas), "base": _clones(self.base),
-                "sent": _clones(self.sent), "sent_scale": self.sent_scale, "period": self.period}
+                "sent": _clones(self.sent), "sent_scale": self.sent_scale, "sent_relative": self.sent_relative,
+                "period": self.period}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> InFlight:
@@ -389,7 +422,15 @@ class InFlight:
         flight = cls([], _clones(state["into"]), deltas=_clones(state["deltas"]), base=_clones(state["base"]))
         flight.sent, flight.period = _clones(state["sent"]), state["period"]
         flight.sent_scale = state.get("sent_scale", 1.0)       # absent from older states: the model sent as is
+        flight.sent_relative = state.get("sent_relative", False)
         return flight
+
+    def subtract_sent(self, i: int, p: torch.Tensor) -> torch.Tensor:
+        """``p`` less the ``i``-th tensor of the model sent, in place; returns ``p``."""
+        p.sub_(self.sent[i], alpha=1.0 / self.sent_scale)
+        if self.sent_relative:
+            p.sub_(self.base[i])
+        return p
 
     def land_into(self) -> list[torch.Tensor]:
         """Wait for the result; returns the averaged models (base + mean change, under compression)."""

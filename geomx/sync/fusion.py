@@ -233,18 +233,26 @@ class PackedRound:
             self.sent_views[i] = sent.view(-1)[start:stop].view_as(tensors[i])
             self.result_views[i] = result.view(-1)[start:stop].view_as(tensors[i])
 
-    def pushpull(self, kv, tensors: list[torch.Tensor], *, scale: float = 1.0) -> list:
-        """Pack ``tensors`` times ``scale`` and start the round; returns the handles."""
-        _scaled_into(list(zip(tensors, self.sent_views, strict=True)), scale)
+    def pushpull(self, kv, tensors: list[torch.Tensor], *, scale: float = 1.0,
+                 minus: list[torch.Tensor] | None = None) -> list:
+        """Pack ``tensors`` (less ``minus``, where given: a model's change since then) times ``scale`` and start
+        the round; returns the handles."""
+        _scaled_into(list(zip(tensors, self.sent_views, strict=True)), scale, minus)
         return [kv.pushpull(key, sent, out=result, scope=self.scope)
                 for key, sent, result in zip(self.keys, self.sent, self.result, strict=True)]
 
 
-def _scaled_into(pairs: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
-    """Each (source, destination): destination = source x scale, in one pass over the memory."""
+def _scaled_into(pairs: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
+                 minus: list[torch.Tensor] | None = None) -> None:
+    """Each (source, destination): destination = source x scale (or (source - minus) x scale), in one pass over
+    the memory where the scale is 1 or nothing is subtracted."""
     with torch.no_grad():
-        for t, out in pairs:
-            if scale == 1.0:
+        for i, (t, out) in enumerate(pairs):
+            if minus is not None:
+                torch.sub(t, minus[i], out=out)
+                if scale != 1.0:
+                    out.mul_(scale)
+            elif scale == 1.0:
                 out.copy_(t)
             else:
                 torch.mul(t, scale, out=out)

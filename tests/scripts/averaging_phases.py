@@ -6,9 +6,9 @@ small LM's parameters (examples/train_lm.py), plain SGD at learning rate 0, so o
     grep -h PHASES DIR/*worker*.log
 
 Each worker prints one line: phase -> [calls, mean ms]; send_dc / land_dc are the overlapped DC average's send
-and landing, send_global / land the overlapped global average's, average a waited-for one. ``PROF=PHASE`` adds a
-cProfile of that phase; ``STEPS`` (40) and ``COMPUTE`` (0.2 s a step) set the run; ``COMPRESSION`` (JSON, as
-the examples' ``--compression``) the deployment's gradient compression.
+and landing, send_global / land the overlapped global average's, dc_average / global_average waited-for ones.
+``PROF=PHASE`` adds a cProfile of that phase; ``STEPS`` (40) and ``COMPUTE`` (0.2 s a step) set the run;
+``COMPRESSION`` (JSON, as the examples' ``--compression``) the deployment's gradient compression.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from train_lm import SIZES, ByteGPT  # noqa: E402
 from geomx.sync import averaging  # noqa: E402
 from geomx.torch import DistributedOptimizer  # noqa: E402
 
-PHASES = ("send_dc", "land_dc", "send_global", "land", "average")
+PHASES = ("send_dc", "land_dc", "dc_average", "send_global", "land", "global_average")
 
 
 def main() -> None:
