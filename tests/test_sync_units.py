@@ -403,6 +403,43 @@ def test_several_averages_in_flight_are_saved_and_restored_in_order_and_land_ali
         assert [f.period for f in again.flights] == expected
 
 
+
+def test_a_compressed_average_sent_as_a_scaled_change_is_saved_restored_and_lands_on_its_own_base():
+    """A compressed global average travels as (model - base) x share, packed (``sent_relative``): landing keeps
+    keep x (w - w_sent) on top of base + mean change, where w_sent = base + sent / share; a saved state lands the
+    same, and a state saved before the change (the model sent whole) still loads as such."""
+    from geomx.sync.averaging import HFA, InFlight
+
+    base, w_sent, mean_change = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([2.0, 2.0, 5.0]), torch.tensor(
+        [0.5, -1.0, 1.0])
+
+    def policy() -> HFA:
+        hfa = HFA(k1=1, k2=2, overlap=1, overlap_keep=0.5)
+        w = torch.nn.Parameter(torch.tensor([4.0, 0.0, 6.0]))      # moved on since the send
+        hfa.params, hfa.base, hfa.dc_scale, hfa.global_scale = [("w", w)], [base.clone()], 1.0, 0.25
+        return hfa
+
+    original = policy()
+    flight = InFlight([_Reply(0.0)], [mean_change.clone()], deltas=[mean_change.clone()], base=original.base)
+    flight.sent, flight.sent_scale, flight.sent_relative = [(w_sent - base) * 0.25], 0.25, True
+    flight.period = 1
+    original.flights.append(flight)
+    restored = policy()
+    restored.load_state_dict(original.state_dict())
+    assert restored.flights[0].sent_relative
+    for hfa in (original, restored):
+        hfa.land(scheduled=True)
+    expected = base + mean_change + 0.5 * (torch.tensor([4.0, 0.0, 6.0]) - w_sent)
+    for hfa in (original, restored):
+        assert torch.allclose(hfa.params[0][1].detach(), expected)
+        assert torch.allclose(hfa.base[0], base + mean_change)      # the next rounds' base: the new global model
+    older = original.state_dict()
+    older["in_flight"] = [{**_flight_state(), "period": 3}]
+    del older["in_flight"][0]["sent_relative"]
+    again = policy()
+    again.load_state_dict(older)
+    assert not again.flights[0].sent_relative
+
 def test_a_dc_average_in_flight_is_saved_and_restored_and_lands_alike():
     """dc_overlap: a state saved between a DC average's send and its landing holds it with the step it left at;
     the restored policy adopts it as the original does (keeping the steps taken since the send); a state of
