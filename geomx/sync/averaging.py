@@ -142,7 +142,8 @@ class HFA:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
         grads = [p.grad for _, p in self.params]
-        self.average("dc", self.dc_scale, grads, grads)
+        for h in self.dc_fusion.pushpull(self.kv, grads, grads, scale=self.dc_scale, scope="dc"):
+            h.wait()
 
     def after_step(self) -> float:
         """Called after each local optimizer step; returns the seconds spent waiting for the network."""
@@ -263,7 +264,7 @@ class HFA:
     def _rebase(self, new: list[torch.Tensor]) -> None:
         """``new`` becomes the base of the next rounds: copied into the base's own tensors, unless a compressed
         average still travelling was sent as a change from them (D > K2), which then keeps them."""
-        if hasattr(self, "base") and not any(f.base is self.base for f in self.flights):
+        if not any(f.base is self.base for f in self.flights):
             with torch.no_grad():
                 for b, g in zip(self.base, new, strict=True):
                     b.copy_(g)
@@ -343,18 +344,6 @@ class HFA:
         self.adopt(averaged, flight)
         self._release(flight)
 
-    def average(self, scope: str | None, scale: float, tensors: list[torch.Tensor],
-                into: list[torch.Tensor]) -> None:
-        """Push every one of ``tensors`` (a model, or its change) times ``scale``; the sum over the DC (scope
-        "dc") or the mean over all workers (the global servers divide by them) lands in ``into``."""
-        for h in self.start_average(scope, scale, tensors, into):
-            h.wait()
-
-    def start_average(self, scope: str | None, scale: float, tensors: list[torch.Tensor],
-                      into: list[torch.Tensor]) -> list:
-        fusion = self.dc_fusion if scope == "dc" else self.fusion
-        return fusion.pushpull(self.kv, tensors, into, scale=scale, scope=scope)
-
 
 @dataclass
 class LandingWaits:
@@ -383,7 +372,7 @@ class WaitPhases:
     dc_send: float = 0.0         # dc_overlap: packing and sending the model
     dc_landing: float = 0.0      # dc_overlap: waiting for the DC average and adopting it
     global_average: float = 0.0  # global rounds waited for (overlap 0)
-    global_send: float = 0.0     # overlap: copying, packing and sending the model or its change
+    global_send: float = 0.0     # overlap: packing and sending the model or its change
     global_landing: float = 0.0  # overlap: waiting for the global average and adopting it
 
     def add(self, phase: str, since: float) -> float:
