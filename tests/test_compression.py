@@ -327,6 +327,15 @@ def test_policy_parses_geomx_dict_forms():
     assert bsc.size_lower_bound == DEFAULT_SIZE_LOWER_BOUND == 200_000
 
 
+def test_policy_counts_a_part_of_n_as_n_parts_against_the_size_bound():
+    mpq = parse_policy({"type": "mpq", "threshold": 0.01}, env={})            # bound 200,000
+    assert mpq.codec_for("wan", "w#0/4", 65_536).name == "bsc"                # a 262,144-element tensor's part
+    assert mpq.codec_for("lan", "w#0/4", 65_536).name == "none"
+    assert mpq.codec_for("wan", "w", 65_536).name == "fp16"                   # the same size, whole: small
+    assert mpq.codec_for("wan", "w#1/2", 65_536).name == "fp16"               # 131,072 elements in all: small
+    assert mpq.codec_for("wan", "w#0/x", 65_536).name == "fp16"               # no part key: its own size
+
+
 def test_policy_mpq_routes_small_tensors_to_fp16_and_large_ones_to_bsc_on_the_wan_only():
     mpq = parse_policy({"type": "mpq", "threshold": 0.02, "size_lower_bound": 1000}, env={})
     assert _kinds(mpq, 999) == ("fp16", "fp16")

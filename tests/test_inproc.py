@@ -236,6 +236,29 @@ def test_the_size_bound_set_on_the_global_server_decides_what_every_process_comp
         cluster.close()
 
 
+def test_the_size_bound_judges_a_tensor_that_travels_in_parts_by_the_whole_tensor_not_by_one_part():
+    """Over slow links the launcher cuts tensors into parts of 65,536 elements, below the default bound of
+    200,000: judged part by part, a sparsifier sent every large tensor dense. A 400,000-element tensor in 4 parts
+    is sparsified in every part (a quarter of the entries under top-k 1/4); a 150,000-element one in 2 parts is
+    below the bound as a whole and stays dense (every entry exact)."""
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=1)
+    try:
+        kvs = [kv for kvs in cluster.workers.values() for kv in kvs]
+        for kv in [cluster.master, *kvs]:
+            kv.set_gradient_compression({"wan": {"type": "topk", "ratio": 0.25}})
+        sizes = {"large": 400_000, "under": 150_000}
+        for kv in [cluster.master, *kvs]:
+            for key, n in sizes.items():
+                kv.init(key, np.zeros(n, np.float32), slice_elements=-(-n // (4 if key == "large" else 2)))
+        for key, n in sizes.items():
+            grad = np.arange(1, n + 1, dtype=np.float32)
+            for got in [h.wait(DEADLINE_S) for h in [kv.pushpull(key, grad) for kv in kvs]]:
+                exact = np.count_nonzero(got == grad)       # both workers pushed grad: its mean is grad
+                assert exact == (n // 4 if key == "large" else n), (key, exact)
+    finally:
+        cluster.close()
+
+
 def test_workers_of_a_geomx_mixedsync_script_join_with_dist_sync_while_the_master_asks_for_dist_async():
     """GeoMX's MixedSync scripts give dist_async to the master worker only; their workers create dist_sync
     (synchronous inside the DC). They join, and the servers run asynchronously; the converse is refused."""

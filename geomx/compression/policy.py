@@ -43,6 +43,7 @@ from collections.abc import Hashable, Mapping
 from geomx.compression.codec import Codec
 from geomx.compression.registry import make_codec
 from geomx.errors import ConfigError
+from geomx.part_keys import part_count
 
 SIZE_BOUND_ENV = "MXNET_KVSTORE_SIZE_LOWER_BOUND"
 DEFAULT_SIZE_LOWER_BOUND = 200_000
@@ -67,13 +68,22 @@ class CompressionPolicy:
     _codecs: dict[str, Codec] = field(default_factory=dict, compare=False, repr=False)
 
     def codec_for(self, tier: str, key: Hashable, nelements: int) -> Codec:
-        """The codec for a tensor of ``nelements`` on ``tier`` ("lan" or "wan"). The rules depend on the tier
-        and the size only; ``key`` is part of the call so that per-key rules need no new signature. The
-        instance is shared by every key with the same spec (per-key memory lives in CodecState)."""
+        """The codec for a key of ``nelements`` on ``tier`` ("lan" or "wan"). The rules depend on the tier and
+        the size of the key's tensor only. The instance is shared by every key with the same spec (per-key
+        memory lives in CodecState).
+
+        The size bound is about tensors, not about the parts a large one travels in: a part of ``n``
+        (``"k#i/n"``, geomx.kvstore.partition) counts as a tensor of ``n`` times its own elements. Every process
+        reads that from the key and the part's shape alone, so a worker and the servers choose the same codec
+        for it. Every part but the last holds the same number of elements, so for them it is the tensor's size
+        to within one part; the last part may hold fewer and may then count as a small tensor (only where the
+        whole tensor is within a few parts of the bound). Judged by the part alone, a 256 KiB part (65,536
+        elements) fell below the default bound of 200,000, so over links of 300 Mbit/s or less, where the
+        launcher cuts parts that small, sparsifiers sent every large tensor dense."""
         if tier not in TIERS:
             raise ConfigError(f"tier must be one of {', '.join(TIERS)}, got {tier!r}")
         codec = self._codec(getattr(self, tier))
-        if nelements < self.size_lower_bound:
+        if nelements * part_count(key) < self.size_lower_bound:
             if self.small is not None:
                 return self._codec(self.small)
             if codec.sparsifying:

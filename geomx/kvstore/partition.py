@@ -16,14 +16,12 @@ updated from its own gradient and state, wherever the cut falls.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from geomx.errors import KVError
-
-_PART_KEY = re.compile(r"#\d+/\d+$")
+from geomx.part_keys import is_part_key, part_key
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,7 @@ class Part:
 
 
 def check_user_key(key) -> None:
-    if isinstance(key, str) and _PART_KEY.search(key):
+    if is_part_key(key):
         raise KVError(f"key {key!r} ends like a partition key ('#i/n'), which geomx reserves for the parts of "
                       f"large tensors; rename it")
 
@@ -80,7 +78,7 @@ def plan_parts(key, shape: tuple, itemsize: int, partition_bytes: int) -> list[P
     for i in range(n):
         start, stop = i * per_part, min(nelements, (i + 1) * per_part)
         part_shape = ((stop - start) // row, *shape[1:]) if row > 1 else (stop - start,)
-        parts.append(Part(f"{key}#{i}/{n}", start, stop, part_shape))
+        parts.append(Part(part_key(key, i, n), start, stop, part_shape))
     return parts
 
 

@@ -1,0 +1,23 @@
+"""The names of a large tensor's parts on the servers (geomx.kvstore.partition cuts it): part ``i`` of ``n`` of
+key ``k`` is the key ``"k#i/n"``. Kept apart from the kvstore so that the compression policy, which every
+server runs too, can read a part's count without importing the kvstore."""
+from __future__ import annotations
+
+import re
+from collections.abc import Hashable
+
+_PART_KEY = re.compile(r"#(\d+)/(\d+)$")
+
+
+def part_key(key, i: int, n: int) -> str:
+    return f"{key}#{i}/{n}"
+
+
+def is_part_key(key: Hashable) -> bool:
+    return isinstance(key, str) and _PART_KEY.search(key) is not None
+
+
+def part_count(key: Hashable) -> int:
+    """How many parts the tensor of ``key`` travels in: ``n`` for a part key, else 1."""
+    match = _PART_KEY.search(key) if isinstance(key, str) else None
+    return int(match.group(2)) if match else 1
