@@ -405,3 +405,24 @@ def test_geomx_bsc_with_momentum_is_dgc_momentum_correction_at_the_threshold_rat
     assert parse_policy({"type": "bsc", "threshold": 0.01}, env={}).wan["type"] == "bsc"
     with pytest.raises(ConfigError, match="momentum must be a number in"):
         parse_policy({"type": "bsc", "momentum": 1.5}, env={})
+
+
+def test_parts_are_sized_by_their_wire_bytes_so_a_compressed_part_takes_as_long_as_a_dense_one():
+    from geomx.kvstore.partition import MAX_PART_BYTES, plan_parts, wire_part_bytes
+
+    assert make_codec({"type": "fp16"}).wire_ratio((10,)) == 2.0
+    qsgd = make_codec({"type": "qsgd", "levels": 127, "bucket_size": 512})
+    assert qsgd.wire_ratio((10,)) == pytest.approx(3.97, abs=0.01)
+    assert make_codec({"type": "topk", "ratio": 0.01}).wire_ratio((10,)) == pytest.approx(50)
+    assert make_codec({"type": "bsc", "threshold": 0.01}).wire_ratio((10,)) == pytest.approx(50)
+    assert make_codec({"type": "powersgd", "rank": 4}).wire_ratio((2560, 2560)) == pytest.approx(320)
+    assert make_codec({"type": "powersgd", "rank": 4}).wire_ratio((2560,)) == 1.0      # 1-D: sent dense
+    assert make_codec("none").wire_ratio((10,)) == 1.0
+    part = 256 << 10
+    assert wire_part_bytes(part, 1.0) == part and wire_part_bytes(0, 50) == 0
+    assert wire_part_bytes(part, 3.97) == int(part * 3.97)
+    assert wire_part_bytes(part, 320) == MAX_PART_BYTES
+    # PowerSGD rank 4 of a 2560 x 2560 matrix: 2 blocks, not 103 of 25 rows, each compressed apart
+    parts = plan_parts("w", (2560, 2560), 4, wire_part_bytes(part, 320))
+    assert [p.shape for p in parts] == [(1638, 2560), (922, 2560)]
+    assert len(plan_parts("w", (2560, 2560), 4, part)) == 103

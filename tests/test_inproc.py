@@ -498,3 +498,22 @@ def test_a_high_priority_round_overtakes_a_large_one_pushed_before_it_at_every_h
     for dc in ("a", "b"):
         assert done[(dc, "big")] >= 1.6, done           # up and down the 20 Mbit/s links
         assert done[(dc, "small")] < done[(dc, "big")] / 3, done
+
+
+def test_a_worker_that_does_not_set_the_masters_compression_is_told_to_where_its_parts_would_differ():
+    """Parts are sized by their wire bytes, which a worker reads from its own set_gradient_compression. GeoMX
+    lets workers skip the call; where the master's codec then cuts a key otherwise (top-k 1/4: parts twice as
+    large), the worker is told so at its init's first reply instead of waiting for parts that never come. A key
+    cut alike needs no call."""
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=1)
+    try:
+        worker = cluster.workers["a"][0]
+        for kv in (cluster.master, worker):
+            kv.cfg.partition_bytes = 1024
+        cluster.master.set_gradient_compression({"wan": {"type": "topk", "ratio": 0.25}, "size_lower_bound": 0})
+        cluster.master.init(["small", "big"], [np.zeros(100, np.float32), np.zeros(1000, np.float32)])
+        expected = r"key .big.: the master.*into 2 part.*did not call kv.set_gradient_compression and cut it into 4"
+        with pytest.raises(ConfigError, match=expected):
+            worker.init(["small", "big"], [np.zeros(100, np.float32), np.zeros(1000, np.float32)])
+    finally:
+        cluster.close()

@@ -303,7 +303,8 @@ def test_buckets_of_a_round_that_crosses_the_wan_are_at_most_one_part(monkeypatc
 
     from geomx.sync.fusion import bucket_bytes_for
 
-    over_wan = SimpleNamespace(cfg=SimpleNamespace(partition_bytes=256 << 10))
+    over_wan = SimpleNamespace(cfg=SimpleNamespace(partition_bytes=256 << 10),
+                               wire_part_bytes=lambda key, shape: 256 << 10)
     assert bucket_bytes_for(over_wan, crosses_wan=True) == 256 << 10
     assert bucket_bytes_for(over_wan, crosses_wan=False) == 4 << 20          # a DC-only round: the whole size
     unpartitioned = SimpleNamespace(cfg=SimpleNamespace(partition_bytes=0))

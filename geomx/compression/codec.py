@@ -149,6 +149,12 @@ class Codec(ABC):
         """Exact bytes of the payload's tensor frames (the header's meta is ``payload.header_nbytes``)."""
         return payload.payload_nbytes
 
+    def wire_ratio(self, shape: tuple[int, ...]) -> float:
+        """About how many times fewer bytes than float32 a tensor of ``shape`` crosses the wire in, for a
+        large tensor (headers left out): what parts are sized by, so that a compressed part takes as long on
+        a link as a dense one (geomx.kvstore.partition). 1 where a codec does not say."""
+        return 1.0
+
     def subtract_decoded(self, payload: Payload, flat: np.ndarray) -> None:
         """``flat -= decompress(payload).reshape(-1)``, in place; sparse codecs override it to touch only the
         sent entries (error feedback calls it on every step)."""

@@ -79,6 +79,9 @@ class FP16(Codec):
     Element-wise for fusion although the scale is per tensor: with values down to 2**-28 of the peak kept to
     fp16's precision, the tensors of a fused bucket lose nothing by sharing one scale."""
 
+    def wire_ratio(self, shape):
+        return 2.0
+
     elementwise = True
 
     def _encode(self, flat, shape, state):
@@ -121,6 +124,9 @@ def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
 class BF16(Codec):
     """bfloat16 (upper 16 bits of float32, round to nearest even) sent as uint16: float32's range, relative
     error <= 2**-8. Safer than fp16 for gradients of unknown scale, 8x coarser. Wire: 2N bytes."""
+
+    def wire_ratio(self, shape):
+        return 2.0
 
     elementwise = True
 
@@ -180,6 +186,14 @@ def sampled_top(flat: np.ndarray, k: int, rng: np.random.Generator, *, sample_ra
 class _Sparse(Codec):
     """A sparsifier's payload: [indices (int32/int64), values (float32)]; decoding scatters into zeros."""
 
+    def wire_ratio(self, shape):
+        return 1.0 / (2.0 * self.kept_share)        # an int32 index and a float32 value per kept entry
+
+    @property
+    def kept_share(self) -> float:
+        """The share of entries sent."""
+        return self.ratio
+
     biased = True
     sparsifying = True
 
@@ -238,6 +252,10 @@ class BSC(_Sparse):
     ``bsc`` with ErrorFeedback (residual accumulation), or ``dgc`` with ``momentum=0.9`` for GeoMX's exact
     push-side behaviour. Wire: 8k' bytes."""
 
+    @property
+    def kept_share(self) -> float:
+        return self.threshold
+
     threshold: float = 0.01
     sample_ratio: float = 0.01
 
@@ -267,6 +285,9 @@ class RandomK(_Sparse):
     ``unbiased=False`` (default) sends the values as they are: biased, use ErrorFeedback. ``unbiased=True``
     scales them by N/k so that E[decoded] = x, at a variance of x^2 (N/k - 1) per entry: only for small
     compression or when error feedback is impossible."""
+
+    def wire_ratio(self, shape):
+        return 1.0 / self.kept_share                # values only: the indices come from the seed
 
     ratio: float = 0.01
     unbiased: bool = False
@@ -396,6 +417,10 @@ class PowerSGD(Codec):
     combine with ErrorFeedback). The payload is linear in M for a fixed Q, so senders sharing Q could sum P;
     geomx's servers decode each sender's payload instead."""
 
+    def wire_ratio(self, shape):
+        nm = self.matrix_shape(tuple(shape))
+        return 1.0 if nm is None else nm[0] * nm[1] / (self.rank * (nm[0] + nm[1]))
+
     rank: int = 1
     warm_start: bool = True
 
@@ -490,6 +515,9 @@ class QSGD(Codec):
     Element-wise in blocks: fused tensors share a bucket's norm only where one bucket of ``bucket_size`` values
     holds parts of several."""
 
+    def wire_ratio(self, shape):
+        return 32.0 / (self._bits + 32.0 / self.bucket_size)
+
     elementwise = True
     levels: int = 127
     bucket_size: int = 512
@@ -537,6 +565,9 @@ class TernGrad(Codec):
     bytes. The paper's 2.5-sigma clipping (which trades bias for variance) is left to the caller. Its error
     can exceed the signal (variance max|x| |x| - x^2 per entry), so do not feed it back (ErrorFeedback)."""
 
+    def wire_ratio(self, shape):
+        return 16.0
+
     def _encode(self, flat, shape, state):
         magnitude = np.abs(flat)
         scale = F32(magnitude.max()) if flat.size else F32(0)
@@ -562,6 +593,9 @@ class OneBit(Codec):
     """1-bit SGD / EF-signSGD (Seide et al. 2014, Karimireddy et al. 2019): sign bits plus one scale,
     mean |x| (the scaled sign). Biased and useless without error feedback: use ErrorFeedback, which makes it
     converge like SGD. Wire: ceil(N/8) + 4 bytes."""
+
+    def wire_ratio(self, shape):
+        return 32.0
 
     biased = True
 

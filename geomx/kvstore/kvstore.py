@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,10 +29,10 @@ from geomx.cluster.kvserver import layout_mismatch
 from geomx.cluster.postoffice import Postoffice, Tier
 from geomx.cluster.protocol import Command, Op
 from geomx.compat import check as check_combination
-from geomx.compression import parse_policy
+from geomx.compression import CompressionPolicy, parse_policy
 from geomx.config import MODES, REDUCTIONS, NodeConfig, config_from_env
 from geomx.errors import ConfigError, GeomxError, KVError
-from geomx.kvstore.partition import LAN_PART_BYTES, check_user_key, part_views, plan_parts
+from geomx.kvstore.partition import LAN_PART_BYTES, check_user_key, part_views, plan_parts, wire_part_bytes
 from geomx.lifeline import watch_launcher
 from geomx.profiles import CENTRAL_DC
 from geomx.sync.settings import settings_from_env, sync_requested
@@ -101,6 +102,8 @@ class KVStore:
         self._lan_only_keys: set = set()        # keys cut into LAN-sized parts: DC-only rounds only
         self._layout: dict = {}           # key -> (shape, dtype, parts or None), from this worker's init
         self._compression: dict | None = None   # this worker's own set_gradient_compression, to check
+        self._own_policy = None                 # the same as a policy (every process's, the master's too): parts
+        self._plans: dict = {}                  # key -> (shape, itemsize, lan_only, slice_elements) it was cut by
         self._closed = False
         self.po.start()
         try:
@@ -272,6 +275,7 @@ class KVStore:
         policy = parse_policy(compression)
         if self._initialized_keys:
             raise ConfigError("set_gradient_compression must be called before the first kv.init")
+        self._own_policy = policy
         if not self.is_master_worker:
             self._compression = policy.to_wire()
             return
@@ -303,22 +307,23 @@ class KVStore:
             check_key(k)
             check_user_key(k)
             arr = np.ascontiguousarray(_as_numpy_view(_one_device(k, v)))   # init blocks until answered: no copy
-            limit = self.cfg.partition_bytes
-            if lan_only and limit:
-                limit = max(limit, LAN_PART_BYTES)
-            if slice_elements:
-                limit = min(limit, slice_elements * arr.itemsize) if limit else slice_elements * arr.itemsize
-            parts = plan_parts(k, arr.shape, arr.itemsize, limit)
+            plan = (arr.shape, arr.itemsize, lan_only, slice_elements)
+            parts = self._plan(k, plan, self._own_policy)
             self._layout[k] = (arr.shape, arr.dtype, parts)
+            self._plans[k] = plan
             if parts is None:
                 handles.append([self._client.init(k, arr)])
             else:
                 handles.append([self._client.init(p.key, piece)
                                 for p, piece in zip(parts, part_views(arr, parts), strict=True)])
+        checked = False
         for k, hs in zip(keys, handles, strict=False):
             for h in hs:
                 _, info = h.wait()
                 self._check_info(info)
+                if not checked:             # the first reply names the master's compression: before any hang
+                    self._check_parts(info.get("compression"), keys)
+                    checked = True
             self._initialized_keys.add(k)
             if packed:
                 self._packed_keys.add(k)
@@ -328,6 +333,49 @@ class KVStore:
             dense = sum(int(np.prod(shape)) * 4 for k, (shape, _, _) in self._layout.items()
                         if k not in self._packed_keys)
             self.po.metrics.write("model", keys=len(self._layout), dense_bytes=dense)
+
+    def wire_part_bytes(self, key, shape: tuple, policy=None) -> int:
+        """The part size of a float tensor ``key`` of ``shape`` that crosses the WAN: ``GEOMX_PARTITION_BYTES``
+        of what its WAN codec puts on the wire (geomx.kvstore.partition.wire_part_bytes), the codec read from
+        ``policy`` (default: this process's own ``set_gradient_compression``). Every process of a deployment
+        must cut a key alike, and the servers' policy arrives only with an init's reply, too late for the plan
+        of its parts: so a process plans by its own call, which is checked against the master's at that reply
+        (:meth:`_check_parts`)."""
+        policy = self._own_policy if policy is None else policy
+        ratio = 1.0
+        if policy is not None:
+            ratio = policy.codec_for("wan", key, math.prod(shape)).wire_ratio(tuple(shape))
+        return wire_part_bytes(self.cfg.partition_bytes, ratio)
+
+    def _plan(self, key, plan: tuple, policy) -> list | None:
+        """The parts of ``key`` (None: it travels whole), ``plan`` = (shape, itemsize, lan_only, slice_elements)."""
+        shape, itemsize, lan_only, slice_elements = plan
+        limit = self.cfg.partition_bytes
+        if lan_only and limit:
+            limit = max(limit, LAN_PART_BYTES)
+        elif limit:
+            limit = self.wire_part_bytes(key, shape, policy)
+        if slice_elements:
+            limit = min(limit, slice_elements * itemsize) if limit else slice_elements * itemsize
+        return plan_parts(key, shape, itemsize, limit)
+
+    def _check_parts(self, servers_policy: dict | None, keys: list) -> None:
+        """A process that did not call set_gradient_compression (GeoMX lets workers follow the master's) cut its
+        ``keys`` as if nothing were compressed; where the master's compression cuts one otherwise, its parts would
+        never meet the master's (its init would wait for them until the deadline): refuse, naming the key and
+        the fix. Called at the first reply of each init, before the wait for a part that may never come."""
+        if self._own_policy is not None or not _cuts_parts(servers_policy):
+            return
+        policy = CompressionPolicy.from_wire(servers_policy)
+        for key in keys:
+            plan = self._plans[key]
+            mine, masters = self._layout[key][2], self._plan(key, plan, policy)
+            if [p.shape for p in mine or []] != [p.shape for p in masters or []]:
+                raise ConfigError(f"key {key!r}: the master worker compresses gradients ({servers_policy}), which "
+                                  f"cuts this tensor into {len(masters or [1])} part(s) by their wire bytes, but "
+                                  f"this process did not call kv.set_gradient_compression and cut it into "
+                                  f"{len(mine or [1])}: call it on every process, with the master's setting, "
+                                  f"before the first kv.init")
 
     def push(self, key, value, priority: int = 0) -> Handle | list[Handle]:
         """Send a gradient (zero-copy: leave ``value`` unchanged until the handle has finished)."""
@@ -469,6 +517,12 @@ class KVStore:
         if n is not None and n != self.cfg.num_all_workers:
             raise ConfigError(f"this worker counts DMLC_NUM_ALL_WORKER={self.cfg.num_all_workers} but the global "
                               f"servers count {n}")
+
+
+def _cuts_parts(policy: dict | None) -> bool:
+    """Whether a deployment's policy (as the servers send it) compresses on the WAN, which sizes its parts."""
+    return policy is not None and any((policy.get(tier) or {}).get("type", "none") != "none"
+                                      for tier in ("wan", "small"))
 
 
 def _same_codecs(servers: dict | None, mine: dict | None) -> bool:

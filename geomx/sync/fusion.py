@@ -88,10 +88,12 @@ def bucket_bytes_for(kv, *, crosses_wan: bool) -> int:
     then arrives together and the server answers it while the next ones are still on the wire. One 4 MiB
     bucket cut into 16 parts of one priority crossed as worker 0's parts, then worker 1's, and the flat PS's
     step took 1.35 s instead of 1.09 (tiny LM, ``transpacific``, docs/benchmarks.md "Tensor fusion"). DC-only
-    rounds cross no emulated link and take the whole size."""
+    rounds cross no emulated link and take the whole size. A part is sized by its wire bytes
+    (``kv.wire_part_bytes``): under 8-bit QSGD a bucket of about 1 MiB is a quarter of that on the wire."""
     size = bucket_bytes_from_env()
-    parts = kv.cfg.partition_bytes
-    return min(size, parts) if crosses_wan and parts > 0 else size
+    if not crosses_wan or kv.cfg.partition_bytes <= 0:
+        return size
+    return min(size, kv.wire_part_bytes(f"{KEY_PREFIX}bucket", (max(1, size // 4),)))
 
 
 class Fusion:
