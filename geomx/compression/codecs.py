@@ -79,10 +79,10 @@ class FP16(Codec):
     Element-wise for fusion although the scale is per tensor: with values down to 2**-28 of the peak kept to
     fp16's precision, the tensors of a fused bucket lose nothing by sharing one scale."""
 
+    elementwise = True
+
     def wire_ratio(self, shape):
         return 2.0
-
-    elementwise = True
 
     def _encode(self, flat, shape, state):
         peak = float(np.max(np.abs(flat))) if flat.size else 0.0
@@ -125,10 +125,10 @@ class BF16(Codec):
     """bfloat16 (upper 16 bits of float32, round to nearest even) sent as uint16: float32's range, relative
     error <= 2**-8. Safer than fp16 for gradients of unknown scale, 8x coarser. Wire: 2N bytes."""
 
+    elementwise = True
+
     def wire_ratio(self, shape):
         return 2.0
-
-    elementwise = True
 
     def _encode(self, flat, shape, state):
         return Payload([float32_to_bf16_bits(flat)])
@@ -186,6 +186,9 @@ def sampled_top(flat: np.ndarray, k: int, rng: np.random.Generator, *, sample_ra
 class _Sparse(Codec):
     """A sparsifier's payload: [indices (int32/int64), values (float32)]; decoding scatters into zeros."""
 
+    biased = True
+    sparsifying = True
+
     def wire_ratio(self, shape):
         return 1.0 / (2.0 * self.kept_share)        # an int32 index and a float32 value per kept entry
 
@@ -193,9 +196,6 @@ class _Sparse(Codec):
     def kept_share(self) -> float:
         """The share of entries sent."""
         return self.ratio
-
-    biased = True
-    sparsifying = True
 
     def _indices_values(self, payload: Payload, n: int) -> tuple[np.ndarray, np.ndarray]:
         return payload.arrays[0], payload.arrays[1]
@@ -252,12 +252,12 @@ class BSC(_Sparse):
     ``bsc`` with ErrorFeedback (residual accumulation), or ``dgc`` with ``momentum=0.9`` for GeoMX's exact
     push-side behaviour. Wire: 8k' bytes."""
 
+    threshold: float = 0.01
+    sample_ratio: float = 0.01
+
     @property
     def kept_share(self) -> float:
         return self.threshold
-
-    threshold: float = 0.01
-    sample_ratio: float = 0.01
 
     def __post_init__(self):
         check_fraction(self, "threshold")
@@ -286,11 +286,11 @@ class RandomK(_Sparse):
     scales them by N/k so that E[decoded] = x, at a variance of x^2 (N/k - 1) per entry: only for small
     compression or when error feedback is impossible."""
 
-    def wire_ratio(self, shape):
-        return 1.0 / self.kept_share                # values only: the indices come from the seed
-
     ratio: float = 0.01
     unbiased: bool = False
+
+    def wire_ratio(self, shape):
+        return 1.0 / self.kept_share                # values only: the indices come from the seed
 
     def __post_init__(self):
         check_fraction(self, "ratio")
@@ -417,12 +417,12 @@ class PowerSGD(Codec):
     combine with ErrorFeedback). The payload is linear in M for a fixed Q, so senders sharing Q could sum P;
     geomx's servers decode each sender's payload instead."""
 
+    rank: int = 1
+    warm_start: bool = True
+
     def wire_ratio(self, shape):
         nm = self.matrix_shape(tuple(shape))
         return 1.0 if nm is None else nm[0] * nm[1] / (self.rank * (nm[0] + nm[1]))
-
-    rank: int = 1
-    warm_start: bool = True
 
     has_own_memory = True
     biased = True
@@ -515,12 +515,12 @@ class QSGD(Codec):
     Element-wise in blocks: fused tensors share a bucket's norm only where one bucket of ``bucket_size`` values
     holds parts of several."""
 
-    def wire_ratio(self, shape):
-        return 32.0 / (self._bits + 32.0 / self.bucket_size)
-
     elementwise = True
     levels: int = 127
     bucket_size: int = 512
+
+    def wire_ratio(self, shape):
+        return 32.0 / (self._bits + 32.0 / self.bucket_size)
 
     def __post_init__(self):
         check_int(self, "levels", low=1, high=127)
@@ -594,10 +594,10 @@ class OneBit(Codec):
     mean |x| (the scaled sign). Biased and useless without error feedback: use ErrorFeedback, which makes it
     converge like SGD. Wire: ceil(N/8) + 4 bytes."""
 
+    biased = True
+
     def wire_ratio(self, shape):
         return 32.0
-
-    biased = True
 
     def _encode(self, flat, shape, state):
         scale = F32(np.abs(flat).sum() / flat.size) if flat.size else F32(0)     # numpy sums pairwise
