@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from geomx.cluster.client import Handle, KVClient, check_key, gather
+from geomx.cluster.compressed import compressible
 from geomx.cluster.kvserver import layout_mismatch
 from geomx.cluster.postoffice import Postoffice, Tier
 from geomx.cluster.protocol import Command, Op
@@ -103,7 +104,7 @@ class KVStore:
         self._layout: dict = {}           # key -> (shape, dtype, parts or None), from this worker's init
         self._compression: dict | None = None   # this worker's own set_gradient_compression, to check
         self._own_policy = None                 # the same as a policy (every process's, the master's too): parts
-        self._plans: dict = {}                  # key -> (shape, itemsize, lan_only, slice_elements) it was cut by
+        self._plans: dict = {}                  # key -> (shape, dtype, lan_only, slice_elements) it was cut by
         self._closed = False
         self.po.start()
         try:
@@ -307,7 +308,7 @@ class KVStore:
             check_key(k)
             check_user_key(k)
             arr = np.ascontiguousarray(_as_numpy_view(_one_device(k, v)))   # init blocks until answered: no copy
-            plan = (arr.shape, arr.itemsize, lan_only, slice_elements)
+            plan = (arr.shape, arr.dtype, lan_only, slice_elements)
             parts = self._plan(k, plan, self._own_policy)
             self._layout[k] = (arr.shape, arr.dtype, parts)
             self._plans[k] = plan
@@ -334,8 +335,8 @@ class KVStore:
                         if k not in self._packed_keys)
             self.po.metrics.write("model", keys=len(self._layout), dense_bytes=dense)
 
-    def wire_part_bytes(self, key, shape: tuple, policy=None) -> int:
-        """The part size of a float tensor ``key`` of ``shape`` that crosses the WAN: ``GEOMX_PARTITION_BYTES``
+    def wire_part_bytes(self, key, shape: tuple, policy=None, dtype=np.float32) -> int:
+        """The part size of a tensor ``key`` of ``shape`` and ``dtype`` that crosses the WAN: ``GEOMX_PARTITION_BYTES``
         of what its WAN codec puts on the wire (geomx.kvstore.partition.wire_part_bytes), the codec read from
         ``policy`` (default: this process's own ``set_gradient_compression``). Every process of a deployment
         must cut a key alike, and the servers' policy arrives only with an init's reply, too late for the plan
@@ -343,18 +344,19 @@ class KVStore:
         (:meth:`_check_parts`)."""
         policy = self._own_policy if policy is None else policy
         ratio = 1.0
-        if policy is not None:
+        if policy is not None and compressible(dtype):     # other dtypes travel as they are
             ratio = policy.codec_for("wan", key, math.prod(shape)).wire_ratio(tuple(shape))
         return wire_part_bytes(self.cfg.partition_bytes, ratio)
 
     def _plan(self, key, plan: tuple, policy) -> list | None:
-        """The parts of ``key`` (None: it travels whole), ``plan`` = (shape, itemsize, lan_only, slice_elements)."""
-        shape, itemsize, lan_only, slice_elements = plan
+        """The parts of ``key`` (None: it travels whole), ``plan`` = (shape, dtype, lan_only, slice_elements)."""
+        shape, dtype, lan_only, slice_elements = plan
+        itemsize = np.dtype(dtype).itemsize
         limit = self.cfg.partition_bytes
         if lan_only and limit:
             limit = max(limit, LAN_PART_BYTES)
         elif limit:
-            limit = self.wire_part_bytes(key, shape, policy)
+            limit = self.wire_part_bytes(key, shape, policy, dtype)
         if slice_elements:
             limit = min(limit, slice_elements * itemsize) if limit else slice_elements * itemsize
         return plan_parts(key, shape, itemsize, limit)
