@@ -517,3 +517,25 @@ def test_a_worker_that_does_not_set_the_masters_compression_is_told_to_where_its
             worker.init(["small", "big"], [np.zeros(100, np.float32), np.zeros(1000, np.float32)])
     finally:
         cluster.close()
+
+
+def test_a_compressed_key_is_cut_into_parts_of_its_wire_bytes_so_powersgd_sees_the_whole_matrix():
+    """With parts of 1 KiB, a 64 x 64 float32 matrix (16 KiB) travels in 16 parts when dense; under PowerSGD
+    rank 1 on the WAN (64 x 64 / (64 + 64) = 32 times fewer bytes) it travels whole, so the codec compresses
+    the matrix, not 16 blocks of 4 rows, and the round still averages it."""
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=1)
+    try:
+        kvs = [kv for kvs in cluster.workers.values() for kv in kvs]
+        for kv in [cluster.master, *kvs]:
+            kv.cfg.partition_bytes = 1024
+            kv.set_gradient_compression({"wan": {"type": "powersgd", "rank": 1}, "size_lower_bound": 0})
+        for kv in [cluster.master, *kvs]:
+            kv.init(["m", "counts"], [np.zeros((64, 64), np.float32), np.zeros(1000, np.int32)])
+        keys = set(cluster.global_server.keys)
+        assert "m" in keys and not any(str(k).startswith("m#") for k in keys)
+        assert "counts#0/4" in keys                          # an integer key travels as it is: raw-sized parts
+        grad = np.outer(np.arange(64, dtype=np.float32), np.ones(64, np.float32))     # rank 1: exact
+        for got in [h.wait(DEADLINE_S) for h in [kv.pushpull("m", grad) for kv in kvs]]:
+            np.testing.assert_allclose(got, grad, rtol=1e-4, atol=1e-3)
+    finally:
+        cluster.close()
