@@ -104,7 +104,7 @@ class KVStore:
         self._layout: dict = {}           # key -> (shape, dtype, parts or None), from this worker's init
         self._compression: dict | None = None   # this worker's own set_gradient_compression, to check
         self._own_policy = None                 # the same as a policy (every process's, the master's too): parts
-        self._plans: dict = {}                  # key -> (shape, dtype, lan_only, slice_elements) it was cut by
+        self._cuts: dict = {}                   # key -> (lan_only, slice_elements) its init asked for
         self._closed = False
         self.po.start()
         try:
@@ -308,10 +308,9 @@ class KVStore:
             check_key(k)
             check_user_key(k)
             arr = np.ascontiguousarray(_as_numpy_view(_one_device(k, v)))   # init blocks until answered: no copy
-            plan = (arr.shape, arr.dtype, lan_only, slice_elements)
-            parts = self._plan(k, plan, self._own_policy)
+            self._cuts[k] = (lan_only, slice_elements)
+            parts = self._plan(k, arr.shape, arr.dtype, self._own_policy)
             self._layout[k] = (arr.shape, arr.dtype, parts)
-            self._plans[k] = plan
             if parts is None:
                 handles.append([self._client.init(k, arr)])
             else:
@@ -348,9 +347,9 @@ class KVStore:
             ratio = policy.codec_for("wan", key, math.prod(shape)).wire_ratio(tuple(shape))
         return wire_part_bytes(self.cfg.partition_bytes, ratio)
 
-    def _plan(self, key, plan: tuple, policy) -> list | None:
-        """The parts of ``key`` (None: it travels whole), ``plan`` = (shape, dtype, lan_only, slice_elements)."""
-        shape, dtype, lan_only, slice_elements = plan
+    def _plan(self, key, shape: tuple, dtype, policy) -> list | None:
+        """The parts of ``key`` (None: it travels whole), cut as its init asked (``self._cuts``) under ``policy``."""
+        lan_only, slice_elements = self._cuts[key]
         itemsize = np.dtype(dtype).itemsize
         limit = self.cfg.partition_bytes
         if lan_only and limit:
@@ -366,12 +365,12 @@ class KVStore:
         ``keys`` as if nothing were compressed; where the master's compression cuts one otherwise, its parts would
         never meet the master's (its init would wait for them until the deadline): refuse, naming the key and
         the fix. Called at the first reply of each init, before the wait for a part that may never come."""
-        if self._own_policy is not None or not _cuts_parts(servers_policy):
+        if self._own_policy is not None or servers_policy is None:
             return
         policy = CompressionPolicy.from_wire(servers_policy)
         for key in keys:
-            plan = self._plans[key]
-            mine, masters = self._layout[key][2], self._plan(key, plan, policy)
+            shape, dtype, mine = self._layout[key]
+            masters = self._plan(key, shape, dtype, policy)
             if [p.shape for p in mine or []] != [p.shape for p in masters or []]:
                 raise ConfigError(f"key {key!r}: the master worker compresses gradients ({servers_policy}), which "
                                   f"cuts this tensor into {len(masters or [1])} part(s) by their wire bytes, but "
@@ -519,12 +518,6 @@ class KVStore:
         if n is not None and n != self.cfg.num_all_workers:
             raise ConfigError(f"this worker counts DMLC_NUM_ALL_WORKER={self.cfg.num_all_workers} but the global "
                               f"servers count {n}")
-
-
-def _cuts_parts(policy: dict | None) -> bool:
-    """Whether a deployment's policy (as the servers send it) compresses on the WAN, which sizes its parts."""
-    return policy is not None and any((policy.get(tier) or {}).get("type", "none") != "none"
-                                      for tier in ("wan", "small"))
 
 
 def _same_codecs(servers: dict | None, mine: dict | None) -> bool:
