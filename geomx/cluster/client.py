@@ -189,13 +189,14 @@ class KVClient:
         whole weights at init)."""
         return self.wire.state_dict(replicas=False) if self.wire is not None else None
 
-    def load_wire_state_dict(self, state: dict | None) -> None:
+    def load_wire_state_dict(self, state: dict | None, *, cuts=None) -> None:
+        """``cuts``: how this process cuts each tensor into parts (ClientWire.load_state_dict)."""
         if state is None:
             return
         if self.wire is None:
             raise ConfigError(f"{self.po.cfg.label}: saved compression streams, but this deployment compresses "
                               f"nothing")
-        self.wire.load_state_dict(state)
+        self.wire.load_state_dict(state, cuts=cuts)
 
     @property
     def joined_at(self) -> int:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import zlib
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,7 @@ import numpy as np
 
 from geomx.cluster.protocol import Field
 from geomx.compression import Codec, CodecState, CompressionPolicy, ErrorFeedback, Payload
+from geomx.part_state import recut_stream, saved_pieces
 
 CODEC_FIELD = Field.CODEC
 
@@ -106,8 +107,8 @@ class Stream:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["codec"] != self.codec.name:
             raise ValueError(f"saved stream of codec {state['codec']!r} cannot continue as {self.codec.name!r}")
-        self.state.load_state_dict(state["codec_state"])
-        if self.feedback is not None and state["feedback"] is not None:
+        self.state.load_state_dict(state.get("codec_state", {}))
+        if self.feedback is not None and state.get("feedback") is not None:
             self.feedback.load_state_dict(state["feedback"])
 
 
@@ -221,9 +222,12 @@ class ClientWire(_Side):
             state["replica"] = [[key, value] for key, value in self._replica.items()]
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, cuts: Mapping | None = None) -> None:
+        """``cuts``: tensor key -> its parts here, ``(key, start, stop, shape)`` each; a tensor whose saved
+        streams name other parts (a checkpoint of a job that cut it otherwise) has them re-cut."""
         self._push = {}
-        for key, shape, dtype, saved in state["push"]:
+        push = state["push"] if cuts is None else self._recut_push(state["push"], cuts)
+        for key, shape, dtype, saved in push:
             codec = self.codec(key, tuple(shape), np.dtype(dtype))
             if codec is None:
                 raise ValueError(f"saved push stream of key {key!r}, which travels uncompressed here")
@@ -232,6 +236,25 @@ class ClientWire(_Side):
             self._shapes[key] = (tuple(shape), np.dtype(dtype))
         if "replica" in state:      # else the replicas stay those of the servers' init replies
             self._replica = {key: np.array(value) for key, value in state["replica"]}
+
+    def _recut_push(self, push: list, cuts: Mapping) -> list:
+        """The saved push streams for this process's cut of each tensor (geomx.part_state): the error-feedback
+        residual a stream still owes the servers is carried into the parts that now hold its elements."""
+        shapes = {key: tuple(shape) for key, shape, _, _ in push}
+        states = {key: saved for key, _, _, saved in push}
+        entries = {entry[0]: entry for entry in push}
+        for base, parts in cuts.items():
+            pieces = [] if all(key in shapes for key, *_ in parts) else saved_pieces(base, shapes, states)
+            if not pieces:
+                continue
+            dtype = entries[pieces[0].key][2]
+            for piece in pieces:
+                del entries[piece.key]
+            for key, start, stop, shape in parts:
+                stream = recut_stream(pieces, start, stop)
+                if stream is not None and self.codec(key, shape, np.dtype(dtype)) is not None:
+                    entries[key] = [key, list(shape), dtype, stream]
+        return list(entries.values())
 
     def note_dense(self, key, value: np.ndarray) -> None:
         """A dense value from the server (init): the replica that weight changes apply to."""

@@ -251,7 +251,7 @@ class GlobalServer(KVServer):
         """Start ``st`` from the checkpoint being resumed (when resuming): its value and optimizer state (a server
         optimizer's), and its reply codec's state."""
         try:
-            saved = self.checkpoints.resumed_state(st.key)
+            saved = self.checkpoints.resumed_state(st.key, st.shape)
             if saved is None:
                 return
             if st.update is not None:

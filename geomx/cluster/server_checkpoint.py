@@ -26,7 +26,9 @@ the step every worker checkpointed; under FSA one step is one round of every key
 initializes a key, the server starts it from the saved value, optimizer state and codec state instead of the
 master's value (without a server optimizer only the codec state: the workers' checkpoints hold the model), every
 worker's init reads those weights, and the key's rounds count on from that step. Per-client counters are not
-restored: the resumed job's processes are new clients.
+restored: the resumed job's processes are new clients. A resumed job over another WAN or with another codec
+cuts its tensors into other parts (geomx.kvstore.partition); each new part then starts from the saved parts of
+its tensor, wherever they were saved, re-cut (geomx.part_state).
 
 Not covered: asynchronous rounds (``dist_async``: no round is common to every key), the local servers' state
 (their compression streams start afresh), and a restart of one global server inside a running job.
@@ -35,12 +37,16 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from geomx import statefile
 from geomx.cluster.checkpoint_clock import CheckpointClock
 from geomx.errors import ConfigError
+from geomx.part_state import NotRecuttable, base_key, part_range, recut, recut_stream, saved_pieces
 
 log = logging.getLogger("geomx.server_checkpoint")
 
@@ -74,12 +80,15 @@ class ServerCheckpoints:
         self.latest_declared = 0                          # what value replies tell the clients (0: nothing yet)
         self._pending: dict[int, dict[Any, dict]] = {}    # round -> key -> its state at that round
         self._resumed: dict[Any, dict] | None = None
+        self._every_server: dict[Any, dict] | None = None     # every global server's saved keys (when needed)
         self.resume_from, self.resume_round = resume_from, resume_round
 
-    def resumed_state(self, key) -> dict | None:
-        """The key was initialized: its rounds count on from the step resumed at. Returns its saved state to start
-        from (None: not resuming, or this server saves nothing). Loaded at the first key; a missing file is an
-        error naming it."""
+    def resumed_state(self, key, shape: tuple) -> dict | None:
+        """The key (of ``shape``) was initialized: its rounds count on from the step resumed at. Returns its saved
+        state to start from (None: not resuming, or this server saves nothing). Loaded at the first key; a
+        missing file is an error naming it. A key this server's file lacks is looked up in every global
+        server's file of the round (keys are placed by bytes, so another cut places them otherwise), and a part
+        of a tensor that the checkpoint cut otherwise is re-cut from the saved parts (:meth:`_recut`)."""
         if self.resume_from is None or self.resume_round is None:
             return None
         self.rounds[key] = self.resume_round
@@ -91,15 +100,48 @@ class ServerCheckpoints:
                 raise ConfigError(f"cannot resume global server {self.rank} at round {self.resume_round}: {path} "
                                   f"does not exist (the run was not checkpointed at that step with a server "
                                   f"optimizer or compression)")
-            saved = statefile.load(path)
-            if saved.get("format") != FORMAT or saved.get("rank") != self.rank:
-                raise ConfigError(f"{path} is not global server {self.rank}'s checkpoint")
-            self._resumed = {entry["key"]: entry for entry in saved["keys"]}
+            self._resumed = self._entries(path)
         entry = self._resumed.get(key)
         if entry is None:
-            raise ConfigError(f"key {key!r} is not in global server {self.rank}'s checkpoint of round "
-                              f"{self.resume_round} (keys: {sorted(map(repr, self._resumed))[:8]})")
+            if self._every_server is None:
+                self._every_server = {}
+                for rank, rounds in rounds_saved(self.resume_from).items():
+                    if self.resume_round in rounds:
+                        path = self.resume_from / checkpoint_name(rank, self.resume_round)
+                        self._every_server.update(self._entries(path, rank))
+            entry = self._every_server.get(key) or self._recut(key, shape)
         return entry
+
+    def _entries(self, path: Path, rank: int | None = None) -> dict:
+        saved = statefile.load(path)
+        if saved.get("format") != FORMAT or saved.get("rank") != (self.rank if rank is None else rank):
+            raise ConfigError(f"{path} is not global server {self.rank if rank is None else rank}'s checkpoint")
+        return {entry["key"]: entry for entry in saved["keys"]}
+
+    def _recut(self, key, shape: tuple) -> dict:
+        """``key``'s state cut from the saved parts of its tensor (geomx.part_state): the job resumed cuts its
+        tensors otherwise (another WAN's part size, another codec's wire ratio, P3's slices)."""
+        shapes = {k: tuple(e["shape"]) if "shape" in e else np.shape(e["value"])
+                  for k, e in self._every_server.items() if "shape" in e or e.get("value") is not None}
+        pieces = saved_pieces(base_key(key), shapes, self._every_server)
+        if not pieces:
+            raise ConfigError(f"key {key!r} is not in the global servers' checkpoint of round {self.resume_round} "
+                              f"(keys: {sorted(map(repr, self._every_server))[:8]})")
+        start, stop = part_range(key, shape, pieces[-1].stop)
+        saved = [p.state for p in pieces]
+        try:
+            entry = {name: None if saved[0][name] is None else
+                     recut(pieces, start, stop, shape, shaped=True, states=[s[name] for s in saved])
+                     for name in ("value", "update")}
+        except NotRecuttable as exc:
+            raise ConfigError(f"key {key!r}: the checkpoint cut its tensor into {len(pieces)} part(s), and its "
+                              f"server optimizer's state cannot be cut otherwise ({exc})") from None
+        down = [None if s["wire"] is None else s["wire"]["down"] for s in saved]
+        entry["wire"] = None if saved[0]["wire"] is None else {
+            "down": recut_stream([replace(p, state=d) for p, d in zip(pieces, down, strict=True)], start, stop)}
+        log.info("global server %d: key %r resumed from the checkpoint's %d part(s) of its tensor, cut otherwise",
+                 self.rank, key, len(pieces))
+        return {"key": key, "shape": list(shape), **entry}
 
     # rounds -------------------------------------------------------------------------------------------------
     def round_done(self, st, keys: int) -> int | None:
@@ -109,7 +151,7 @@ class ServerCheckpoints:
         n = self.rounds[st.key] = self.rounds.get(st.key, 0) + 1
         if self.writes and self._checkpoint_round(n):
             pending = self._pending.setdefault(n, {})
-            pending[st.key] = {"key": st.key,
+            pending[st.key] = {"key": st.key, "shape": list(st.shape),
                                "value": st.value if st.update is not None else None,
                                "update": st.update.state_dict() if st.update is not None else None,
                                "wire": st.wire.shared_state_dict() if st.wire is not None else None}

@@ -104,9 +104,9 @@ class CodecState:
         return {"seed": self.seed, "slots": slots}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.seed = state["seed"]
+        self.seed = state.get("seed", self.seed)       # a stream re-cut to another part keeps its own (part_state)
         self._slots = {}
-        for name, saved in state["slots"].items():
+        for name, saved in state.get("slots", {}).items():
             slot = self._slots[name] = {}
             for k, v in saved.items():
                 if isinstance(v, dict) and "bit_generator_state" in v:

@@ -290,8 +290,11 @@ class KVStore:
         return self._client.wire_state_dict()
 
     def load_wire_state_dict(self, state: dict | None) -> None:
-        """Restore :meth:`wire_state_dict` after the keys are initialized."""
-        self._client.load_wire_state_dict(state)
+        """Restore :meth:`wire_state_dict` after the keys are initialized. Streams saved by a job that cut a
+        tensor into other parts are re-cut to this process's parts (geomx.part_state)."""
+        cuts = {key: [(p.key, p.start, p.stop, p.shape) for p in parts] if parts
+                else [(key, 0, math.prod(shape), tuple(shape))] for key, (shape, _, parts) in self._layout.items()}
+        self._client.load_wire_state_dict(state, cuts=cuts)
 
     # key-value operations -----------------------------------------------------------------------------------
     def init(self, key, value, *, slice_elements: int = 0, packed: bool = False, lan_only: bool = False) -> None:
