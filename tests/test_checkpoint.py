@@ -157,20 +157,22 @@ def test_time_based_checkpoints_name_the_same_steps_on_every_role_and_a_job_resu
 def test_a_job_resumed_with_another_part_size_recuts_the_servers_state_and_ends_bit_for_bit(tmp_path):
     """The part size follows the WAN (the launcher sizes it by the slowest link) and the codec, so a job may be
     resumed with another one: saved with parts of 16 KiB (the example's two 128 KB tensors in 8 parts each, its
-    51 KB one in 4), resumed at step 3 with parts of 64 KiB (2 parts each, and whole) on two global servers, which
-    place the new parts otherwise. Each new part starts from the saved parts' weights and Adam moments re-cut
-    (geomx.part_state), and the job ends on the model of the job that went on, bit for bit."""
+    51 KB one in 4) on two global servers, resumed at step 3 with parts of 64 KiB (2 parts each, and whole) on
+    three, which place the new parts otherwise (the third saved nothing). Each new part starts from the saved
+    parts' weights and Adam moments re-cut (geomx.part_state), and the job ends on the model of the job that went
+    on, bit for bit."""
     from geomx import statefile
 
-    deployment = dict(dcs=1, workers_per_dc=1, global_servers=2, topology="flat")
+    servers = {"straight": 2, "resumed": 3}
     cut = {run: {"GEOMX_CHECKPOINT_EVERY": "3", "GEOMX_PARTITION_BYTES": size}
            for run, size in (("straight", "16384"), ("resumed", "65536"))}
-    _train(tmp_path / "straight", 6, "server", deployment=deployment, env=cut["straight"])
-    out = _train(tmp_path / "resumed", 6, "server", deployment=deployment, env=cut["resumed"],
+    deployment = {run: dict(dcs=1, workers_per_dc=1, global_servers=servers[run], topology="flat") for run in cut}
+    _train(tmp_path / "straight", 6, "server", deployment=deployment["straight"], env=cut["straight"])
+    out = _train(tmp_path / "resumed", 6, "server", deployment=deployment["resumed"], env=cut["resumed"],
                  resume=tmp_path / "straight", resume_step=3)
     assert "resumed at step 3" in out
     checkpoints = {run: tmp_path / run / "checkpoints" for run in ("straight", "resumed")}
-    keys = {run: {e["key"] for rank in (0, 1)
+    keys = {run: {e["key"] for rank in range(servers[run])
                   for e in statefile.load(checkpoints[run] / f"global-server-{rank}-round-6.state")["keys"]}
             for run in checkpoints}
     parts = {run: {k for k in keys[run] if "#" in k} for run in keys}
@@ -271,9 +273,10 @@ def _server_keys() -> list:
             for i, k in enumerate(("w", 7))]
 
 
-def test_a_global_server_resumes_only_from_its_own_checkpoint_of_that_round_and_names_what_is_missing(tmp_path):
+def test_a_global_server_resumes_from_the_checkpoints_of_that_round_and_names_what_is_missing(tmp_path):
     """Workers' checkpoints alone cannot resume a job whose model lives on the global server; a checkpoint is
-    written once every key reached the round, and only the last two are kept."""
+    written once every key reached the round, and only the last two are kept. A key is looked up in every
+    global server's file of the round (a server that saved none finds its keys in the others')."""
 
     from geomx.cluster.server_checkpoint import ServerCheckpoints
 
@@ -290,9 +293,11 @@ def test_a_global_server_resumes_only_from_its_own_checkpoint_of_that_round_and_
     assert reader.resumed_state(7, (2,))["value"].tolist() == [1.0, 1.0] and reader.rounds[7] == 4
     with pytest.raises(ConfigError, match="key 'b' is not in the global servers' checkpoint of round 4"):
         reader.resumed_state("b", (2,))
-    with pytest.raises(ConfigError, match="global-server-1-round-4.state does not exist"):
+    other = ServerCheckpoints(rank=1, every=2, directory=None, resume_from=tmp_path, resume_round=4)
+    assert other.resumed_state("w", (2,))["value"].tolist() == [0.0, 0.0]      # in global server 0's file
+    with pytest.raises(ConfigError, match="global-server-1-round-5.state does not exist"):
         ServerCheckpoints(rank=1, every=2, directory=None, resume_from=tmp_path,
-                          resume_round=4).resumed_state("w", (2,))
+                          resume_round=5).resumed_state("w", (2,))
 
 
 def test_a_server_that_hears_of_a_checkpoint_round_after_completing_it_skips_it_and_writes_the_next(

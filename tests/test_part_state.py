@@ -137,7 +137,8 @@ def test_a_workers_push_residual_is_carried_into_the_parts_of_another_cut_so_no_
 
 def test_a_global_server_resumes_a_part_of_another_cut_from_the_parts_every_server_saved(tmp_path):
     """Two global servers saved a tensor's four parts (two each) with Adam-like state; a job that cuts it in two
-    parts resumes each from the four, on whichever server now owns it, and a whole key likewise."""
+    parts resumes each from the four, on whichever server now owns it, and a whole key likewise; a third global
+    server, which saved nothing, finds its keys in the others' files."""
     parts = _cut(48)
     for rank, mine in ((0, parts[:2]), (1, parts[2:])):
         entries = [{"key": p.key, "shape": list(p.shape), "value": _state_of(p)["param"], "update": _state_of(p),
@@ -152,6 +153,8 @@ def test_a_global_server_resumes_a_part_of_another_cut_from_the_parts_every_serv
         np.testing.assert_array_equal(entry["update"]["optimizer"]["state"][0]["exp_avg"],
                                       _state_of(part)["optimizer"]["state"][0]["exp_avg"])
         assert reader.rounds[part.key] == 6
+    more_servers = ServerCheckpoints(rank=2, every=3, directory=None, resume_from=tmp_path, resume_round=6)
+    np.testing.assert_array_equal(more_servers.resumed_state("w#3/4", (1, 4))["value"], WHOLE["param"][9:])
     whole = reader.resumed_state("w", SHAPE)
     np.testing.assert_array_equal(whole["value"], WHOLE["param"])
     with pytest.raises(ConfigError, match=r"key 'v' is not in the global servers' checkpoint of round 6"):

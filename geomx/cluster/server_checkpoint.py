@@ -85,10 +85,11 @@ class ServerCheckpoints:
 
     def resumed_state(self, key, shape: tuple) -> dict | None:
         """The key (of ``shape``) was initialized: its rounds count on from the step resumed at. Returns its saved
-        state to start from (None: not resuming, or this server saves nothing). Loaded at the first key; a
-        missing file is an error naming it. A key this server's file lacks is looked up in every global
-        server's file of the round (keys are placed by bytes, so another cut places them otherwise), and a part
-        of a tensor that the checkpoint cut otherwise is re-cut from the saved parts (:meth:`_recut`)."""
+        state to start from (None: not resuming, or this server saves nothing). Loaded at the first key; no file
+        of the round is an error naming this server's. A key this server's file lacks (or a server that saved
+        none: the job has more global servers now) is looked up in every global server's file of the round (keys
+        are placed by bytes, so another cut or another number of servers places them otherwise), and a part of a
+        tensor that the checkpoint cut otherwise is re-cut from the saved parts (:meth:`_recut`)."""
         if self.resume_from is None or self.resume_round is None:
             return None
         self.rounds[key] = self.resume_round
@@ -96,11 +97,13 @@ class ServerCheckpoints:
             return None
         if self._resumed is None:
             path = self.resume_from / checkpoint_name(self.rank, self.resume_round)
-            if not path.exists():
+            ranks = [r for r, rounds in rounds_saved(self.resume_from).items() if self.resume_round in rounds]
+            if not ranks:
                 raise ConfigError(f"cannot resume global server {self.rank} at round {self.resume_round}: {path} "
                                   f"does not exist (the run was not checkpointed at that step with a server "
                                   f"optimizer or compression)")
-            self._resumed = self._entries(path)
+            # a job resumed with more global servers than it saved: this one's keys are all in the others' files
+            self._resumed = self._entries(path) if path.exists() else {}
         entry = self._resumed.get(key)
         if entry is None:
             if self._every_server is None:
