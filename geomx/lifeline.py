@@ -51,7 +51,18 @@ def alive(pid: int) -> bool:
         return False
     except PermissionError:          # exists, owned by another user
         return True
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """A launcher killed but not yet reaped (its parent, a script rather than a shell, may never wait for it)
+    still answers signal 0: it is dead all the same."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:                  # no /proc (not Linux), or gone meanwhile
+        return False
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] == b"Z"
 
 
 def _watch(launcher: int) -> None:

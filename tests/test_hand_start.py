@@ -100,7 +100,8 @@ def _processes_of_run(run_dir) -> list[int]:
 
 def test_no_role_outlives_a_launcher_killed_with_sigkill(tmp_path):
     """SIGKILL leaves the launcher no chance to stop its roles (each runs in its own session): the roles,
-    the WAN emulator included, notice that the launcher is gone and stop themselves within seconds."""
+    the WAN emulator included, notice that the launcher is gone and stop themselves within seconds, even while
+    the dead launcher is not reaped (this test waits for it only afterwards; a zombie still answers signal 0)."""
     import signal
     import subprocess
 
@@ -112,10 +113,10 @@ def test_no_role_outlives_a_launcher_killed_with_sigkill(tmp_path):
     try:
         wait_until(lambda: len(list(run_dir.glob("up-*"))) == 2, 60, "both workers initialized")
         roles = _processes_of_run(run_dir)
-        # emulator, 4 schedulers, global server, 2 local servers, 2 workers (the master has finished)
-        assert len(roles) >= 10, roles
+        # the emulator, the global scheduler and server, each DC's scheduler, local server and worker (and the
+        # master worker until it finishes)
+        assert len(roles) >= 9, roles
         launcher.send_signal(signal.SIGKILL)
-        launcher.wait(10)
         wait_until(lambda: not _processes_of_run(run_dir), 15, "every role stopping after the launcher died")
     finally:
         if launcher.poll() is None:
