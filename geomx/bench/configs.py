@@ -155,6 +155,9 @@ register(BenchConfig("hips-hfa-dcgrad-overlap", "HiPS HFA (DC gradient average e
                      "overlapped, D=5)", env=HFA_DC_GRADIENTS))
 register(BenchConfig("hips-hfa-dcgrad-overlap-fp16", "HiPS HFA (DC gradient average every step, K2=10, D=5), "
                      "global averages in fp16 on the WAN", env=HFA_DC_GRADIENTS, train_args=WAN_FP16))
+register(BenchConfig("hips-hfa-dc5-land-int8-keep-dcgrad", "HiPS HFA (DC gradient average every step, K2=5, D=5, "
+                     "half the steps taken meanwhile kept), global averages as 8-bit QSGD on the WAN",
+                     env=launch_env({**HFA_DC5_LAND, "dc_sync": "gradients"}), train_args=WAN_INT8))
 register(BenchConfig("hips-hfa-dc-overlap-unfused",
                      "HiPS HFA (K1=1, K2=10, global average overlapped, D=5), a key per tensor (GEOMX_FUSION_BYTES=0)",
                      env={**launch_env(HFA_DC), "GEOMX_FUSION_BYTES": "0"}))

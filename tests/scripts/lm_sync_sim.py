@@ -1,6 +1,6 @@
 """Issue 13's iid question without a network: does averaging the workers' models lose to FSA per step?
 
-    python tests/scripts/lm_sync_sim.py fsa|hfa|avg-all SEED [K2 [D KEEP]] [--split-by-package] [--dc-late]
+    python tests/scripts/lm_sync_sim.py fsa|hfa|avg-all SEED [K2 [D KEEP]] [--split-by-package] [--dc-late] [--dc-grad]
                                         [--outer=LR,MOMENTUM] [--steps=N]
 
 One process trains examples/train_lm.py's tiny model (context 64, batch 2 per worker, AdamW, its warm-up and
@@ -10,7 +10,8 @@ cosine schedule over 400 steps, or ``--steps``) as 4 workers in 2 DCs would, wit
 each DC's pair every step and all 4 every K2 steps (default 5), each global average landing D steps after
 it left (default 0: at once) as avg + KEEP x (the steps taken meanwhile), as ``--hfa-overlap`` and
 ``--hfa-overlap-keep`` do with K1 = 1 (KEEP ``pull:A``: w = (1 - A) w + A avg instead); ``--dc-late``: each
-DC average lands a step after it left, keeping that step, as ``--hfa-dc-overlap 1`` does; ``--outer=LR,M``: a
+DC average lands a step after it left, keeping that step, as ``--hfa-dc-overlap 1`` does; ``--dc-grad``: each DC
+keeps one model and steps it on its workers' mean gradient, as ``--hfa-dc-sync gradients`` does; ``--outer=LR,M``: a
 late global average feeds DiLoCo's outer Nesterov step first; ``avg-all`` averages all 4 every step. Prints the
 mean validation loss over the workers at steps 200 and 400, or half-way and at the end of ``--steps``
 (docs/benchmarks.md).
@@ -55,6 +56,7 @@ def main() -> int:
     share = float(keep.removeprefix("pull:"))
     by_package = "--split-by-package" in sys.argv
     dc_late = "--dc-late" in sys.argv      # each DC average lands a step later, the step taken meanwhile kept
+    dc_grad = "--dc-grad" in sys.argv      # one model per DC stepping on its workers' mean gradient
     outer = next((a.removeprefix("--outer=") for a in sys.argv if a.startswith("--outer=")), "")
     outer_lr, outer_momentum = (float(x) for x in outer.split(",")) if outer else (1.0, 0.0)
     steps = int(next((a.removeprefix("--steps=") for a in sys.argv if a.startswith("--steps=")), STEPS))
@@ -72,7 +74,8 @@ def main() -> int:
 
     torch.manual_seed(seed)
     start = lm.ByteGPT(replace(lm.SIZES["tiny"], context=CONTEXT))
-    models = [start] if mode == "fsa" else [copy.deepcopy(start) for _ in range(WORKERS)]
+    replicas = 1 if mode == "fsa" else 2 if dc_grad else WORKERS
+    models = [start] if mode == "fsa" else [copy.deepcopy(start) for _ in range(replicas)]
     opts = [optimizer(m, steps) for m in models]
     flights: list[tuple[int, list, list]] = []      # (landing step, each worker's sent model, their mean)
     anchor = [p.detach().clone() for p in start.parameters()]
@@ -82,8 +85,8 @@ def main() -> int:
         for opt, _ in opts:
             opt.zero_grad()
         for i in range(WORKERS):
-            model = models[0] if mode == "fsa" else models[i]
-            (lm.next_byte_loss(model, batch(i)) / (WORKERS if mode == "fsa" else 1)).backward()
+            model = models[i * replicas // WORKERS]
+            (lm.next_byte_loss(model, batch(i)) / (WORKERS // replicas)).backward()
         for opt, schedule in opts:
             opt.step()
             schedule.step()
@@ -107,7 +110,7 @@ def main() -> int:
                                 p.data.sub_(w).mul_(share).add_(g)
             if step % k2 == 0:
                 sent = [[p.detach().clone() for p in m.parameters()] for m in models]
-                mean = [sum(ps) / WORKERS for ps in zip(*sent, strict=True)]
+                mean = [sum(ps) / replicas for ps in zip(*sent, strict=True)]
                 if outer:       # DiLoCo's outer Nesterov step on the round's mean change
                     for a, v, g in zip(anchor, velocity, mean, strict=True):
                         change = a - g
@@ -119,7 +122,7 @@ def main() -> int:
                 sent_dc = [[p.detach().clone() for p in m.parameters()] for m in models]
                 pairs = [zip(sent_dc[2 * d], sent_dc[2 * d + 1], strict=True) for d in range(2)]
                 dc_flight.append((sent_dc, [[(a + b) / 2 for a, b in pair] for pair in pairs]))
-            else:
+            elif not dc_grad:
                 average(models, [[0, 1], [2, 3]])
         if step in (steps // 2, steps):
             loss = sum(lm.evaluate(m, windows)["val_loss"] for m in models) / len(models)
