@@ -26,6 +26,7 @@ from geomx.compression import CompressionPolicy
 from geomx.config import MIXEDSYNC, MODES, REDUCTIONS, NodeConfig, checkpoint_directory, round_divisor
 from geomx.errors import ConfigError
 from geomx.profiles import CENTRAL_DC
+from geomx.sync.settings import rounds_are_steps
 from geomx.transport.message import Message
 
 log = logging.getLogger("geomx.global_server")
@@ -171,11 +172,14 @@ class GlobalServer(KVServer):
         cfg = self.po.cfg
         if self.policy.synchronous and (cfg.checkpoint_every or cfg.checkpoint_seconds or cfg.resume_from):
             # the model (a server optimizer) or the reply codecs' residuals live here: checkpoint them, and resume
-            # from a checkpoint (server_checkpoint.py); rank 0 keeps the time (checkpoint_clock.py)
+            # from a checkpoint (server_checkpoint.py); rank 0 keeps the time (checkpoint_clock.py). Residuals
+            # only where a round is a step (FSA, P3): under HFA or DiLoCo a key's round N is no step N, so a
+            # checkpoint of it would name no step the workers saved; their resumed streams start afresh
             clock = CheckpointClock(cfg.checkpoint_seconds) if cfg.checkpoint_seconds and self.rank == 0 else None
             self.checkpoints = ServerCheckpoints(
                 rank=self.rank, every=cfg.checkpoint_every, directory=checkpoint_directory(cfg),
-                saves=self.optimizer is not None or self.wire is not None, clock=clock,
+                saves=self.optimizer is not None or (self.wire is not None and rounds_are_steps()),
+                holds_model=self.optimizer is not None, clock=clock,
                 resume_from=Path(cfg.resume_from) if cfg.resume_from else None, resume_round=cfg.resume_step)
 
     # saved state ----------------------------------------------------------------------------------------------

@@ -31,7 +31,11 @@ cuts its tensors into other parts (geomx.kvstore.partition); each new part then 
 its tensor, wherever they were saved, re-cut (geomx.part_state).
 
 Not covered: asynchronous rounds (``dist_async``: no round is common to every key), the local servers' state
-(their compression streams start afresh), and a restart of one global server inside a running job.
+(their compression streams start afresh), a restart of one global server inside a running job, and the reply
+residuals of algorithms whose rounds are not steps (HFA, DiLoCo: a global average every K2 steps, so a key's
+round names no step the workers saved): their global servers write no checkpoint, and a resumed job's reply
+streams start afresh, as does any resume that finds no checkpoint of a server that holds no model
+(``holds_model``).
 """
 from __future__ import annotations
 
@@ -71,9 +75,12 @@ class ServerCheckpoints:
     hands out the state it resumes from; ``clock``: rank 0's timekeeper. See the module docstring."""
 
     def __init__(self, *, rank: int, every: int, directory: Path | None, keep: int = 2, saves: bool = True,
-                 clock: CheckpointClock | None = None, resume_from: Path | None = None,
+                 holds_model: bool = True, clock: CheckpointClock | None = None, resume_from: Path | None = None,
                  resume_round: int | None = None) -> None:
         self.rank, self.every, self.keep, self.saves, self.clock = rank, every, keep, saves, clock
+        # the model lives here (a server optimizer): a resume without its checkpoint is refused; without one the
+        # checkpoint holds only reply residuals, and a resume that finds none starts the streams afresh
+        self.holds_model = holds_model
         self.directory = directory
         self.rounds: dict[Any, int] = {}                  # key -> synchronous rounds completed
         self.declared: set[int] = set()                   # declared rounds still to write
@@ -81,6 +88,7 @@ class ServerCheckpoints:
         self._pending: dict[int, dict[Any, dict]] = {}    # round -> key -> its state at that round
         self._resumed: dict[Any, dict] | None = None
         self._every_server: dict[Any, dict] | None = None     # every global server's saved keys (when needed)
+        self._afresh = False                                   # nothing saved to resume from: streams afresh
         self.resume_from, self.resume_round = resume_from, resume_round
 
     def resumed_state(self, key, shape: tuple) -> dict | None:
@@ -93,11 +101,17 @@ class ServerCheckpoints:
         if self.resume_from is None or self.resume_round is None:
             return None
         self.rounds[key] = self.resume_round
-        if not self.saves:
+        if not self.saves or self._afresh:
             return None
         if self._resumed is None:
             path = self.resume_from / checkpoint_name(self.rank, self.resume_round)
             ranks = [r for r, rounds in rounds_saved(self.resume_from).items() if self.resume_round in rounds]
+            if not ranks and not self.holds_model:
+                log.warning("global server %d: no global server checkpointed round %d in %s: the reply streams "
+                            "start afresh (their residuals of the run resumed are lost)", self.rank,
+                            self.resume_round, self.resume_from)
+                self._afresh = True
+                return None
             if not ranks:
                 raise ConfigError(f"cannot resume global server {self.rank} at round {self.resume_round}: {path} "
                                   f"does not exist (the run was not checkpointed at that step with a server "

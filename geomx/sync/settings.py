@@ -188,6 +188,15 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> SyncSettings:
     return check(algorithm, options)
 
 
+def rounds_are_steps(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the environment's algorithm runs one round of every key per step (FSA, P3), so that a server's
+    round names the workers' step (server checkpoints); an algorithm the environment does not name is FSA."""
+    try:
+        return REGISTRY[settings_from_env(env).algorithm].round_per_step
+    except ConfigError:
+        return True
+
+
 def _on(env: Mapping[str, str], var: str) -> bool:
     return env.get(var, "").strip().lower() in ("1", "true", "yes")
 
