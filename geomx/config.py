@@ -104,6 +104,30 @@ class NodeConfig:
         return f"{who}{rank} of DC {self.dc}" if self.role in ("scheduler", "server", "worker") else who + rank
 
 
+MAX_FRAME_ENV = "GEOMX_MAX_FRAME_MB"
+
+
+def max_frame_bytes(env: Mapping[str, str]) -> int:
+    """The largest frame a listening socket takes (ZeroMQ's MAXMSGSIZE), -1 for no limit. A peer that sends a
+    larger one is disconnected before its bytes are held, so a stranger who got past a connection's admission
+    (the PLAIN token crosses the WAN in clear even with GEOMX_SECRET) cannot make a role allocate frames of any
+    size. Every tensor frame geomx sends is one part of at most ``max(GEOMX_PARTITION_BYTES, 16 MiB)`` (16 MiB:
+    geomx.kvstore.partition.MAX_PART_BYTES, the largest part by wire bytes and the DC rounds' parts), and a
+    part's encoded form never doubles it (a sparse payload's indices and values): twice that and 1 MiB. With
+    GEOMX_PARTITION_BYTES=0 tensors travel whole, so there is no limit unless GEOMX_MAX_FRAME_MB sets one."""
+    text = (env.get(MAX_FRAME_ENV) or "").strip()
+    if text:
+        try:
+            limit = float(text)
+        except ValueError:
+            raise ConfigError(f"{MAX_FRAME_ENV}={text!r} is not a number of MiB") from None
+        if not limit >= 1:
+            raise ConfigError(f"{MAX_FRAME_ENV}={text!r}: use >= 1 (MiB)")
+        return int(limit * (1 << 20))
+    partition = _partition_bytes(env.get("GEOMX_PARTITION_BYTES"))
+    return -1 if partition == 0 else 2 * max(partition, DEFAULT_PARTITION_BYTES) + (1 << 20)
+
+
 def _partition_bytes(text: str | None) -> int:
     if text is None or text.strip() == "":
         return DEFAULT_PARTITION_BYTES
@@ -241,6 +265,8 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
         # handed their route and size only (geomx.transport.parking)
         cfg.van_options["emulator_bypass"] = True
     cfg.security = link_security(env)
+    if cfg.van == "zmq":
+        cfg.van_options["max_frame_bytes"] = max_frame_bytes(env)
     if not isinstance(cfg.security, Sealed | Curve) and not cfg.host.startswith("127.") and cfg.host != "localhost":
         if env.get("GEOMX_INSECURE") != "1":
             raise ConfigError(f"{role} would listen on {cfg.host} without GEOMX_SECRET (or GEOMX_SECRET_FILE): "

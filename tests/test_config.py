@@ -389,3 +389,17 @@ def test_losses_spare_workers_while_their_dc_keeps_its_minimum_then_whole_dcs_wh
                                 "4.0 s), DC b (b-worker-0 exited with status 1 at 5.0 s)")
     flat = Losses(roles, min_workers=None, min_dcs=None)
     assert flat.judge("a-worker-1", "was killed by signal 9") is None
+
+
+def test_a_nodes_frame_limit_is_twice_the_largest_part_none_for_whole_tensors_or_what_the_variable_says():
+    from geomx.config import max_frame_bytes
+
+    mib = 1 << 20
+    assert max_frame_bytes({}) == 33 * mib                                  # parts of at most 16 MiB
+    assert max_frame_bytes({"GEOMX_PARTITION_BYTES": str(256 << 10)}) == 33 * mib
+    assert max_frame_bytes({"GEOMX_PARTITION_BYTES": str(64 * mib)}) == 129 * mib
+    assert max_frame_bytes({"GEOMX_PARTITION_BYTES": "0"}) == -1            # tensors travel whole
+    assert max_frame_bytes({"GEOMX_PARTITION_BYTES": "0", "GEOMX_MAX_FRAME_MB": "8"}) == 8 * mib
+    for text in ("lots", "0.5"):
+        with pytest.raises(ConfigError, match="GEOMX_MAX_FRAME_MB"):
+            max_frame_bytes({"GEOMX_MAX_FRAME_MB": text})

@@ -149,6 +149,44 @@ def test_with_the_launchers_token_a_stranger_cannot_connect_and_is_logged_once_p
         server.stop()
 
 
+def test_a_peer_that_sends_a_frame_above_the_limit_is_cut_off_before_it_is_held_and_the_node_keeps_serving():
+    """Admission (the PLAIN token) does not bound what an admitted peer sends, and the token crosses the WAN in
+    clear even with GEOMX_SECRET: a node takes frames of at most ``max_frame_bytes`` (geomx.config
+    .max_frame_bytes). A peer holding the token sends a message with a 512 KiB frame (delivered: the control),
+    then one with a 2 MiB frame over a 1 MiB limit (never delivered, its connection dropped); a friend is heard
+    after it."""
+    from geomx.transport.security import Plain
+
+    token = "per-run token of the launcher 0123"
+    inbox = Inbox()
+    server = ZmqVan(node_id="server", dc="a", on_message=inbox, security=Plain(token), max_frame_bytes=1 << 20)
+    server.start()
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    peer.linger = 0
+    peer.plain_username, peer.plain_password = b"geomx", token.encode()
+    peer.connect(server.address)
+    try:
+        peer.send_multipart(encode(Message("push", src="peer", fields={"key": 1},
+                                           tensors=[np.zeros(128 << 10, np.float32)])))
+        assert inbox.wait_for(1)
+        peer.send_multipart(encode(Message("push", src="peer", fields={"key": 2},
+                                           tensors=[np.zeros(512 << 10, np.float32)])))
+        time.sleep(1.0)
+        friend = ZmqVan(node_id="friend", dc="a", on_message=lambda m: None, security=Plain(token))
+        friend.start()
+        try:
+            friend.send(server.address, Message("hello"))
+            assert inbox.wait_for(2)
+        finally:
+            friend.stop()
+        assert [(m.src, m.fields.get("key")) for m in inbox.messages] == [("peer", 1), ("friend", None)]
+    finally:
+        peer.close()
+        ctx.term()
+        server.stop()
+
+
 def test_the_launcher_authenticates_by_default_and_insecure_says_so(tmp_path):
     from geomx.cli.launch import Launcher, plan
     from geomx.cli.topology import load_topology

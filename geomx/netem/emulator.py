@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Mapping
 import msgpack
 import zmq
 
+from geomx.config import max_frame_bytes as frame_limit_from_env
 from geomx.errors import ConfigError
 from geomx.netem import link_matrix
 from geomx.netem import outages as outage_plan
@@ -75,7 +76,8 @@ class WanEmulator:
                  hosts: Iterable[str] | None = None,
                  links: dict[tuple[str, str], link_matrix.LinkSpec] | None = None,
                  outages: outage_plan.Outages | None = None, tcp: TcpPath | None = None,
-                 node_links: dict[str, float] | None = None, dc_lines: dict[str, float] | None = None) -> None:
+                 node_links: dict[str, float] | None = None, dc_lines: dict[str, float] | None = None,
+                 max_frame_bytes: int = -1) -> None:
         """``dcs``: the DCs of the deployment (the central party included); a route naming another is dropped.
         ``hosts``: the hosts messages may be relayed to (default: this host and the loopback); the emulator
         never forwards anywhere else, so it cannot be used to reach a third party. ``links``: per-link rate
@@ -102,6 +104,7 @@ class WanEmulator:
         self.hosts = frozenset(hosts) if hosts is not None else frozenset({host, "127.0.0.1", "localhost"})
         self.refusals = RefusalLog(log)
         self._security = security   # with GEOMX_SECRET the emulator is a CurveZMQ peer like any node
+        self._max_frame_bytes = max_frame_bytes
         self.host = host
         self._port = port
         self.run_dir = run_dir
@@ -138,6 +141,7 @@ class WanEmulator:
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.RCVHWM, 0)    # the link queues are the buffer; never push back on senders
+        router.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)    # geomx.config.max_frame_bytes
         if self._security is not None:
             self._security.server(router)
         try:
@@ -461,7 +465,8 @@ def run_from_env(env: Mapping[str, str] | None = None) -> int:
                            links=link_matrix.from_env(env.get(link_matrix.ENV), dcs),
                            outages=outage_plan.from_env(env.get(outage_plan.ENV), dcs),
                            tcp=tcp_path_from_env(env), node_links=node_link_plan.parse(env.get(node_link_plan.ENV)),
-                           dc_lines=dc_line_plan.parse(env.get(dc_line_plan.ENV)))
+                           dc_lines=dc_line_plan.parse(env.get(dc_line_plan.ENV)),
+                           max_frame_bytes=frame_limit_from_env(env))
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -141,17 +141,19 @@ class ZmqVan(Van):
                  port: int = 0, bind_host: str | None = None, emulator: str | None = None,
                  context: zmq.Context | None = None, security: Sealed | Curve | Plain | None = None,
                  send_queue_mb: float | None = None, stuck_s: float = STUCK_S, liveness_probe: bool = False,
-                 emulator_bypass: bool = False) -> None:
+                 emulator_bypass: bool = False, max_frame_bytes: int = -1) -> None:
         """``liveness_probe``: heartbeat the connections to peers of this DC at ZeroMQ's level, so that a frozen
         peer's connection reads as down (geomx.transport.connection_watch; the schedulers' vans).
         ``emulator_bypass``: park large messages to nodes of other DCs on this host at their receiver and hand
-        the emulator only their route (geomx.transport.parking)."""
+        the emulator only their route (geomx.transport.parking). ``max_frame_bytes``: a peer that sends a larger
+        frame is disconnected (geomx.config.max_frame_bytes; -1: no limit)."""
         super().__init__(node_id=node_id, dc=dc, on_message=on_message)
         self.host = host
         self._bind_host = bind_host or host
         self._port = port
         self._emulator = emulator
         self._bypass = emulator_bypass and emulator is not None
+        self._max_frame_bytes = max_frame_bytes
         self._parking = Parking()           # messages parked here, waiting for the emulator's release
         self._ctx = context or zmq.Context.instance()
         self._security = security
@@ -197,6 +199,7 @@ class ZmqVan(Van):
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_PER_PEER)
+        router.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
         if self._security is not None:
             self._security.server(router)
         try:
