@@ -22,6 +22,17 @@ def secured_server():
         yield served
 
 
+def _a_friend_is_heard(address: str, security, inbox: Inbox, messages: int) -> None:
+    """A peer holding the credentials says hello and is heard (the ``messages``-th message): the node serves on."""
+    friend = ZmqVan(node_id="friend", dc="a", on_message=lambda m: None, security=security)
+    friend.start()
+    try:
+        friend.send(address, Message("hello"))
+        assert inbox.wait_for(messages)
+    finally:
+        friend.stop()
+
+
 def test_peers_sharing_the_secret_exchange_tensors(secured_server):
     server, inbox = secured_server
     client = ZmqVan(node_id="client", dc="a", on_message=lambda m: None, security=Curve(SECRET))
@@ -47,14 +58,10 @@ def test_a_stranger_without_the_secret_is_never_heard_and_the_node_keeps_serving
         stranger.send_multipart(encode(Message("push", src="intruder", fields={"key": 1})), copy=True)
     time.sleep(1.0)
     assert inbox.messages == []
-    friend = ZmqVan(node_id="friend", dc="a", on_message=lambda m: None, security=Curve(SECRET))
-    friend.start()
     try:
-        friend.send(server.address, Message("hello"))
-        assert inbox.wait_for(1)
+        _a_friend_is_heard(server.address, Curve(SECRET), inbox, 1)
         assert [m.src for m in inbox.messages] == ["friend"]
     finally:
-        friend.stop()
         stranger.close()
         ctx.term()
 
@@ -131,13 +138,7 @@ def test_with_the_launchers_token_a_stranger_cannot_connect_and_is_logged_once_p
                     sock.send_multipart(encode(Message("abort", src="scheduler-dc:a", fields={"tier": "dc:a"})))
                     strangers.append(sock)
             time.sleep(1.0)
-            friend = ZmqVan(node_id="friend", dc="a", on_message=lambda m: None, security=Plain(token))
-            friend.start()
-            try:
-                friend.send(server.address, Message("hello"))
-                assert inbox.wait_for(1)
-            finally:
-                friend.stop()
+            _a_friend_is_heard(server.address, Plain(token), inbox, 1)
         assert [m.src for m in inbox.messages] == ["friend"]
         refusals = [r.getMessage() for r in caplog.records if "refused a PLAIN connection" in r.getMessage()]
         # 3 connections without credentials and 3 with a wrong token, all from 127.0.0.1: one line
@@ -173,13 +174,7 @@ def test_a_peer_that_sends_a_frame_above_the_limit_is_cut_off_before_it_is_held_
         peer.send_multipart(encode(Message("push", src="peer", fields={"key": 2},
                                            tensors=[np.zeros(512 << 10, np.float32)])))
         time.sleep(1.0)
-        friend = ZmqVan(node_id="friend", dc="a", on_message=lambda m: None, security=Plain(token))
-        friend.start()
-        try:
-            friend.send(server.address, Message("hello"))
-            assert inbox.wait_for(2)
-        finally:
-            friend.stop()
+        _a_friend_is_heard(server.address, Plain(token), inbox, 2)
         assert [(m.src, m.fields.get("key")) for m in inbox.messages] == [("peer", 1), ("friend", None)]
     finally:
         peer.close()
