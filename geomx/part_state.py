@@ -83,7 +83,7 @@ def part_range(key: Hashable, shape: tuple, total: int) -> tuple[int, int]:
     match = _PART.match(key) if isinstance(key, str) else None
     i, n = (int(match.group(2)), int(match.group(3))) if match else (0, 1)
     start = total - size if i == n - 1 else i * size
-    if start < 0 or start + size > total or (i < n - 1 and -(-total // size) != n):
+    if start < 0 or (n == 1 and start) or start + size > total or (i < n - 1 and -(-total // size) != n):
         raise ConfigError(f"key {key!r} of shape {tuple(shape)} is no part of the saved tensor of {total} "
                           f"elements")
     return start, start + size

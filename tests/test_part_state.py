@@ -75,6 +75,8 @@ def test_incomplete_or_mixed_saved_parts_are_refused_naming_the_tensor_and_the_p
     assert saved_pieces("v", shapes, {}) == [] and base_key("w#3/4") == "w" and base_key(7) == 7
     with pytest.raises(ConfigError, match="no part of the saved tensor of 40 elements"):
         part_range("w#0/3", (3, 4), 40)       # three parts of 12 cannot hold 40 elements
+    with pytest.raises(ConfigError, match="no part of the saved tensor of 40 elements"):
+        part_range("w", (10,), 40)            # a whole key spans its tensor
 
 
 def _stream(codec: str, residual: np.ndarray, seed: int) -> dict:
