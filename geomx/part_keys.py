@@ -6,18 +6,24 @@ from __future__ import annotations
 import re
 from collections.abc import Hashable
 
-_PART_KEY = re.compile(r"#(\d+)/(\d+)$")
+_PART_KEY = re.compile(r"^(.*)#(\d+)/(\d+)$", re.DOTALL)
 
 
 def part_key(key, i: int, n: int) -> str:
     return f"{key}#{i}/{n}"
 
 
+def split_part_key(key: Hashable) -> tuple[str, int, int] | None:
+    """``(k, i, n)`` for the part key ``"k#i/n"``; None for any other key."""
+    match = _PART_KEY.match(key) if isinstance(key, str) else None
+    return (match.group(1), int(match.group(2)), int(match.group(3))) if match else None
+
+
 def is_part_key(key: Hashable) -> bool:
-    return isinstance(key, str) and _PART_KEY.search(key) is not None
+    return split_part_key(key) is not None
 
 
 def part_count(key: Hashable) -> int:
     """How many parts the tensor of ``key`` travels in: ``n`` for a part key, else 1."""
-    match = _PART_KEY.search(key) if isinstance(key, str) else None
-    return int(match.group(2)) if match else 1
+    split = split_part_key(key)
+    return split[2] if split else 1

@@ -13,7 +13,6 @@ is kept where every saved part agrees; where they differ the caller decides: an 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,8 +20,7 @@ from typing import Any
 import numpy as np
 
 from geomx.errors import ConfigError
-
-_PART = re.compile(r"^(.*)#(\d+)/(\d+)$")
+from geomx.part_keys import split_part_key
 
 
 class NotRecuttable(ValueError):
@@ -44,8 +42,8 @@ class Piece:
 
 def base_key(key: Hashable) -> Hashable:
     """The tensor's key of a part key (``"k#i/n"`` -> ``"k"``), or the key itself."""
-    match = _PART.match(key) if isinstance(key, str) else None
-    return match.group(1) if match else key
+    split = split_part_key(key)
+    return split[0] if split else key
 
 
 def saved_pieces(base: Hashable, shapes: Mapping[Hashable, tuple], states: Mapping[Hashable, Any]) -> list[Piece]:
@@ -56,9 +54,9 @@ def saved_pieces(base: Hashable, shapes: Mapping[Hashable, tuple], states: Mappi
         return [Piece(base, 0, math.prod(shapes[base]), states[base])]
     parts: dict[int, dict[int, Hashable]] = {}
     for key in shapes:
-        match = _PART.match(key) if isinstance(key, str) else None
-        if match and match.group(1) == base:
-            parts.setdefault(int(match.group(3)), {})[int(match.group(2))] = key
+        split = split_part_key(key)
+        if split and split[0] == base:
+            parts.setdefault(split[2], {})[split[1]] = key
     if not parts:
         return []
     if len(parts) > 1:
@@ -80,8 +78,7 @@ def part_range(key: Hashable, shape: tuple, total: int) -> tuple[int, int]:
     geomx.kvstore.partition.plan_parts cut: every part but the last holds the same number of elements. A whole
     key spans the tensor."""
     size = math.prod(shape)
-    match = _PART.match(key) if isinstance(key, str) else None
-    i, n = (int(match.group(2)), int(match.group(3))) if match else (0, 1)
+    _, i, n = split_part_key(key) or (key, 0, 1)
     start = total - size if i == n - 1 else i * size
     if start < 0 or (n == 1 and start) or start + size > total or (i < n - 1 and -(-total // size) != n):
         raise ConfigError(f"key {key!r} of shape {tuple(shape)} is no part of the saved tensor of {total} "

@@ -88,6 +88,8 @@ class ServerCheckpoints:
         self._pending: dict[int, dict[Any, dict]] = {}    # round -> key -> its state at that round
         self._resumed: dict[Any, dict] | None = None
         self._every_server: dict[Any, dict] | None = None     # every global server's saved keys (when needed)
+        self._saved_shapes: dict[Any, tuple] = {}              # ... and their shapes (older files: the value's)
+        self._ranks_saved: list[int] = []                      # the global servers that saved the round
         self._afresh = False                                   # nothing saved to resume from: streams afresh
         self.resume_from, self.resume_round = resume_from, resume_round
 
@@ -118,14 +120,17 @@ class ServerCheckpoints:
                                   f"optimizer or compression)")
             # a job resumed with more global servers than it saved: this one's keys are all in the others' files
             self._resumed = self._entries(path) if path.exists() else {}
+            self._ranks_saved = ranks
         entry = self._resumed.get(key)
         if entry is None:
             if self._every_server is None:
                 self._every_server = {}
-                for rank, rounds in rounds_saved(self.resume_from).items():
-                    if self.resume_round in rounds:
-                        path = self.resume_from / checkpoint_name(rank, self.resume_round)
-                        self._every_server.update(self._entries(path, rank))
+                for rank in self._ranks_saved:
+                    path = self.resume_from / checkpoint_name(rank, self.resume_round)
+                    self._every_server.update(self._entries(path, rank))
+                self._saved_shapes = {k: tuple(e["shape"]) if "shape" in e else np.shape(e["value"])
+                                      for k, e in self._every_server.items()
+                                      if "shape" in e or e.get("value") is not None}
             entry = self._every_server.get(key) or self._recut(key, shape)
         return entry
 
@@ -138,9 +143,7 @@ class ServerCheckpoints:
     def _recut(self, key, shape: tuple) -> dict:
         """``key``'s state cut from the saved parts of its tensor (geomx.part_state): the job resumed cuts its
         tensors otherwise (another WAN's part size, another codec's wire ratio, P3's slices)."""
-        shapes = {k: tuple(e["shape"]) if "shape" in e else np.shape(e["value"])
-                  for k, e in self._every_server.items() if "shape" in e or e.get("value") is not None}
-        pieces = saved_pieces(base_key(key), shapes, self._every_server)
+        pieces = saved_pieces(base_key(key), self._saved_shapes, self._every_server)
         if not pieces:
             raise ConfigError(f"key {key!r} is not in the global servers' checkpoint of round {self.resume_round} "
                               f"(keys: {sorted(map(repr, self._every_server))[:8]})")
