@@ -40,6 +40,7 @@ TOPOLOGIES = ("hips", "flat")
 # a part costs a message each way (about half a millisecond of CPU on a small host), so parts are large:
 # 16 MiB tensors travel whole, bigger ones still pipeline (4 parts at 64 MiB)
 DEFAULT_PARTITION_BYTES = 16 * 1024 * 1024
+MAX_PART_BYTES = 16 << 20   # the largest part geomx.kvstore.partition cuts (by wire bytes, or a DC round's)
 FIXED_DEADLINE_INTERVAL_S = 1.0       # members' heartbeat interval under a fixed GEOMX_HEARTBEAT_TIMEOUT
 
 
@@ -111,8 +112,8 @@ def max_frame_bytes(env: Mapping[str, str]) -> int:
     """The largest frame a listening socket takes (ZeroMQ's MAXMSGSIZE), -1 for no limit. A peer that sends a
     larger one is disconnected before its bytes are held, so a stranger who got past a connection's admission
     (the PLAIN token crosses the WAN in clear even with GEOMX_SECRET) cannot make a role allocate frames of any
-    size. Every tensor frame geomx sends is one part of at most ``max(GEOMX_PARTITION_BYTES, 16 MiB)`` (16 MiB:
-    geomx.kvstore.partition.MAX_PART_BYTES, the largest part by wire bytes and the DC rounds' parts), and a
+    size. Every tensor frame geomx sends is one part of at most ``max(GEOMX_PARTITION_BYTES, MAX_PART_BYTES)``
+    (the largest part by wire bytes and the DC rounds' parts, geomx.kvstore.partition), and a
     part's encoded form never doubles it (a sparse payload's indices and values): twice that and 1 MiB. With
     GEOMX_PARTITION_BYTES=0 tensors travel whole, so there is no limit unless GEOMX_MAX_FRAME_MB sets one."""
     text = (env.get(MAX_FRAME_ENV) or "").strip()
@@ -125,7 +126,7 @@ def max_frame_bytes(env: Mapping[str, str]) -> int:
             raise ConfigError(f"{MAX_FRAME_ENV}={text!r}: use >= 1 (MiB)")
         return int(limit * (1 << 20))
     partition = _partition_bytes(env.get("GEOMX_PARTITION_BYTES"))
-    return -1 if partition == 0 else 2 * max(partition, DEFAULT_PARTITION_BYTES) + (1 << 20)
+    return -1 if partition == 0 else 2 * max(partition, MAX_PART_BYTES) + (1 << 20)
 
 
 def _partition_bytes(text: str | None) -> int:

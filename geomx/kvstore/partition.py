@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from geomx.config import MAX_PART_BYTES
 from geomx.errors import KVError
 from geomx.part_keys import is_part_key, part_key
 
@@ -39,7 +40,7 @@ def check_user_key(key) -> None:
 
 
 PART_SECONDS_ON_WAN = 0.010       # a part should cross the slowest WAN link in about this long
-MIN_WAN_PART_BYTES, MAX_PART_BYTES = 256 << 10, 16 << 20
+MIN_WAN_PART_BYTES = 256 << 10
 # parts of keys only DC-only rounds use (``KVStore.init(lan_only=True)``): the WAN's part size is for the WAN.
 # A waited DC average of the small LM (26 MB in 4 MiB buckets, 2 DCs x 2 workers, a sleep for compute,
 # tests/scripts/averaging_phases.py) took 132-166 ms in transpacific's 256 KiB parts, 105-116 in 1 MiB, 85-90 in
