@@ -11,7 +11,8 @@
 # FLAT_STEPS steps only: its speed is not the question), hips-fsa-server and hips-p3, every worker on the GPU
 # (--device); tables and JSON go to $OUT.
 # Knobs: DEVICE (cuda), PAIRS ("regional:small:16 regional:small:64 transatlantic:small:16 transatlantic:small:64"),
-# STEPS (30), FLAT_STEPS (2), PYTHON (python3), EACH_S (seconds allowed per pair, 150).
+# STEPS (30), FLAT_STEPS (2), PYTHON (python3), EACH_S (seconds allowed per pair, 150), WARMUP (4: the workers'
+# warm-up steps; a run of 16 steps otherwise warms up for one, and at batch 96 both rows diverged in session 33).
 set -u
 source "$(dirname "$0")/device_env.sh" /tmp/geomx-device-p3
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
@@ -21,7 +22,7 @@ for pair in ${PAIRS:-regional:small:16 regional:small:64 transatlantic:small:16 
   echo "== $name"
   timeout "${EACH_S:-150}" "$py" -m geomx.cli.main bench wan --workload lm --model "$model" --profile "$prof" \
     --configs hips-fsa-server,hips-p3 --steps "${STEPS:-30}" --row-steps "flat=${FLAT_STEPS:-2}" \
-    --eval-every "${STEPS:-30}" --train-args "--device ${DEVICE:-cuda} --batch-size $batch" \
+    --eval-every "${STEPS:-30}" --train-args "--device ${DEVICE:-cuda} --batch-size $batch --warmup ${WARMUP:-4}" \
     --output "$out/$name.md" --json "$out/$name.json" > "$out/$name.log" 2>&1
   echo "exit $?"
   grep '^|' "$out/$name.log" | cut -d'|' -f2,11-13,16-17
