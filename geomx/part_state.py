@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from geomx.errors import ConfigError
-from geomx.part_keys import split_part_key
+from geomx.part_keys import is_part_key, split_part_key
 
 
 class NotRecuttable(ValueError):
@@ -50,12 +50,13 @@ def saved_pieces(base: Hashable, shapes: Mapping[Hashable, tuple], states: Mappi
     """The saved pieces of tensor ``base`` in element order: its whole key, or every part ``"base#j/m"``.
     ``shapes`` and ``states``: every saved key's shape and state. [] when nothing of ``base`` was saved; a
     ConfigError when its parts are incomplete or of two cuts."""
-    if base in shapes:
-        return [Piece(base, 0, math.prod(shapes[base]), states[base])]
+    whole = _saved_whole_key(base, shapes)
+    if whole is not None:
+        return [Piece(whole, 0, math.prod(shapes[whole]), states[whole])]
     parts: dict[int, dict[int, Hashable]] = {}
     for key in shapes:
         split = split_part_key(key)
-        if split and split[0] == base:
+        if split and split[0] == str(base):
             parts.setdefault(split[2], {})[split[1]] = key
     if not parts:
         return []
@@ -71,6 +72,15 @@ def saved_pieces(base: Hashable, shapes: Mapping[Hashable, tuple], states: Mappi
         pieces.append(Piece(found[i], start, start + size, states[found[i]]))
         start += size
     return pieces
+
+
+def _saved_whole_key(base: Hashable, shapes: Mapping[Hashable, tuple]) -> Hashable | None:
+    """The key under which tensor ``base`` was saved whole. A part key names its tensor as text (``7`` travels as
+    ``"7#0/2"``), so the tensor of an integer key, saved whole, is looked up under both spellings."""
+    spellings = [base, str(base)]
+    if isinstance(base, str) and base.lstrip("-").isdigit():
+        spellings.append(int(base))
+    return next((key for key in spellings if key in shapes and not is_part_key(key)), None)
 
 
 def part_range(key: Hashable, shape: tuple, total: int) -> tuple[int, int]:

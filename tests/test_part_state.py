@@ -137,6 +137,20 @@ def test_a_workers_push_residual_is_carried_into_the_parts_of_another_cut_so_no_
     assert not np.allclose(sums[False], sum(grads), atol=1e-3)
 
 
+def test_an_integer_keys_tensor_is_found_whole_or_in_parts_whichever_way_it_was_saved():
+    """A part key spells its tensor's key as text (7 -> "7#0/2"): an integer key saved whole is found for its
+    parts, and its saved parts for the whole key."""
+    whole = {7: SHAPE}
+    states = {7: _state_of(type("Whole", (), {"start": 0, "stop": 40, "shape": SHAPE}))}
+    pieces = saved_pieces(base_key("7#1/2"), whole, states)
+    assert [p.key for p in pieces] == [7]
+    np.testing.assert_array_equal(recut(pieces, 20, 40, (5, 4), shaped=True)["param"], WHOLE["param"][5:])
+    parts = plan_parts(7, SHAPE, 4, 48)
+    pieces = saved_pieces(7, {p.key: p.shape for p in parts}, {p.key: _state_of(p) for p in parts})
+    assert [p.key for p in pieces] == ["7#0/4", "7#1/4", "7#2/4", "7#3/4"]
+    np.testing.assert_array_equal(recut(pieces, 0, 40, SHAPE, shaped=True)["param"], WHOLE["param"])
+
+
 def test_a_global_server_resumes_a_part_of_another_cut_from_the_parts_every_server_saved(tmp_path):
     """Two global servers saved a tensor's four parts (two each) with Adam-like state; a job that cuts it in two
     parts resumes each from the four, on whichever server now owns it, and a whole key likewise; a third global

@@ -241,3 +241,31 @@ def test_a_worker_pushing_on_alone_is_refused_past_the_open_round_cap_and_the_ro
         assert cluster.server.keys["w"].rounds == {}
     finally:
         cluster.close()
+
+
+@pytest.mark.parametrize("algorithm,saves", [("fsa", True), ("hfa", False)])
+def test_the_global_servers_learn_from_the_master_worker_whether_its_steps_are_rounds(tmp_path, monkeypatch,
+                                                                                       algorithm, saves):
+    """A synchronization algorithm chosen in code (sync=HFA(...)), the environment naming none: the master worker's
+    mode tells the global servers whether a step is one round, so that a server with compressed replies checkpoints
+    its rounds under FSA (round N is step N) and not under HFA, whose rounds name no step the workers saved (before,
+    the servers took every job without GEOMX_SYNC for FSA, and an HFA job's resume asked for files of rounds that
+    were no steps)."""
+    from inproc import HipsCluster
+
+    from geomx.sync import create as create_sync
+
+    monkeypatch.delenv("GEOMX_SYNC", raising=False)
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=1, global_server_fields={"checkpoint_every": 2,
+                                                                         "checkpoint_dir": str(tmp_path)})
+    try:
+        cluster.master.claim_sync(create_sync(algorithm))
+        cluster.master.set_gradient_compression(TOPK)
+        kvs = cluster.init_everywhere("w", np.zeros(16, np.float32))
+        for step in range(4):
+            for h in [kv.pushpull("w", _grad(step, i, (16,))) for i, kv in enumerate(kvs)]:
+                h.wait(WAIT_S)
+        assert cluster.global_server.rounds_are_steps is saves
+    finally:
+        cluster.close()
+    assert bool(list(tmp_path.glob("global-server-0-round-*"))) is saves, sorted(tmp_path.iterdir())

@@ -45,6 +45,9 @@ class GlobalServer(KVServer):
         self.mixedsync: str = "wait"               # dist_async: do local servers wait for the WAN (config.MIXEDSYNC)
         self.reduction: str = "sum"                # a round's sum or mean (config.REDUCTIONS)
         self.hfa_k2: int | None = None             # GeoMX's HFA server logic at the local servers (hfa_rounds.py)
+        # a step is one round of every key (FSA, P3), so a round names a step: the environment's algorithm until
+        # the master worker's mode says (its DistributedOptimizer's, which may be chosen in code)
+        self.rounds_are_steps = rounds_are_steps()
         self.optimizer: tuple | None = None      # (class, kwargs)
         self.optimizer_name: str | None = None     # as the master worker named it
         self.compression: CompressionPolicy | None = None
@@ -97,6 +100,9 @@ class GlobalServer(KVServer):
             hfa_k2 = args.get("hfa_k2")
             if hfa_k2 is not None and (not isinstance(hfa_k2, int) or isinstance(hfa_k2, bool) or hfa_k2 < 1):
                 raise Refused(f"HFA's K2 must be a whole number >= 1, got {hfa_k2!r}")
+            steps = args.get("rounds_are_steps", True)
+            if not isinstance(steps, bool):
+                raise Refused(f"rounds_are_steps must be true or false, got {steps!r}")
             if hfa_k2 is not None and reduction != "sum":
                 raise Refused("GeoMX's HFA server logic sums the DCs' shares of the model change: it needs the sum "
                               "reduction, not the mean")
@@ -106,6 +112,7 @@ class GlobalServer(KVServer):
             if problem:
                 raise Refused(problem)
             self.mode, self.mixedsync, self.reduction, self.hfa_k2 = args["mode"], mixedsync, reduction, hfa_k2
+            self.rounds_are_steps = steps
         elif name == Command.SET_OPTIMIZER:
             self._set_optimizer(args)
         elif name == Command.SET_COMPRESSION:
@@ -178,14 +185,14 @@ class GlobalServer(KVServer):
             clock = CheckpointClock(cfg.checkpoint_seconds) if cfg.checkpoint_seconds and self.rank == 0 else None
             self.checkpoints = ServerCheckpoints(
                 rank=self.rank, every=cfg.checkpoint_every, directory=checkpoint_directory(cfg),
-                saves=self.optimizer is not None or (self.wire is not None and rounds_are_steps()),
+                saves=self.optimizer is not None or (self.wire is not None and self.rounds_are_steps),
                 holds_model=self.optimizer is not None, clock=clock,
                 resume_from=Path(cfg.resume_from) if cfg.resume_from else None, resume_round=cfg.resume_step)
 
     # saved state ----------------------------------------------------------------------------------------------
     def config_state(self) -> dict:
         return {"num_all_workers": self.num_all_workers, "mode": self.mode, "mixedsync": self.mixedsync,
-                "reduction": self.reduction, "hfa_k2": self.hfa_k2,
+                "reduction": self.reduction, "hfa_k2": self.hfa_k2, "rounds_are_steps": self.rounds_are_steps,
                 "optimizer": None if self.optimizer is None else [self.optimizer_name, self.optimizer[1]],
                 "compression": self.compression.to_wire() if self.compression is not None else None,
                 "configured": self.policy is not None, "directory": dict(self.directory)}
@@ -197,6 +204,7 @@ class GlobalServer(KVServer):
         self.mode, self.mixedsync = config["mode"], config["mixedsync"]
         self.reduction = config.get("reduction", "mean")     # saved before reductions existed: the mean
         self.hfa_k2 = config.get("hfa_k2")
+        self.rounds_are_steps = config.get("rounds_are_steps", True)
         if config["optimizer"] is not None:
             name, kwargs = config["optimizer"]
             try:

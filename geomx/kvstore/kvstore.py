@@ -36,7 +36,7 @@ from geomx.errors import ConfigError, GeomxError, KVError
 from geomx.kvstore.partition import LAN_PART_BYTES, check_user_key, part_views, plan_parts, wire_part_bytes
 from geomx.lifeline import watch_launcher
 from geomx.profiles import CENTRAL_DC
-from geomx.sync.settings import settings_from_env, sync_requested
+from geomx.sync.settings import policy_rounds_are_steps, rounds_are_steps, settings_from_env, sync_requested
 
 log = logging.getLogger("geomx.kvstore")
 
@@ -88,6 +88,9 @@ class KVStore:
         # a synchronization algorithm the environment asks for runs in DistributedOptimizer, which claims it
         # (claim_sync); a push without that claim is refused rather than silently running FSA
         self._unclaimed_sync = sync_requested(env)
+        # whether a step is one round of every key (FSA, P3): the global servers name their checkpoints by round,
+        # which names a step only then. The environment's algorithm until DistributedOptimizer claims its own
+        self._rounds_are_steps = rounds_are_steps(env)
         # GeoMX's HFA scripts push models through the raw kvstore (MXNET_KVSTORE_USE_HFA=1): the master worker
         # asks the servers for GeoMX's HFA server logic (geomx.cluster.hfa_rounds) unless DistributedOptimizer
         # claims the algorithm first
@@ -134,7 +137,7 @@ class KVStore:
         asks_server_hfa = self._unclaimed_sync is not None and (self._reduction or "sum") == "sum"
         hfa_k2 = self._server_hfa_k2 if asks_server_hfa else None
         mode = {"mode": self.type, "mixedsync": self.cfg.mixedsync, "reduction": self._reduction or "sum",
-                "hfa_k2": hfa_k2}
+                "hfa_k2": hfa_k2, "rounds_are_steps": self._rounds_are_steps}
         if mode == self._mode_sent:     # the servers have it already
             return
         if hfa_k2 is not None:
@@ -209,9 +212,12 @@ class KVStore:
         """Called by ``DistributedOptimizer``: ``policy`` (geomx.sync) runs the synchronization algorithm the
         environment asks for, so pushes through this kvstore are that algorithm's. Call it before the first
         kv.init: the master worker's call takes back the request for GeoMX's HFA server logic."""
-        if self._unclaimed_sync is None:
+        steps = policy_rounds_are_steps(policy)
+        if self._unclaimed_sync is None and steps == self._rounds_are_steps:
             return
-        self._unclaimed_sync = None
+        # a policy chosen in code (sync=HFA(...)) where the environment names none or another: the servers
+        # learn whether its rounds are steps from the master worker's mode
+        self._unclaimed_sync, self._rounds_are_steps = None, steps
         if self.is_master_worker:
             self._send_mode()
 
