@@ -131,6 +131,14 @@ register(BenchConfig("hips-hfa-short-overlap-int8", "HiPS HFA (K1=5, K2=2, globa
 register(BenchConfig("hips-hfa-short-overlap-int8-dcoverlap", "HiPS HFA (K1=5, K2=2, global average overlapped, "
                      "D=1, each DC average one DC period late), global averages as 8-bit QSGD on the WAN",
                      env=launch_env({**SHORT_OVERLAP, "dc_overlap": 5}), train_args=WAN_INT8))
+# its global average allowed two DC periods (10 steps): where compute is fast (16 cores: 0.087 s a step) the 8-bit
+# average (~1 s over transpacific) missed its landing 5 steps on, every time
+register(BenchConfig("hips-hfa-short-overlap2-int8", "HiPS HFA (K1=5, K2=2, global average overlapped, D=2), global "
+                     "averages as 8-bit QSGD on the WAN", env=launch_env({**SHORT_OVERLAP, "overlap": 2}),
+                     train_args=WAN_INT8))
+register(BenchConfig("hips-hfa-short-overlap2-int8-keep", "HiPS HFA (K1=5, K2=2, global average overlapped, D=2, "
+                     "half the progress meanwhile kept), global averages as 8-bit QSGD on the WAN",
+                     env=launch_env({**SHORT_OVERLAP, "overlap": 2, **KEEP_HALF}), train_args=WAN_INT8))
 # and with each DC average one step late: the LAN round and most of a sibling's lag hide behind that step, and the
 # average is 1 step old when adopted rather than 5
 register(BenchConfig("hips-hfa-short-overlap-int8-dcstep", "HiPS HFA (K1=5, K2=2, global average overlapped, "

@@ -16,7 +16,8 @@
 # Every part gets at most its own cap and what is left of TOTAL_S, so the whole ends inside one call's limit.
 # Knobs: MODEL (small), PAIRS (PROFILE:MODEL:BATCH ..., skips the probe that picks them), BATCHES (candidates,
 # "16,64,128,256,512"), P3_STEPS (12), REPEATS (2), P3_S (seconds for all P3 pairs, 320), SKIP_CU, CU_ROWS
-# ("hips-hfa-short-overlap-int8,hips-hfa-short-overlap-int8-dcstep,no-wan"), CU_MODEL (small), CU_STEPS (120),
+# ("hips-hfa-short-overlap-int8,hips-hfa-short-overlap2-int8-keep,no-wan": the row at 0.61 on 16 cores in session 33,
+# the same with its average allowed twice as long, and the control), CU_MODEL (small), CU_STEPS (120),
 # TOTAL_S (560), DEVICE (cuda).
 set -u
 total=${TOTAL_S:-560}
@@ -46,7 +47,7 @@ for run in $(seq "$repeats"); do
 done
 if [ -z "${SKIP_CU:-}" ] && [ "$(left 200)" -ge 100 ]; then
   OUT="$work/cu" CU_S=$(left 200) MODEL=${CU_MODEL:-small} \
-    ROWS=${CU_ROWS:-hips-hfa-short-overlap-int8,hips-hfa-short-overlap-int8-dcstep,no-wan} \
+    ROWS=${CU_ROWS:-hips-hfa-short-overlap-int8,hips-hfa-short-overlap2-int8-keep,no-wan} \
     STEPS=${CU_STEPS:-120} EVAL_EVERY=${CU_STEPS:-120} SEED=0 FLAT_STEPS=${CU_FLAT_STEPS:-6} bash "$scripts/device_cu.sh"
 fi
 echo "device_all: ${SECONDS} s"
