@@ -212,12 +212,16 @@ class KVStore:
         """Called by ``DistributedOptimizer``: ``policy`` (geomx.sync) runs the synchronization algorithm the
         environment asks for, so pushes through this kvstore are that algorithm's. Call it before the first
         kv.init: the master worker's call takes back the request for GeoMX's HFA server logic."""
-        steps = policy_rounds_are_steps(policy)
-        if self._unclaimed_sync is None and steps == self._rounds_are_steps:
-            return
         # a policy chosen in code (sync=HFA(...)) where the environment names none or another: the servers
-        # learn whether its rounds are steps from the master worker's mode
-        self._unclaimed_sync, self._rounds_are_steps = None, steps
+        # learn whether its rounds are steps from the master worker's mode, which they take before the first
+        # kv.init only (a script's second DistributedOptimizer, over keys of its own, leaves it as it was)
+        steps = policy_rounds_are_steps(policy)
+        announce = steps != self._rounds_are_steps and not self._initialized_keys
+        if self._unclaimed_sync is None and not announce:
+            return
+        self._unclaimed_sync = None
+        if announce:
+            self._rounds_are_steps = steps
         if self.is_master_worker:
             self._send_mode()
 
