@@ -103,7 +103,7 @@ def test_a_job_resumed_from_a_checkpoint_ends_on_the_uninterrupted_jobs_model_bi
     no difference.) The first run writes them where --checkpoint-dir says, outside its run directory, and
     --resume finds them there through its manifest. The global server's checkpoints (--update-on server) are
     resumed by --restart-failed below."""
-    _train(tmp_path / "straight", 6, "worker", checkpoint_dir=tmp_path / "shared")
+    straight_out = _train(tmp_path / "straight", 6, "worker", checkpoint_dir=tmp_path / "shared")
     assert not (tmp_path / "straight" / "checkpoints").exists()
     resumed_out = _train(tmp_path / "resumed", 6, "worker", resume=tmp_path / "straight", resume_step=3)
     assert "resumed at step 3" in resumed_out
@@ -120,6 +120,16 @@ def test_a_job_resumed_from_a_checkpoint_ends_on_the_uninterrupted_jobs_model_bi
     at_3 = torch.load(checkpoints["straight"] / "worker-0-step-3.pt", weights_only=True)["parts"]["model"]
     final = torch.load(checkpoints["straight"] / "worker-0-step-6.pt", weights_only=True)["parts"]["model"]
     assert not all(torch.equal(t, final[n]) for n, t in at_3.items())        # the control: steps 4-6 changed it
+
+    # resumed at its last step (as --restart-failed does after a failure past the last checkpoint): nothing to
+    # train, the job ends and reports the saved model (before, every worker exited 1 and the job failed)
+    done_out = _train(tmp_path / "done", 6, "worker", resume=tmp_path / "straight", resume_step=6)
+    assert done_out.count("the job trained its 6 steps already") == 2
+
+    def accuracies(out: str) -> list[str]:
+        return sorted(line.split("final test accuracy ")[1].split()[0] for line in out.splitlines()
+                      if "final test accuracy" in line)
+    assert len(accuracies(done_out)) == 2 and accuracies(done_out) == accuracies(straight_out)
 
 
 def test_time_based_checkpoints_name_the_same_steps_on_every_role_and_a_job_resumed_from_one_ends_bit_for_bit(

@@ -149,6 +149,7 @@ def run_steps(opt, batches: Iterable[Batch], *, total_steps: int, eval_every: in
     of every epoch) and after the last. ``after_step`` runs after every local step (a learning-rate
     schedule). With ``checkpoint``: resume from it first (the batches already consumed are drawn again, not
     computed, so the data order goes on where it stopped), and save at the steps it is due (``Checkpointer.due``).
+    A worker resumed or rejoined at or past ``total_steps`` trains nothing: it evaluates the model it has once.
     Returns (steps, evaluation history)."""
     batches = iter(batches)
     joined_at = getattr(opt.kv, "joined_at", 0)
@@ -160,14 +161,16 @@ def run_steps(opt, batches: Iterable[Batch], *, total_steps: int, eval_every: in
     step, started, history = opt.progress, time.perf_counter(), []
     source = (f"the running job (restarted; its model arrived in {opt.rejoin_s:.2f} s)" if joined_at else
               checkpoint.resume_from if checkpoint else None)
-    if joined_at and step >= total_steps:
-        print(f"rejoined at step {step} from {source}: the job trained its {total_steps} steps already", flush=True)
+    how = "rejoined" if joined_at else "resumed"
+    if step and source is not None and step >= total_steps:
+        # a job restarted after its last checkpoint (--restart-failed), or resumed at its last step: nothing is
+        # left to train, and the model it has is the one to report
+        print(f"{how} at step {step} from {source}: the job trained its {total_steps} steps already; its model "
+              f"is evaluated", flush=True)
+        history.append({"step": step, **evaluate(), "wall_s": time.perf_counter() - started})
         return step, history
     if step and source is not None:
-        if step >= total_steps:
-            raise SystemExit(f"resumed at step {step} from {source}, not below --steps {total_steps}: nothing "
-                             f"left to train")
-        print(f"{'rejoined' if joined_at else 'resumed'} at step {step} from {source}", flush=True)
+        print(f"{how} at step {step} from {source}", flush=True)
     for epoch, epoch_end, compute_loss in batches:
         opt.zero_grad()
         loss = compute_loss()
