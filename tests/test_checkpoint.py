@@ -219,6 +219,14 @@ def test_an_hfa_job_with_compressed_global_averages_resumes_its_reply_streams_af
     assert "resumed at step 10" in resumed
     losses = [float(text.split("final validation loss ")[1].split()[0]) for text in (straight, resumed)]
     assert abs(losses[1] - losses[0]) < 0.01 * losses[0], losses
+    # resumed at its last step: the average its checkpoint holds in flight (sent at step 20, landing in finish())
+    # lands before the evaluation, so both workers report the very loss of the job that saved it
+    done = train("done", resume=tmp_path / "straight", resume_step=20)
+
+    def finals(text: str) -> list[str]:
+        return sorted(line.split("final validation loss ")[1].split()[0] for line in text.splitlines()
+                      if "final validation loss" in line)
+    assert "trained its 20 steps already" in done and len(finals(done)) == 2 and finals(done) == finals(straight)
 
 
 def _same_final_models(checkpoints: dict, step: int, workers: int) -> None:

@@ -167,6 +167,7 @@ def run_steps(opt, batches: Iterable[Batch], *, total_steps: int, eval_every: in
         # left to train, and the model it has is the one to report
         print(f"{how} at step {step} from {source}: the job trained its {total_steps} steps already; its model "
               f"is evaluated", flush=True)
+        opt.finish()        # the averages its checkpoint holds in flight land, as they did in the job that saved it
         history.append({"step": step, **evaluate(), "wall_s": time.perf_counter() - started})
         return step, history
     if step and source is not None:
