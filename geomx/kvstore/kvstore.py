@@ -36,7 +36,7 @@ from geomx.errors import ConfigError, GeomxError, KVError
 from geomx.kvstore.partition import LAN_PART_BYTES, check_user_key, part_views, plan_parts, wire_part_bytes
 from geomx.lifeline import watch_launcher
 from geomx.profiles import CENTRAL_DC
-from geomx.sync.settings import policy_rounds_are_steps, rounds_are_steps, settings_from_env, sync_requested
+from geomx.sync.settings import algorithm_rounds_are_steps, settings_from_env, sync_requested
 
 log = logging.getLogger("geomx.kvstore")
 
@@ -88,14 +88,14 @@ class KVStore:
         # a synchronization algorithm the environment asks for runs in DistributedOptimizer, which claims it
         # (claim_sync); a push without that claim is refused rather than silently running FSA
         self._unclaimed_sync = sync_requested(env)
-        # whether a step is one round of every key (FSA, P3): the global servers name their checkpoints by round,
-        # which names a step only then. The environment's algorithm until DistributedOptimizer claims its own
-        self._rounds_are_steps = rounds_are_steps(env)
         # GeoMX's HFA scripts push models through the raw kvstore (MXNET_KVSTORE_USE_HFA=1): the master worker
         # asks the servers for GeoMX's HFA server logic (geomx.cluster.hfa_rounds) unless DistributedOptimizer
         # claims the algorithm first
         settings = settings_from_env(env)
         self._server_hfa_k2 = settings.k2 if settings.algorithm == "hfa" else None
+        # whether a step is one round of every key (FSA, P3): the global servers name their checkpoints by round,
+        # which names a step only then. The environment's algorithm until DistributedOptimizer claims its own
+        self._rounds_are_steps = algorithm_rounds_are_steps(settings.algorithm)
         self._mode_sent: dict | None = None     # the master worker's last set_mode, as the servers hold it
         self.po = Postoffice(cfg)
         self._client: KVClient | None = None
@@ -215,7 +215,7 @@ class KVStore:
         # a policy chosen in code (sync=HFA(...)) where the environment names none or another: the servers
         # learn whether its rounds are steps from the master worker's mode, which they take before the first
         # kv.init only (a script's second DistributedOptimizer, over keys of its own, leaves it as it was)
-        steps = policy_rounds_are_steps(policy)
+        steps = algorithm_rounds_are_steps(getattr(policy, "name", None))
         announce = steps != self._rounds_are_steps and not self._initialized_keys
         if self._unclaimed_sync is None and not announce:
             return

@@ -197,11 +197,11 @@ def rounds_are_steps(env: Mapping[str, str] | None = None) -> bool:
         return True
 
 
-def policy_rounds_are_steps(policy) -> bool:
-    """Whether a worker-side synchronization policy object runs one round of every key per step (FSA, P3). A
-    policy of the user's own, registered under no algorithm, counts as not: a server checkpoint that named its
+def algorithm_rounds_are_steps(name: str | None) -> bool:
+    """Whether the algorithm ``name`` (a policy object's ``name``) runs one round of every key per step (FSA, P3).
+    A policy of the user's own, registered under no algorithm, counts as not: a server checkpoint that named its
     rounds as steps could name a step the workers never saved."""
-    algorithm = REGISTRY.get(getattr(policy, "name", None))
+    algorithm = REGISTRY.get(name)
     return algorithm.round_per_step if algorithm is not None else False
 
 

@@ -161,16 +161,16 @@ def run_steps(opt, batches: Iterable[Batch], *, total_steps: int, eval_every: in
     step, started, history = opt.progress, time.perf_counter(), []
     source = (f"the running job (restarted; its model arrived in {opt.rejoin_s:.2f} s)" if joined_at else
               checkpoint.resume_from if checkpoint else None)
-    how = "rejoined" if joined_at else "resumed"
-    if step and source is not None and step >= total_steps:
-        # a job restarted after its last checkpoint (--restart-failed), or resumed at its last step: nothing is
-        # left to train, and the model it has is the one to report
-        print(f"{how} at step {step} from {source}: the job trained its {total_steps} steps already; its model "
-              f"is evaluated", flush=True)
-        opt.finish()        # the averages its checkpoint holds in flight land, as they did in the job that saved it
-        history.append({"step": step, **evaluate(), "wall_s": time.perf_counter() - started})
-        return step, history
     if step and source is not None:
+        how = "rejoined" if joined_at else "resumed"
+        if step >= total_steps:
+            # a job restarted after its last checkpoint (--restart-failed), or resumed at its last step: nothing
+            # is left to train, and the model it has is the one to report
+            print(f"{how} at step {step} from {source}: the job trained its {total_steps} steps already; its "
+                  f"model is evaluated", flush=True)
+            opt.finish()    # the averages its checkpoint holds in flight land, as they did in the job that saved it
+            history.append({"step": step, **evaluate(), "wall_s": time.perf_counter() - started})
+            return step, history
         print(f"{how} at step {step} from {source}", flush=True)
     for epoch, epoch_end, compute_loss in batches:
         opt.zero_grad()
