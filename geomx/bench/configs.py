@@ -120,6 +120,15 @@ register(BenchConfig("hips-hfa-dc10-d2-int8-keep", "HiPS HFA (K1=1, K2=10, D=2, 
                      "kept), global averages as 8-bit QSGD on the WAN",
                      env=launch_env({**HFA_DC, "overlap": 2, **KEEP_HALF}),
                      train_args=WAN_INT8))
+# the headline row's K2=5 and 8-bit averages with less delay: each average landing 2 steps after it left (some
+# waiting where the WAN round outlasts 2 steps), and on time (D=0: every 5th step waits out the whole round), the
+# two other points of the trade between the loss a late average costs and the time an early one waits
+register(BenchConfig("hips-hfa-dc5-d2-int8-keep", "HiPS HFA (K1=1, K2=5, D=2, half the steps taken meanwhile "
+                     "kept), global averages as 8-bit QSGD on the WAN",
+                     env=launch_env({**HFA_DC5, "overlap": 2, **KEEP_HALF}), train_args=WAN_INT8))
+register(BenchConfig("hips-hfa-dc5-int8", "HiPS HFA (K1=1, K2=5, each global average on time), global averages "
+                     "as 8-bit QSGD on the WAN",
+                     env=launch_env({**HFA_DC5, "overlap": 0}), train_args=WAN_INT8))
 # the same with each DC average travelling one step behind training too (dc_overlap): no worker waits for its DC
 register(BenchConfig("hips-hfa-dc5-land-int8-keep-dcoverlap", "HiPS HFA (K1=1, K2=5, D=5, half the steps taken "
                      "meanwhile kept, each DC average one step late), global averages as 8-bit QSGD on the WAN",
