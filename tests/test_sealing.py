@@ -9,7 +9,7 @@ import zmq
 
 from geomx.errors import ConfigError, ProtocolError
 from geomx.transport.message import Message, encode
-from geomx.transport.sealing import REPLAY_WINDOW, MessageSeal, derive
+from geomx.transport.sealing import MAX_AGE_S, REPLAY_WINDOW, MessageSeal, derive
 from geomx.transport.security import Curve, Sealed, link_security
 from geomx.transport.van import ZmqVan
 from harness import listening_van
@@ -123,6 +123,46 @@ def test_messages_overtaken_within_the_window_are_accepted_once_and_older_ones_r
     receive(sender.seal(encode(Message("m", src="friend")), "tcp://h:9"))
     with pytest.raises(ProtocolError, match="replayed"):
         receive(frames[1])                  # never seen, but older than the window
+
+
+def test_a_node_started_afresh_refuses_a_recording_sealed_long_before_it_started(sealed_server, wire):
+    # the replay window lives in the receiving process: a new one (a later run with the same secret, a restarted
+    # role) has seen nothing, so what was recorded earlier than GEOMX_SEAL_MAX_AGE_S before it started is refused
+    server, inbox = sealed_server
+    sock = wire(server.address)
+    master = derive(SECRET.encode(), "geomx-aead-master")
+    earlier = MessageSeal(master, "friend", clock=lambda: time.time() - MAX_AGE_S - 60)   # sealed then
+    recent = MessageSeal(master, "friend", clock=lambda: time.time() - MAX_AGE_S / 2)
+    sock.send_multipart(sealed(Message("push", fields={"key": 1}), server.address, seal=earlier))
+    sock.send_multipart(sealed(Message("hello"), server.address, seal=recent))      # clocks apart, within the limit
+    assert inbox.wait_for(1)
+    time.sleep(0.3)
+    assert [m.op for m in inbox.messages] == ["hello"] and server.dropped_messages == 1
+
+
+def test_the_age_limit_counts_from_the_receivers_start_and_its_refusal_names_the_variable():
+    master = derive(SECRET.encode(), "geomx-aead-master")
+    now = [1000.0]
+    receiver = MessageSeal(master, "server", max_age_s=30, clock=lambda: now[0])
+    old = MessageSeal(master, "friend", clock=lambda: 960.0).seal(encode(Message("m", src="friend")), "tcp://h:9")
+    fresh = MessageSeal(master, "friend", clock=lambda: 975.0).seal(encode(Message("m", src="friend")), "tcp://h:9")
+    now[0] = 5000.0             # hours later: the limit is against the start, not the arrival (queued, held)
+    letter = receiver.letter(fresh[0], 9)
+    assert letter.open(0, fresh[1])
+    with pytest.raises(ProtocolError, match=r"sealed 40 s before this node started.*GEOMX_SEAL_MAX_AGE_S=30"):
+        receiver.letter(old[0], 9)
+    configured = link_security({"GEOMX_SECRET": SECRET, "GEOMX_SEAL_MAX_AGE_S": "30"}).sealing("server")
+    for age, heard in ((20, True), (40, False)):
+        frames = MessageSeal(master, "friend", clock=lambda a=age: time.time() - a).seal(
+            encode(Message("m", src="friend")), "tcp://h:9")
+        if heard:
+            assert configured.letter(frames[0], 9).open(0, frames[1])
+        else:
+            with pytest.raises(ProtocolError, match="GEOMX_SEAL_MAX_AGE_S=30 s"):
+                configured.letter(frames[0], 9)
+    for bad in ("soon", "0", "-5", "nan"):
+        with pytest.raises(ConfigError, match=f"GEOMX_SEAL_MAX_AGE_S={bad!r}"):
+            link_security({"GEOMX_SECRET": SECRET, "GEOMX_SEAL_MAX_AGE_S": bad})
 
 
 def test_the_encryption_is_chosen_by_geomx_encryption_and_a_bad_choice_names_the_variable():

@@ -15,7 +15,13 @@ real gate is per message:
   to another message, another position or another node on another port;
 * a counter seen before from the same sender process, or older than the last ``REPLAY_WINDOW`` of its
   counters, is refused: a recorded message cannot be played again. The window is not a strict order because
-  the WAN emulator may overtake a low-priority message with a high-priority one.
+  the WAN emulator may overtake a low-priority message with a high-priority one;
+* that window lives in the receiving process, so a process that starts afresh (a later run with the same secret
+  and ports, or a role restarted within a run) has seen nothing. The envelope therefore carries when the message
+  was sealed (the sender's clock), and a receiver refuses one sealed more than ``max_age_s`` before it started
+  (``GEOMX_SEAL_MAX_AGE_S``, default ``MAX_AGE_S``; also how far two hosts' clocks may differ): a recording
+  older than that cannot be played to a new process. What was sealed within ``max_age_s`` before a restart
+  remains open to replay into the new process.
 
 Anything that fails is a :class:`ProtocolError`; the van drops the message and logs it, rate-limited.
 """
@@ -26,6 +32,7 @@ import hmac
 import itertools
 import secrets
 import struct
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,8 +48,10 @@ TAG_BYTES = 16
 REPLAY_WINDOW = 4096                 # counters per sender process accepted out of order
 _SENDERS_KEPT = 1024                 # sender processes whose keys and windows are cached (LRU)
 _SMALL = 64 * 1024                   # frames below this are sealed into fresh bytes, larger ones into arrays
-_VERSION = 1
-_ENVELOPE = struct.Struct("!B8sQ")   # version, the sender process's salt, counter; then the sender id (utf-8)
+MAX_AGE_S = 120.0                    # a message sealed longer than this before its receiver started is refused
+_VERSION = 2
+# version, the sender process's salt, counter, when it was sealed (ms of the sender's clock); then the sender id
+_ENVELOPE = struct.Struct("!B8sQQ")
 _MAX_ID = 256
 _IN_PLACE = hasattr(AESGCM, "encrypt_into")   # cryptography >= 45: no ciphertext/plaintext copy of its own
 
@@ -124,10 +133,18 @@ class Letter:
 
 
 class MessageSeal:
-    """One node's sealing: :meth:`seal` for what it sends, :meth:`letter` for what it receives."""
+    """One node's sealing: :meth:`seal` for what it sends, :meth:`letter` for what it receives. ``max_age_s``:
+    a received message sealed longer than this before this object was made is refused; ``clock``: wall time in
+    seconds (the sender's and the receiver's are compared, so not a monotonic one)."""
 
-    def __init__(self, master: bytes, node_id: str) -> None:
+    def __init__(self, master: bytes, node_id: str, *, max_age_s: float = MAX_AGE_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        if not max_age_s > 0:
+            raise ProtocolError(f"the age limit of sealed messages must be > 0 s, got {max_age_s}")
         self._master = master
+        self._clock = clock
+        self._max_age_s = max_age_s
+        self._born = clock()
         self._salt = secrets.token_bytes(8)
         sender = node_id.encode()
         if len(sender) > _MAX_ID:
@@ -144,7 +161,7 @@ class MessageSeal:
         """The frames of one encoded message, sealed for the node listening at ``addr``. Call in send order
         (the counters then go out in order on each connection)."""
         counter = next(self._counter)
-        envelope = _ENVELOPE.pack(_VERSION, self._salt, counter) + self._sender
+        envelope = _ENVELOPE.pack(_VERSION, self._salt, counter, int(self._clock() * 1000)) + self._sender
         port = _port_of(addr)
         out: list = [envelope]
         for index, frame in enumerate(frames):
@@ -164,10 +181,16 @@ class MessageSeal:
         if len(envelope) <= _ENVELOPE.size or len(envelope) > _ENVELOPE.size + _MAX_ID:
             raise ProtocolError("a message without a valid sealed envelope (is the sender using this "
                                 "deployment's GEOMX_SECRET and GEOMX_ENCRYPTION?)")
-        version, salt, counter = _ENVELOPE.unpack_from(envelope)
+        version, salt, counter, sealed_ms = _ENVELOPE.unpack_from(envelope)
         if version != _VERSION:
             raise ProtocolError(f"sealed envelope version {version}, this node speaks {_VERSION}")
         sender = envelope[_ENVELOPE.size:]
+        before_start = self._born - sealed_ms / 1000
+        if before_start > self._max_age_s:      # a later time than the sender wrote would not open
+            raise ProtocolError(
+                f"a message from {sender.decode('utf-8', 'replace')!r} sealed {before_start:.0f} s before this node "
+                f"started: a recording of an earlier process played again, or the two hosts' clocks differ by more "
+                f"than GEOMX_SEAL_MAX_AGE_S={self._max_age_s:g} s")
         # a sender process is cached only once one of its messages authenticated (Letter.accept): envelopes
         # from strangers cost a key derivation each but never push a real sender's window out of the cache
         peer = self._peers.get((sender, salt)) or (self._key(sender, salt), _ReplayWindow())

@@ -67,7 +67,9 @@ def _keypair(secret: str, purpose: str) -> tuple[bytes, bytes]:
 class Curve:
     """The key pairs of one deployment; apply them to sockets with :meth:`server` and :meth:`client`."""
 
-    def __init__(self, secret: str) -> None:
+    def __init__(self, secret: str, *, max_age_s: float | None = None) -> None:
+        # max_age_s (Sealed's replay limit across restarts) has nothing to bound here: every CurveZMQ connection
+        # agrees fresh session keys, so a recorded stream opens in no later one
         _check_secret(secret)
         if not zmq.has("curve"):
             raise ConfigError("GEOMX_SECRET is set but this libzmq was built without CURVE support")
@@ -132,12 +134,13 @@ class Sealed:
     """AES-256-GCM on every frame of every message, keyed by the secret (geomx.transport.sealing); connections
     admitted by a PLAIN token derived from the secret."""
 
-    def __init__(self, secret: str) -> None:
+    def __init__(self, secret: str, *, max_age_s: float | None = None) -> None:
         _check_secret(secret)
-        from geomx.transport.sealing import derive
+        from geomx.transport.sealing import MAX_AGE_S, derive
 
         self._master = derive(secret.encode(), "geomx-aead-master")
         self._plain = Plain(derive(secret.encode(), "geomx-plain-token").hex())
+        self._max_age_s = MAX_AGE_S if max_age_s is None else max_age_s
 
     def server(self, sock: zmq.Socket) -> None:
         self._plain.server(sock)
@@ -151,7 +154,7 @@ class Sealed:
     def sealing(self, node_id: str):
         from geomx.transport.sealing import MessageSeal
 
-        return MessageSeal(self._master, node_id)
+        return MessageSeal(self._master, node_id, max_age_s=self._max_age_s)
 
 
 # GEOMX_ENCRYPTION: how links that hold a secret are encrypted
@@ -159,12 +162,28 @@ ENCRYPTIONS = {"aes-gcm": Sealed, "curve": Curve}
 DEFAULT_ENCRYPTION = "aes-gcm"
 
 
-def secret_security(secret: str, encryption: str | None = None) -> Sealed | Curve:
-    """The protection a deployment with ``secret`` runs: GEOMX_ENCRYPTION's choice, AES-GCM by default."""
+def secret_security(secret: str, encryption: str | None = None, *, max_age_s: float | None = None) -> Sealed | Curve:
+    """The protection a deployment with ``secret`` runs: GEOMX_ENCRYPTION's choice, AES-GCM by default
+    (``max_age_s``: its GEOMX_SEAL_MAX_AGE_S; CurveZMQ's fresh keys per connection need none)."""
     name = encryption or DEFAULT_ENCRYPTION
     if name not in ENCRYPTIONS:
         raise ConfigError(f"GEOMX_ENCRYPTION={name!r} is not one of {sorted(ENCRYPTIONS)}")
-    return ENCRYPTIONS[name](secret)
+    return ENCRYPTIONS[name](secret, max_age_s=max_age_s)
+
+
+def seal_max_age(env) -> float | None:
+    """GEOMX_SEAL_MAX_AGE_S: how long before a node started a sealed message may have been sealed (None: the
+    default, geomx.transport.sealing.MAX_AGE_S)."""
+    raw = env.get("GEOMX_SEAL_MAX_AGE_S")
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ConfigError(f"GEOMX_SEAL_MAX_AGE_S={raw!r} is not a number of seconds > 0")
+    return value
 
 
 def link_security(env=None) -> Sealed | Curve | Plain | None:
@@ -173,7 +192,7 @@ def link_security(env=None) -> Sealed | Curve | Plain | None:
     env = os.environ if env is None else env
     secret = read_secret(env)
     if secret:
-        return secret_security(secret, env.get("GEOMX_ENCRYPTION"))
+        return secret_security(secret, env.get("GEOMX_ENCRYPTION"), max_age_s=seal_max_age(env))
     token = env.get("GEOMX_AUTH_TOKEN")
     return Plain(token) if token else None
 
