@@ -86,6 +86,9 @@ CASES = [
     ("two schedulers on one port", lambda e: e["b-scheduler"].update(
         DMLC_PS_ROOT_PORT=e["a-scheduler"]["DMLC_PS_ROOT_PORT"]), "also a-scheduler's"),
     ("local server with two servers", _set("b-server", DMLC_NUM_SERVER=2), "DMLC_NUM_SERVER"),
+    ("two hosts' schedulers on one port under AES-GCM", lambda e: [
+        e[n].update(DMLC_PS_ROOT_URI="127.0.0.2", DMLC_PS_ROOT_PORT=e["a-scheduler"]["DMLC_PS_ROOT_PORT"])
+        for n in e if n.startswith("b-")], "names its receiver's port, not its host"),
 ]
 
 
@@ -172,3 +175,13 @@ def test_doctor_probe_measures_rtt_and_rate_against_a_listener_on_this_machine()
     result = link_probe.probe("127.0.0.1", address["port"], nbytes=4_000_000)
     # the bytes timed are what came after the first eighth of the payload; loopback moves them at gigabits/s
     assert 0 < result.nbytes <= 3_500_000 and result.rate_bps > 100e6 and 0 < result.rtt_s < 0.1, result
+
+
+def test_schedulers_of_two_hosts_may_share_a_port_under_curve_whose_keys_are_fresh_per_connection(tmp_path):
+    envs = deployment(tmp_path)
+    for name, env in envs.items():
+        env["GEOMX_ENCRYPTION"] = "curve"
+        if name.startswith("b-"):
+            env.update(DMLC_PS_ROOT_URI="127.0.0.2", DMLC_PS_ROOT_PORT=envs["a-scheduler"]["DMLC_PS_ROOT_PORT"])
+    problems, _ = diagnose(envs, network=False)
+    assert problems == []

@@ -32,7 +32,7 @@ def role_environments(hosts: netns.Hosts, run_dir: Path) -> list[tuple[str, str,
     node = [sys.executable, "-m", "geomx.node"]
     train = [sys.executable, str(EXAMPLE), *TRAIN_ARGS]
     central_host, n_all = hosts.address["central"], len(DCS) * PER_DC
-    # the links cross a (pretend) public network: every role holds the deployment's secret (CurveZMQ)
+    # the links cross a (pretend) public network: every role holds the deployment's secret (AES-GCM)
     common = {"GEOMX_RUN_DIR": str(run_dir), "GEOMX_CONNECT_TIMEOUT": "60", "GEOMX_TIMEOUT": "60",
               "GEOMX_SECRET": SECRET}
     glob = {"DMLC_PS_GLOBAL_ROOT_URI": central_host, "DMLC_PS_GLOBAL_ROOT_PORT": "9000",
@@ -48,7 +48,8 @@ def role_environments(hosts: netns.Hosts, run_dir: Path) -> list[tuple[str, str,
                                            "DMLC_ROLE_MASTER_WORKER": "1", "DMLC_NUM_ALL_WORKER": str(n_all)})]
     for d, dc in enumerate(DCS):
         host = hosts.address[dc]
-        local = {"DMLC_PS_ROOT_URI": host, "DMLC_PS_ROOT_PORT": "9000", "DMLC_NUM_SERVER": "1",
+        # each scheduler a port of its own: a sealed message names its receiver's port, not its host
+        local = {"DMLC_PS_ROOT_URI": host, "DMLC_PS_ROOT_PORT": str(9002 + d), "DMLC_NUM_SERVER": "1",
                  "DMLC_NUM_WORKER": str(PER_DC), "GEOMX_DC": dc, "DMLC_NODE_HOST": host}
         if d == 1:        # as behind NAT: listen on every interface, advertise the address others reach
             local["GEOMX_BIND_HOST"] = "0.0.0.0"

@@ -159,19 +159,31 @@ def check_global_tier(roles: list[Role]) -> list[Problem]:
     return problems
 
 
+_OWN_PORT = "give each scheduler its own port (DMLC_PS_ROOT_PORT / DMLC_PS_GLOBAL_ROOT_PORT)"
+
+
 def check_addresses(roles: list[Role]) -> list[Problem]:
-    """No two schedulers on one address."""
+    """No two schedulers on one address; under AES-GCM not on one port either (a sealed message names its
+    receiver's port, not its host: one recorded on its way to a scheduler would open at another on that port)."""
     problems: list[Problem] = []
     owners: dict[tuple[str, int], str] = {}
+    port_owners: dict[int, tuple[str, str]] = {}
+    sealed = any(_secret_digest(r.env) for r in roles) and all(
+        (r.env.get("GEOMX_ENCRYPTION") or DEFAULT_ENCRYPTION) == "aes-gcm" for r in roles)
     for r in roles:
         if r.cfg is None or r.cfg.role not in ("scheduler", "global_scheduler"):
             continue
         addr = r.cfg.global_scheduler if r.cfg.role == "global_scheduler" else r.cfg.scheduler
         if addr in owners:
             problems.append(Problem(r.name, f"its scheduler address {addr[0]}:{addr[1]} is also {owners[addr]}'s",
-                                    "give each scheduler its own port (DMLC_PS_ROOT_PORT / "
-                                    "DMLC_PS_GLOBAL_ROOT_PORT)"))
+                                    _OWN_PORT))
+        elif sealed and addr[1] in port_owners:
+            other, host = port_owners[addr[1]]
+            problems.append(Problem(r.name, f"its scheduler port {addr[1]} is also {other}'s (on {host}): a message "
+                                            f"sealed with AES-GCM names its receiver's port, not its host, so one "
+                                            f"recorded on its way to either could be played to the other", _OWN_PORT))
         owners[addr] = r.name
+        port_owners.setdefault(addr[1], (r.name, addr[0]))
     return problems
 
 
