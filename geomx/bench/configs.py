@@ -129,6 +129,11 @@ register(BenchConfig("hips-hfa-dc5-d2-int8-keep", "HiPS HFA (K1=1, K2=5, D=2, ha
 register(BenchConfig("hips-hfa-dc5-int8", "HiPS HFA (K1=1, K2=5, each global average on time), global averages "
                      "as 8-bit QSGD on the WAN",
                      env=launch_env({**HFA_DC5, "overlap": 0}), train_args=WAN_INT8))
+# FSA's per-step gradients instead of model averages, as 8-bit QSGD on the WAN, each step's global mean applied 3
+# steps late with DGA's correction (the WAN round hides behind 3 steps): FSA's per-sample quality at a quarter of
+# its bytes, for iid data, where model averaging trails FSA even on time
+register(BenchConfig("hips-dga3-int8", "HiPS DGA (D=3), gradients as 8-bit QSGD on the WAN",
+                     env=launch_env({"algorithm": "dga", "delay": 3}), train_args=WAN_INT8))
 # the same with each DC average travelling one step behind training too (dc_overlap): no worker waits for its DC
 register(BenchConfig("hips-hfa-dc5-land-int8-keep-dcoverlap", "HiPS HFA (K1=1, K2=5, D=5, half the steps taken "
                      "meanwhile kept, each DC average one step late), global averages as 8-bit QSGD on the WAN",
