@@ -157,22 +157,9 @@ def test_doctor_probe_names_a_malformed_endpoint_and_an_unreachable_listener(cap
 
 
 def test_doctor_probe_measures_rtt_and_rate_against_a_listener_on_this_machine():
-    import threading
-
     from geomx.cli import link_probe
 
-    ready = threading.Event()
-    address = {}
-
-    def on_ready(addr):
-        address["port"] = addr[1]
-        ready.set()
-
-    listener = threading.Thread(target=link_probe.serve, args=("127.0.0.1", 0), daemon=True,
-                                kwargs={"seconds": 10, "on_ready": on_ready})
-    listener.start()
-    assert ready.wait(5)
-    result = link_probe.probe("127.0.0.1", address["port"], nbytes=4_000_000)
+    result = link_probe.probe("127.0.0.1", _probe_listener(), nbytes=4_000_000)
     # the bytes timed are what came after the first eighth of the payload; loopback moves them at gigabits/s
     assert 0 < result.nbytes <= 3_500_000 and result.rate_bps > 100e6 and 0 < result.rtt_s < 0.1, result
 
@@ -185,3 +172,39 @@ def test_schedulers_of_two_hosts_may_share_a_port_under_curve_whose_keys_are_fre
             env.update(DMLC_PS_ROOT_URI="127.0.0.2", DMLC_PS_ROOT_PORT=envs["a-scheduler"]["DMLC_PS_ROOT_PORT"])
     problems, _ = diagnose(envs, network=False)
     assert problems == []
+
+
+def _probe_listener(**serve_options) -> int:
+    """A `--probe-listen` on this machine, in a thread: its port."""
+    import threading
+
+    from geomx.cli import link_probe
+
+    ready, address = threading.Event(), {}
+
+    def on_ready(addr):
+        address["port"] = addr[1]
+        ready.set()
+
+    threading.Thread(target=link_probe.serve, args=("127.0.0.1", 0), daemon=True,
+                     kwargs={"seconds": 10, "on_ready": on_ready, **serve_options}).start()
+    assert ready.wait(5)
+    return address["port"]
+
+
+def test_doctor_probe_reads_the_listeners_clock_and_names_clocks_too_far_apart_for_sealed_messages(capsys, monkeypatch):
+    from geomx.cli import link_probe
+    from geomx.cli.main import main
+
+    same = link_probe.probe("127.0.0.1", _probe_listener(), nbytes=1_000_000)
+    assert same.clock_offset_s is not None and abs(same.clock_offset_s) < 0.05, same
+    ahead = link_probe.probe("127.0.0.1", _probe_listener(clock=lambda: time.time() + 90), nbytes=1_000_000)
+    assert abs(ahead.clock_offset_s - 90) < 0.05 and "+90000" in str(ahead), ahead
+    # 90 s is more than half of the default 120 s a sealed message may predate its receiver: a problem, named
+    assert main(["doctor", "--probe", f"127.0.0.1:{_probe_listener(clock=lambda: time.time() - 90)}",
+                 "--probe-mb", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "clocks are 90.0 s apart" in out and "GEOMX_SEAL_MAX_AGE_S (120 s)" in out and " -> " in out, out
+    monkeypatch.setenv("GEOMX_SEAL_MAX_AGE_S", "600")      # a deployment that allows for it
+    assert main(["doctor", "--probe", f"127.0.0.1:{_probe_listener(clock=lambda: time.time() - 90)}",
+                 "--probe-mb", "1"]) == 0

@@ -1,5 +1,7 @@
 """``geomx doctor --probe-listen`` / ``--probe``: measure the RTT and rate of the network path between two hosts,
-as a deployment's roles would see it over one TCP connection (a DC's host and the central party's, say).
+as a deployment's roles would see it over one TCP connection (a DC's host and the central party's, say), and how
+far apart their clocks are (AES-GCM sealing refuses messages sealed too long before a receiver started, by the
+sender's clock: ``GEOMX_SEAL_MAX_AGE_S``).
 
 One end listens; the other connects, times ten 1-byte echoes (the median is the RTT) and then sends a bulk
 payload, whose receiver times it from its first byte to its last (the goodput of one TCP stream, the way
@@ -7,7 +9,9 @@ geomx's links carry a message). Plain TCP: the probe carries no secrets, only ze
 
 Wire: the client sends ``E`` + 1 byte (echoed), or ``B`` + an 8-byte big-endian length + that many bytes (the
 listener answers with the receive time, from the read that completes the first eighth of the payload to the
-last, as a big-endian double, and the bytes received in that time as an 8-byte integer).
+last, as a big-endian double, and the bytes received in that time as an 8-byte integer), or ``T`` (the listener
+answers its wall-clock time, a big-endian double: the client takes the exchange with the shortest round trip and
+reads the offset against the middle of it, as NTP does).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 from geomx.errors import ConfigError, GeomxError
 
 _ECHOES = 10
+_CLOCK_READINGS = 5
 _CHUNK = 1 << 20
 IO_TIMEOUT_S = 30.0
 
@@ -29,14 +34,19 @@ class ProbeResult:
     rtt_s: float
     nbytes: int
     receive_s: float
+    clock_offset_s: float | None = None     # the listener's clock minus this host's; None: an older listener
 
     @property
     def rate_bps(self) -> float:
         return self.nbytes * 8 / self.receive_s if self.receive_s > 0 else float("inf")
 
     def __str__(self) -> str:
+        clock = ("; the listener's clock reads "
+                 f"{self.clock_offset_s * 1e3:+.1f} ms against this host's" if self.clock_offset_s is not None
+                 else "; clocks not compared (the listener runs an older geomx)")
         return (f"RTT {self.rtt_s * 1e3:.2f} ms (median of {_ECHOES} echoes); {self.rate_bps / 1e6:.1f} Mbit/s "
-                f"received over one TCP stream ({self.nbytes / 1e6:.1f} MB timed in {self.receive_s:.2f} s)")
+                f"received over one TCP stream ({self.nbytes / 1e6:.1f} MB timed in {self.receive_s:.2f} s)"
+                + clock)
 
 
 def parse_endpoint(text: str, *, what: str, default_host: str | None = None) -> tuple[str, int]:
@@ -59,8 +69,9 @@ def _receive_exactly(conn: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
-def serve(host: str, port: int, *, seconds: float, on_ready=None) -> int:
-    """Answer probes on ``host:port`` for ``seconds``; returns the number of probes answered."""
+def serve(host: str, port: int, *, seconds: float, on_ready=None, clock=time.time) -> int:
+    """Answer probes on ``host:port`` for ``seconds``; returns the number of probes answered. ``clock``: the
+    wall clock the listener reports (a test shifts it)."""
     answered = 0
     with socket.create_server((host, port), reuse_port=False) as server:
         server.settimeout(0.5)
@@ -75,13 +86,13 @@ def serve(host: str, port: int, *, seconds: float, on_ready=None) -> int:
             with conn:
                 conn.settimeout(IO_TIMEOUT_S)
                 try:
-                    answered += _answer(conn)
+                    answered += _answer(conn, clock)
                 except (OSError, ConnectionError, struct.error):
                     continue        # a broken probe (or a stranger's junk) ends its connection only
     return answered
 
 
-def _answer(conn: socket.socket) -> int:
+def _answer(conn: socket.socket, clock) -> int:
     answered = 0
     while True:
         op = conn.recv(1)
@@ -89,6 +100,8 @@ def _answer(conn: socket.socket) -> int:
             return answered
         if op == b"E":
             conn.sendall(_receive_exactly(conn, 1))
+        elif op == b"T":
+            conn.sendall(struct.pack(">d", clock()))
         elif op == b"B":
             (n,) = struct.unpack(">Q", _receive_exactly(conn, 8))
             # timed once the first eighth (at most 1 MiB) is in: a shaper's burst and TCP's slow start are
@@ -132,4 +145,22 @@ def probe(host: str, port: int, *, nbytes: int, timeout: float = IO_TIMEOUT_S) -
             sent = conn.send(zeros[:min(left, _CHUNK)])
             left -= sent
         receive_s, timed = struct.unpack(">dQ", _receive_exactly(conn, 16))
-    return ProbeResult(statistics.median(rtts), timed, receive_s)
+        offset = _clock_offset(conn)
+    return ProbeResult(statistics.median(rtts), timed, receive_s, offset)
+
+
+def _clock_offset(conn: socket.socket) -> float | None:
+    """The listener's wall clock minus this host's, from the reading with the shortest round trip (its error is
+    at most half that round trip); None if the listener does not answer ``T`` (an older geomx closes)."""
+    best = None
+    try:
+        for _ in range(_CLOCK_READINGS):
+            before = time.time()
+            conn.sendall(b"T")
+            (remote,) = struct.unpack(">d", _receive_exactly(conn, 8))
+            after = time.time()
+            if best is None or after - before < best[0]:
+                best = (after - before, remote - (before + after) / 2)
+    except (OSError, ConnectionError):
+        return None
+    return best[1]
