@@ -160,6 +160,11 @@ def test_the_age_limit_counts_from_the_receivers_start_and_its_refusal_names_the
         else:
             with pytest.raises(ProtocolError, match="GEOMX_SEAL_MAX_AGE_S=30 s"):
                 configured.letter(frames[0], 9)
+    # a registration may wait GEOMX_CONNECT_TIMEOUT for a scheduler that starts late: it must still open then
+    patient = link_security({"GEOMX_SECRET": SECRET, "GEOMX_CONNECT_TIMEOUT": "600"}).sealing("scheduler")
+    queued = MessageSeal(master, "friend", clock=lambda: time.time() - 500).seal(
+        encode(Message("register", src="friend")), "tcp://h:9")
+    assert patient.letter(queued[0], 9).open(0, queued[1])
     for bad in ("soon", "0", "-5", "nan"):
         with pytest.raises(ConfigError, match=f"GEOMX_SEAL_MAX_AGE_S={bad!r}"):
             link_security({"GEOMX_SECRET": SECRET, "GEOMX_SEAL_MAX_AGE_S": bad})

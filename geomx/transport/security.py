@@ -173,10 +173,17 @@ def secret_security(secret: str, encryption: str | None = None, *, max_age_s: fl
 
 def seal_max_age(env) -> float | None:
     """GEOMX_SEAL_MAX_AGE_S: how long before a node started a sealed message may have been sealed (None: the
-    default, geomx.transport.sealing.MAX_AGE_S)."""
+    default, geomx.transport.sealing.MAX_AGE_S, or GEOMX_CONNECT_TIMEOUT where that is longer: a member's
+    registration, sent once, may wait that long for a scheduler that starts late, and must then still open)."""
     raw = env.get("GEOMX_SEAL_MAX_AGE_S")
     if not raw:
-        return None
+        from geomx.transport.sealing import MAX_AGE_S
+
+        try:
+            connect = float(env.get("GEOMX_CONNECT_TIMEOUT") or 0)
+        except ValueError:      # named where the node's configuration is read (geomx.config)
+            connect = 0.0
+        return connect if connect > MAX_AGE_S else None
     try:
         value = float(raw)
     except ValueError:
