@@ -181,8 +181,10 @@ def bench_capacity(*, sizes: tuple[int, ...] = (64 * KIB, 1 * MIB), megabytes: f
     env = bench_env({"GEOMX_WAN_RATE": repr(float(rate_bps)), "GEOMX_WAN_RTT": "0", "GEOMX_EMULATOR_PORT": str(port)})
     if emulator_path:
         env["PYTHONPATH"] = emulator_path
+    # run from the other checkout's root: `python -m` puts the working directory first on sys.path, so from this
+    # checkout's root the emulator would import this checkout whatever PYTHONPATH says
     proc = subprocess.Popen([sys.executable, "-m", "geomx.netem"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, cwd=emulator_path or None)
     inbox = _Inbox()
     address = f"tcp://127.0.0.1:{port}"
     senders = {mode: ZmqVan(node_id=f"capacity-{mode}", dc="a", on_message=lambda m: None, emulator=address,

@@ -58,6 +58,7 @@ IDENTITY = b"geomx-wan-emulator"
 MAX_LINKS = 256
 # distinct destinations the emulator keeps a socket to
 MAX_DESTINATIONS = 1024
+MAX_PATHS = 65536       # checked routes remembered (sender, receiver, DCs); beyond that the memory starts afresh
 STATS_FILE = "wan_links.json"
 _STATS_PERIOD_S = 0.5
 _POLL_S = 0.1           # the loop looks at its stop flag at least this often
@@ -115,6 +116,8 @@ class WanEmulator:
         self._own_context = context is None
         self._ctx = context or zmq.Context()
         self._links: dict[tuple[str, str], EmulatedLink] = {}
+        self._paths: dict[tuple, tuple[EmulatedLink, tuple[EmulatedLink, ...]]] = {}   # the loop's thread only
+        self._releases: dict[str, list[bytes]] = {}     # receiver -> releases due, sent after each pump
         self._links_lock = threading.Lock()
         self._router: zmq.Socket | None = None
         self._engine: LinkEngine | None = None
@@ -269,6 +272,7 @@ class WanEmulator:
                 now = time.monotonic()
                 if now >= wake:
                     wake = self._engine.pump(now)
+                    self._send_releases()
                 left = min(wake - time.monotonic(), _POLL_S)
                 # zmq's poll counts whole milliseconds: under one, take what has arrived, then sleep the rest
                 if poller.poll(int(left * 1000) if left >= 0.001 else 0):
@@ -305,13 +309,14 @@ class WanEmulator:
         if not isinstance(route, dict):
             raise ValueError("route frame is not a map")
         dst, src_dc, dst_dc, prio = route.get("dst"), route.get("src_dc"), route.get("dst_dc"), route.get("prio", 0)
-        if not is_tcp_address(dst):
-            raise ValueError(f"route has no tcp://host:port destination: {dst!r}")
-        if dst[6:].rpartition(":")[0] not in self.hosts or dst == self.address:
-            raise ValueError(f"route to {dst!r} refused: the emulator relays only to the hosts "
-                             f"{', '.join(sorted(self.hosts))} (GEOMX_EMULATOR_HOSTS)")
-        if not (isinstance(src_dc, str) and isinstance(dst_dc, str) and src_dc and dst_dc):
-            raise ValueError(f"route lacks src_dc/dst_dc: {src_dc!r} -> {dst_dc!r}")
+        src = route.get("src")
+        src = src if isinstance(src, str) else None
+        try:                # checked and looked up once per (sender, receiver, DCs): the same every later time
+            path = self._paths.get((src, dst, src_dc, dst_dc))
+        except TypeError:   # a list or a map where a name belongs: _new_path says which
+            path = None
+        if path is None:
+            path = self._new_path(src, dst, src_dc, dst_dc)
         if not isinstance(prio, int) or isinstance(prio, bool):
             raise ValueError(f"route priority is not an int: {prio!r}")
         park = route.get("park")
@@ -326,13 +331,55 @@ class WanEmulator:
                     and not isinstance(nbytes, bool) and 0 <= nbytes < 1 << 40 and len(frames) == 2):
                 raise ValueError(f"a parked message's route needs a {parking.ID_BYTES}-byte id and its size "
                                  f"alone, got park={park!r}, n={nbytes!r}, {len(frames) - 2} frame(s) behind it")
-            payload = [parking.marker(parking.RELEASE, park)]
             self.parked_messages += 1
-        src = route.get("src")
-        path = [self.node_link(src, NODE_EGRESS) if isinstance(src, str) else None, self.dc_line(src_dc, DC_EGRESS),
-                self.link(src_dc, dst_dc), self.dc_line(dst_dc, DC_INGRESS), self.node_link(dst, NODE_INGRESS)]
-        first, *then = [link for link in path if link is not None]
-        first.enqueue(nbytes, prio, lambda: self._forward(dst, payload), then=tuple(then))
+            release = parking.marker(parking.RELEASE, park)
+            path[0].enqueue(nbytes, prio, lambda: self._releases.setdefault(dst, []).append(release), then=path[1])
+            return
+        first, then = path
+        first.enqueue(nbytes, prio, lambda: self._relay(dst, payload), then=then)
+
+    def _new_path(self, src: str | None, dst, src_dc, dst_dc) -> tuple[EmulatedLink, tuple[EmulatedLink, ...]]:
+        """The links a message from ``src`` to ``dst`` crosses, in order, after checking the route's ends (a
+        ValueError names what is wrong); remembered for the next message between the same ends."""
+        if not is_tcp_address(dst):
+            raise ValueError(f"route has no tcp://host:port destination: {dst!r}")
+        if dst[6:].rpartition(":")[0] not in self.hosts or dst == self.address:
+            raise ValueError(f"route to {dst!r} refused: the emulator relays only to the hosts "
+                             f"{', '.join(sorted(self.hosts))} (GEOMX_EMULATOR_HOSTS)")
+        if not (isinstance(src_dc, str) and isinstance(dst_dc, str) and src_dc and dst_dc):
+            raise ValueError(f"route lacks src_dc/dst_dc: {src_dc!r} -> {dst_dc!r}")
+        links = [self.node_link(src, NODE_EGRESS) if src is not None else None, self.dc_line(src_dc, DC_EGRESS),
+                 self.link(src_dc, dst_dc), self.dc_line(dst_dc, DC_INGRESS), self.node_link(dst, NODE_INGRESS)]
+        first, *then = [link for link in links if link is not None]
+        if len(self._paths) >= MAX_PATHS:
+            self._paths.clear()
+        path = self._paths[(src, dst, src_dc, dst_dc)] = (first, tuple(then))
+        return path
+
+    def _relay(self, dst: str, frames: list) -> None:
+        """A delivery of a relayed message: after the releases already due to the same receiver (one socket
+        keeps the order the link model gave them)."""
+        self._send_releases(only=dst)
+        self._forward(dst, frames)
+
+    def _send_releases(self, *, only: str | None = None) -> None:
+        """The releases of parked messages the last pump delivered (``only``: those to one receiver): one
+        message per receiver, a frame each (several are often due in one pump; a message each cost the emulator
+        a send and its I/O thread a wake-up)."""
+        if not self._releases:
+            return
+        if only is None:
+            batches, self._releases = self._releases, {}
+        else:
+            marks = self._releases.pop(only, None)
+            batches = {only: marks} if marks else {}
+        for dst, marks in batches.items():
+            try:
+                self._forward(dst, marks)
+            except Exception as exc:      # counted as delivered by the links; the receiver drops them in time
+                self.dropped_messages += len(marks)
+                self.refusals.note(dst, "WAN emulator could not release %d parked message(s) to %r: %s",
+                                   len(marks), dst, exc)
 
     def _forward(self, dst: str, frames: list) -> None:
         """The emulator's thread only (a delivery): send the original frames to the destination's ROUTER."""

@@ -10,11 +10,12 @@ route and size:
   checks it as any message (sealed or not) but holds it;
 * the emulator queues the message's size on its links as if the bytes were there (same chunks, priorities,
   counters) and, when the model delivers it, sends the receiver ``RELEASE + id``, which hands the held message
-  on. A release that overtakes its payload waits for it.
+  on (the releases one pump of its engine delivers to one receiver travel as the frames of one message). A
+  release that overtakes its payload waits for it.
 
 So the receiver sees every message at the time the link model gives it, and the WAN bytes are counted as
 before; only the copies through the emulator's process are gone. A marker frame starts with 0xC1, which begins
-no msgpack value (an unsealed message's header) and no sealed envelope (version 1).
+no msgpack value (an unsealed message's header) and no sealed envelope (whose first byte is its version).
 
 :class:`Parking` is the receiving side's store. Held messages and early releases are bounded in age
 (``max_age_s``: one never matched is dropped and logged), in number, and held bytes in all (``max_bytes``,

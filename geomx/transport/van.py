@@ -329,9 +329,12 @@ class ZmqVan(Van):
         if mark is None:
             msg = self._read_message(sock, peer, first)
         elif mark[0] == RELEASE:
-            while sock.getsockopt(zmq.RCVMORE):     # a release carries nothing more
-                sock.recv(copy=False)
             msg = self._parking.release(mark[1])
+            while sock.getsockopt(zmq.RCVMORE):     # the emulator sends the releases due at once together
+                more = read_marker(sock.recv(copy=False).buffer)
+                if msg is not None:
+                    self.deliver(msg)
+                msg = self._parking.release(more[1]) if more is not None and more[0] == RELEASE else None
         else:
             msg = self._read_message(sock, peer, sock.recv(copy=False) if first.more else None)
             if msg is not None:
