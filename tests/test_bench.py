@@ -2,6 +2,8 @@
 consistent, measured numbers."""
 import json
 import math
+import os
+from pathlib import Path
 
 import pytest
 
@@ -240,6 +242,24 @@ def test_link_smoke_with_slow_start_reports_the_models_time_and_the_emulators_ca
         (mode, size) for mode in ("relayed", "parked") for size in (64 * 1024, 1024 * 1024)]
     for row in r["capacity"]:
         assert row["bytes"] >= 20e6 and _finite_positive(row["rate_bps"]) and row["emulator_cpu_s"] >= 0
+
+
+def test_the_capacity_benchmark_runs_the_emulator_of_the_checkout_it_is_given(tmp_path, monkeypatch):
+    # run from this checkout's root, `python -m` would import this checkout first whatever PYTHONPATH says: the
+    # comparison against an older emulator measured this one twice until the process started in the other root
+    from geomx.bench.link import start_emulator
+
+    other = tmp_path / "other-checkout"
+    (other / "geomx" / "netem").mkdir(parents=True)
+    (other / "geomx" / "__init__.py").write_text("")
+    (other / "geomx" / "netem" / "__init__.py").write_text("")
+    (other / "geomx" / "netem" / "__main__.py").write_text(
+        "import geomx, os\nopen(os.environ['MARK'], 'w').write(geomx.__file__)\n")
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])         # this checkout's root, as the docs run it
+    mark = tmp_path / "imported-from"
+    proc = start_emulator({**os.environ, "MARK": str(mark)}, str(other))
+    assert proc.wait(60) == 0, proc.stderr.read()
+    assert mark.read_text() == str(other / "geomx" / "__init__.py")
 
 
 def test_incast_smoke_spreads_the_keys_over_the_global_servers_lines(tmp_path):

@@ -167,6 +167,16 @@ def process_cpu_s(pid: int) -> float:
 CAPACITY_MODES = ("relayed", "parked")
 
 
+def start_emulator(env: dict[str, str], emulator_path: str | None = None) -> subprocess.Popen:
+    """``python -m geomx.netem`` with ``env``, importing geomx from ``emulator_path`` (another checkout's root)
+    if given. It runs from that root: ``python -m`` puts the working directory first on ``sys.path``, so started
+    from this checkout's root it would import this checkout whatever ``PYTHONPATH`` says."""
+    if emulator_path:
+        env = {**env, "PYTHONPATH": emulator_path}
+    return subprocess.Popen([sys.executable, "-m", "geomx.netem"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, cwd=emulator_path or None)
+
+
 def bench_capacity(*, sizes: tuple[int, ...] = (64 * KIB, 1 * MIB), megabytes: float = 2000, window: int = 64,
                    rate_bps: float = 100e9, timeout_s: float = 120.0, emulator_path: str | None = None,
                    modes: tuple[str, ...] = CAPACITY_MODES) -> list[dict]:
@@ -179,12 +189,7 @@ def bench_capacity(*, sizes: tuple[int, ...] = (64 * KIB, 1 * MIB), megabytes: f
 
     port = free_port()
     env = bench_env({"GEOMX_WAN_RATE": repr(float(rate_bps)), "GEOMX_WAN_RTT": "0", "GEOMX_EMULATOR_PORT": str(port)})
-    if emulator_path:
-        env["PYTHONPATH"] = emulator_path
-    # run from the other checkout's root: `python -m` puts the working directory first on sys.path, so from this
-    # checkout's root the emulator would import this checkout whatever PYTHONPATH says
-    proc = subprocess.Popen([sys.executable, "-m", "geomx.netem"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, cwd=emulator_path or None)
+    proc = start_emulator(env, emulator_path)
     inbox = _Inbox()
     address = f"tcp://127.0.0.1:{port}"
     senders = {mode: ZmqVan(node_id=f"capacity-{mode}", dc="a", on_message=lambda m: None, emulator=address,
