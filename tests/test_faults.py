@@ -449,6 +449,18 @@ if not kv.is_master_worker:
 """
 
 
+def test_roles_import_the_launchers_geomx_not_a_geomx_folder_in_the_working_directory(tmp_path, monkeypatch):
+    # `python -m geomx.node` puts the working directory first on sys.path: launched from another checkout's root
+    # (or any folder named geomx), roles would run that code while the launcher and the workers run this one
+    decoy = tmp_path / "elsewhere"
+    (decoy / "geomx").mkdir(parents=True)
+    (decoy / "geomx" / "__init__.py").write_text("raise ImportError('the decoy geomx in the working directory')\n")
+    monkeypatch.chdir(decoy)
+    code, run_dir, out = launch(tmp_path, ORDER_SCRIPT, dcs=1, workers_per_dc=2, timeout=60)
+    assert code == 0, out
+    assert "decoy" not in "".join(p.read_text() for p in run_dir.glob("*.log"))
+
+
 @pytest.mark.parametrize("delayed", ["central-scheduler", "a-scheduler"],
                          ids=["global-server-learns-late", "local-server-learns-late"])
 def test_server_keeps_requests_that_arrive_before_its_member_table(tmp_path, delayed):

@@ -96,7 +96,9 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
     site's listening roles run (default: one_host_sites)."""
     sites = sites or one_host_sites(topo, ports)
     h = sites.hosts[CENTRAL_DC]
-    node = [sys.executable, "-m", "geomx.node"]
+    # -P: a role imports the geomx installed (or on PYTHONPATH), never a geomx/ folder in the working directory,
+    # which `python -m` would otherwise put first (another checkout's, another version's)
+    node = [sys.executable, "-P", "-m", "geomx.node"]
     n_dcs, G, N = topo.dcs, topo.global_servers, topo.num_all_workers
     flat = topo.topology == "flat"
     ports = sites.ports
