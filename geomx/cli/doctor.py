@@ -29,7 +29,6 @@ from pathlib import Path
 
 from geomx.config import NodeConfig, config_from_env
 from geomx.errors import ConfigError, GeomxError
-from geomx.transport.sealing import MAX_AGE_S
 from geomx.transport.security import DEFAULT_ENCRYPTION, read_secret, seal_max_age
 
 CONNECT_TIMEOUT_S = 1.0
@@ -370,7 +369,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
         raise GeomxError(f"--probe-mb must be positive, got {args.probe_mb:g}")
     result = link_probe.probe(host, port, nbytes=int(args.probe_mb * 1e6), timeout=max(args.timeout, 5.0))
     print(f"probe {host}:{port}: {result}")
-    limit = seal_max_age(os.environ) or MAX_AGE_S
+    limit = seal_max_age(os.environ)
     if result.clock_offset_s is not None and abs(result.clock_offset_s) > limit / 2:
         print(Problem(f"{host}:{port}", f"the two hosts' clocks are {abs(result.clock_offset_s):.1f} s apart, more "
                                         f"than half of GEOMX_SEAL_MAX_AGE_S ({limit:g} s): a receiver refuses AES-GCM "

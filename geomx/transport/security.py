@@ -171,19 +171,19 @@ def secret_security(secret: str, encryption: str | None = None, *, max_age_s: fl
     return ENCRYPTIONS[name](secret, max_age_s=max_age_s)
 
 
-def seal_max_age(env) -> float | None:
-    """GEOMX_SEAL_MAX_AGE_S: how long before a node started a sealed message may have been sealed (None: the
-    default, geomx.transport.sealing.MAX_AGE_S, or GEOMX_CONNECT_TIMEOUT where that is longer: a member's
-    registration, sent once, may wait that long for a scheduler that starts late, and must then still open)."""
+def seal_max_age(env) -> float:
+    """GEOMX_SEAL_MAX_AGE_S: how long before a node started a sealed message may have been sealed. By default
+    geomx.transport.sealing.MAX_AGE_S, or GEOMX_CONNECT_TIMEOUT where that is longer: a member's registration,
+    sent once, may wait that long for a scheduler that starts late, and must then still open."""
+    from geomx.transport.sealing import MAX_AGE_S
+
     raw = env.get("GEOMX_SEAL_MAX_AGE_S")
     if not raw:
-        from geomx.transport.sealing import MAX_AGE_S
-
         try:
             connect = float(env.get("GEOMX_CONNECT_TIMEOUT") or 0)
         except ValueError:      # named where the node's configuration is read (geomx.config)
             connect = 0.0
-        return connect if connect > MAX_AGE_S else None
+        return max(connect, MAX_AGE_S)
     try:
         value = float(raw)
     except ValueError:
