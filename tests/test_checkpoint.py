@@ -337,6 +337,15 @@ def test_a_global_server_resumes_from_the_checkpoints_of_that_round_and_names_wh
         writer.round_done(keys[1], keys=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global-server-0-round-4.state",
                                                           "global-server-0-round-6.state"]
+    # listed in key order, not in the order the keys finished the round: equal states write equal files
+    from geomx import statefile
+    assert [e["key"] for e in statefile.load(tmp_path / "global-server-0-round-6.state")["keys"]] == ["w", 7]
+    flipped = tmp_path / "flipped"
+    other_order = ServerCheckpoints(rank=0, every=2, directory=flipped)
+    for st in reversed(keys):
+        for _ in range(2):
+            other_order.round_done(st, keys=2)
+    assert [e["key"] for e in statefile.load(flipped / "global-server-0-round-2.state")["keys"]] == ["w", 7]
     reader = ServerCheckpoints(rank=0, every=2, directory=None, resume_from=tmp_path, resume_round=4)
     assert reader.resumed_state(7, (2,))["value"].tolist() == [1.0, 1.0] and reader.rounds[7] == 4
     with pytest.raises(ConfigError, match="key 'b' is not in the global servers' checkpoint of round 4"):

@@ -208,8 +208,10 @@ class ServerCheckpoints:
 
     def _write(self, round_: int, keys: dict) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
+        # in key order, not in the order the keys finished the round (a race): equal states, equal files
+        ordered = [keys[k] for k in sorted(keys, key=repr)]
         statefile.save(self.directory / checkpoint_name(self.rank, round_),
-                       {"format": FORMAT, "rank": self.rank, "round": round_, "keys": list(keys.values())})
+                       {"format": FORMAT, "rank": self.rank, "round": round_, "keys": ordered})
         saved = sorted(rounds_saved(self.directory).get(self.rank, []))
         for old in saved[:-self.keep]:
             (self.directory / checkpoint_name(self.rank, old)).unlink(missing_ok=True)
