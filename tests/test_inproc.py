@@ -212,6 +212,46 @@ def test_set_optimizer_after_init_as_mxnet_orders_it_runs_the_optimizer_from_the
         cluster.close()
 
 
+def _weights_after_sampled_compression(codec: str | None) -> dict[tuple[str, int], np.ndarray]:
+    """2 DCs x 2 workers, the servers' SGD with momentum, ``codec`` (None: dense) on both tiers: each worker's
+    weights after 4 rounds, by (DC, rank). A worker's gradients follow its DC and rank, as a real job's data
+    shard does, not the order in which the workers joined."""
+    cluster = HipsCluster(dcs=("a", "b"), per_dc=2)
+    try:
+        kvs = [kv for kvs in cluster.workers.values() for kv in kvs]
+        if codec is not None:
+            for kv in [cluster.master, *kvs]:
+                kv.set_gradient_compression({"lan": codec, "wan": codec, "size_lower_bound": 1})
+        cluster.master.set_optimizer("SGD", lr=0.1, momentum=0.9)
+        w0 = np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8)
+        cluster.master.init("w", w0)
+        for kv in kvs:
+            kv.init("w", np.zeros_like(w0))
+        final = {}
+        for step in range(4):
+            grads = {kv: np.random.default_rng([ord(kv.dc), kv.rank, step]).standard_normal(w0.shape)
+                     .astype(np.float32) for kv in kvs}
+            handles = {kv: kv.pushpull("w", g) for kv, g in grads.items()}
+            final = {(kv.dc, kv.rank): h.wait(DEADLINE_S).copy() for kv, h in handles.items()}
+        return final
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize("codec", ["qsgd", "randomk", "powersgd", "terngrad"])
+def test_a_synchronous_run_with_a_sampled_codec_and_the_servers_optimizer_repeats_exactly(codec):
+    """With a server optimizer each client's weight changes come down on a stream of its own, whose random
+    draws (stochastic rounding, sampled coordinates, PowerSGD's start) are seeded from the client's name in
+    its tier, not from its process's random id: two runs give the same weights bit for bit (before, every
+    run drew otherwise). The dense run is the control that the codec changed what arrived."""
+    first, again = _weights_after_sampled_compression(codec), _weights_after_sampled_compression(codec)
+    dense = _weights_after_sampled_compression(None)
+    assert sorted(first) == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    for worker, weights in first.items():
+        np.testing.assert_array_equal(weights, again[worker], err_msg=f"{codec}: worker {worker}")
+        assert not np.array_equal(weights, dense[worker]), f"{codec} changed nothing"
+
+
 @pytest.mark.parametrize("server_bound", [None, 10])
 def test_the_size_bound_set_on_the_global_server_decides_what_every_process_compresses(server_bound):
     """GeoMX's Bi-Sparse script sets MXNET_KVSTORE_SIZE_LOWER_BOUND on its servers. A 100-element key under a

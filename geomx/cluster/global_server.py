@@ -175,7 +175,8 @@ class GlobalServer(KVServer):
                      "compression": self.compression.to_wire() if self.compression else None}
         if self.compression is not None:
             self.wire = ServerWire(self.compression, "wan", weights=self.optimizer is not None,
-                                   per_client=not self.policy.synchronous, salt=self.po.cfg.label)
+                                   per_client=not self.policy.synchronous, salt=self.po.cfg.label,
+                                   name_of=self.client_name)
         cfg = self.po.cfg
         if self.policy.synchronous and (cfg.checkpoint_every or cfg.checkpoint_seconds or cfg.resume_from):
             # the model (a server optimizer) or the reply codecs' residuals live here: checkpoint them, and resume
