@@ -43,7 +43,7 @@ def test_a_payload_of_another_codec_or_shape_is_refused_naming_both():
 
 def test_a_server_refuses_a_compressed_push_for_a_key_that_travels_dense():
     policy = parse_policy({"type": "bsc", "threshold": 0.01})     # default bound: 200,000 elements
-    server = ServerWire(policy, "wan", weights=False, per_client=False, salt="s", name_of=str)
+    server = ServerWire(policy, "wan", weights=False, per_client=False, salt="s", place_of=str)
     st = KeyState("bias", (10,), np.dtype(np.float32), value=np.zeros(10, np.float32))
     tensors, fields = _payload({"type": "bsc", "threshold": 0.5}, np.ones(10, np.float32))
     with pytest.raises(WireError, match="key 'bias' travels uncompressed"):
@@ -55,7 +55,7 @@ def test_weight_changes_sent_to_a_client_add_up_to_the_servers_weights():
     """Weights mode in one process: the server sends top-k of each change with a residual; the client's
     replica reaches the server's weights once the changes stop and the residual drains."""
     policy = parse_policy({"wan": {"type": "topk", "ratio": 0.25}, "size_lower_bound": 0})
-    server = ServerWire(policy, "wan", weights=True, per_client=False, salt="s", name_of=str)
+    server = ServerWire(policy, "wan", weights=True, per_client=False, salt="s", place_of=str)
     client = ClientWire(policy, "wan", weights=True, salt="c")
     rng = np.random.default_rng(0)
     w = rng.standard_normal(40).astype(np.float32)
@@ -98,7 +98,7 @@ def test_the_master_worker_reads_whole_values_while_workers_get_the_rounds_compr
     server.clients = {"w": NodeInfo("w", "local_server", "worker", "a", 0, "tcp://w"),
                       "m": NodeInfo("m", "master", "worker", "central", 0, "tcp://m")}
     server.wire = ServerWire(parse_policy({"wan": {"type": "topk", "ratio": 0.25}, "size_lower_bound": 0}), "wan",
-                             weights=False, per_client=False, salt="s", name_of=server.client_name)
+                             weights=False, per_client=False, salt="s", place_of=server.client_place)
     st = server.keys["k"] = KeyState("k", (100,), np.dtype(np.float32), value=np.zeros(100, np.float32))
     mean = np.arange(100, dtype=np.float32)
     server.set_value(st, mean, ["w"])                 # a round: its mean gradient is encoded once

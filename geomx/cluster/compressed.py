@@ -283,14 +283,14 @@ class ClientWire(_Side):
 class ServerWire(_Side):
     """A server's half: decodes pushes, encodes replies (see the module docstring for the streams).
     ``weights``: replies are weights; ``per_client``: each client reads its own values (dist_async).
-    ``name_of``: a client's id -> its name in the tier, the same in every run (``NodeInfo.name``): a client's
+    ``place_of``: a client's id -> its name in the tier, the same in every run (``NodeInfo.place``): a client's
     own stream is seeded from it (a process's id is random, and seeding from it made no two runs alike)."""
 
     def __init__(self, policy: CompressionPolicy, tier: str, *, weights: bool, per_client: bool,
-                 salt: str, name_of: Callable[[str], str]) -> None:
+                 salt: str, place_of: Callable[[str], str]) -> None:
         super().__init__(policy, tier, salt)
         self.weights, self.per_client = weights, per_client or weights
-        self.name_of = name_of
+        self.place_of = place_of
 
     def decode_push(self, st, fields: dict, tensors: list[np.ndarray]) -> np.ndarray | None:
         """The dense float32 push, or None when it came uncompressed. Raises WireError."""
@@ -310,7 +310,7 @@ class ServerWire(_Side):
             return Stream(codec.downlink(), _seed(st.key, self.salt))
 
         def new_client_stream(src: str) -> Stream:
-            return Stream(codec.downlink(), _seed(st.key, f"{self.salt}/{self.name_of(src)}"),
+            return Stream(codec.downlink(), _seed(st.key, f"{self.salt}/{self.place_of(src)}"),
                           always_feedback=self.weights)
 
         return WireKeyState(new_down, new_client_stream)

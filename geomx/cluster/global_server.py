@@ -176,7 +176,7 @@ class GlobalServer(KVServer):
         if self.compression is not None:
             self.wire = ServerWire(self.compression, "wan", weights=self.optimizer is not None,
                                    per_client=not self.policy.synchronous, salt=self.po.cfg.label,
-                                   name_of=self.client_name)
+                                   place_of=self.client_place)
         cfg = self.po.cfg
         if self.policy.synchronous and (cfg.checkpoint_every or cfg.checkpoint_seconds or cfg.resume_from):
             # the model (a server optimizer) or the reply codecs' residuals live here: checkpoint them, and resume

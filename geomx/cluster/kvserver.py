@@ -258,10 +258,10 @@ class KVServer:
         pushed = sum(self.round_weights.get(src, 1) for src in rnd.contributors)
         return rnd.scale(full / pushed) if 0 < pushed < full else rnd.total
 
-    def client_name(self, src: str) -> str:
-        """``src``'s name in its tier (``NodeInfo.name``), the same in every run; its id if not a member."""
+    def client_place(self, src: str) -> str:
+        """``src``'s name in its tier (``NodeInfo.place``), the same in every run; its id if not a member."""
         member = self.clients.get(src)
-        return src if member is None else member.name
+        return src if member is None else member.place
 
     def drop_client(self, member: NodeInfo) -> None:
         """``member`` left its tier (its scheduler dropped it): forget its held requests, complete the rounds

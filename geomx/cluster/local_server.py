@@ -161,7 +161,7 @@ class LocalServer(KVServer):
         if wire is not None and self.wire is None:
             policy = CompressionPolicy.from_wire(wire)
             self.wire = ServerWire(policy, "lan", weights=bool(self.info.get("server_optimizer")),
-                                   per_client=False, salt=self.po.cfg.label, name_of=self.client_name)
+                                   per_client=False, salt=self.po.cfg.label, place_of=self.client_place)
 
     def on_round(self, st: KeyState, number: int, rnd: Round) -> None:
         self.stand_in_for_departed(rnd)

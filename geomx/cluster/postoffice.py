@@ -38,19 +38,14 @@ FROM_SCHEDULER = {Op.TABLE, Op.REJECT, Op.BARRIER_DONE, Op.HEARTBEAT_ACK, Op.SHU
 TIER_ROLES = ("server", "worker")
 
 
-def node_name(kind: str, rank, dc: str) -> str:
-    """'worker 1 of DC a': a node's place in the deployment, the same in every run (no address, no pid)."""
+def describe_node(kind: str, rank, dc: str, addr: str, pid) -> str:
+    """'worker 1 of DC a (tcp://10.0.0.5:4000, pid 77)': how every log line and error names a node."""
     name = {"server": "local server", "global_server": "global server", "master": "master worker"}.get(kind, kind)
     if kind in ("worker", "global_server") and rank is not None:
         name += f" {rank}"
     if kind in ("worker", "server"):
         name += f" of DC {dc}"
-    return name
-
-
-def describe_node(kind: str, rank, dc: str, addr: str, pid) -> str:
-    """'worker 1 of DC a (tcp://10.0.0.5:4000, pid 77)': how every log line and error names a node."""
-    return f"{node_name(kind, rank, dc)} ({addr}, pid {pid})"
+    return f"{name} ({addr}, pid {pid})"
 
 
 @dataclass(frozen=True)
@@ -69,9 +64,10 @@ class NodeInfo:
         return describe_node(self.kind, self.rank, self.dc, self.addr, self.pid)
 
     @property
-    def name(self) -> str:
-        """Its place in the deployment (node_name): what seeds per-client codec streams, so runs repeat."""
-        return node_name(self.kind, self.rank, self.dc)
+    def place(self) -> str:
+        """'worker 1 of DC a': its role, rank and DC, the same in every run and unique in its tier (no address,
+        no pid, no random id): what seeds a client's own codec stream, so runs repeat."""
+        return f"{self.kind} {self.rank} of DC {self.dc}"
 
     def to_wire(self) -> dict:
         return {"id": self.id, "kind": self.kind, "tier_role": self.tier_role, "dc": self.dc, "rank": self.rank,
