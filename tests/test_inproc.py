@@ -252,6 +252,25 @@ def test_a_synchronous_run_with_a_sampled_codec_and_the_servers_optimizer_repeat
         assert not np.array_equal(weights, dense[worker]), f"{codec} changed nothing"
 
 
+def test_workers_started_without_a_rank_seed_their_codec_streams_apart_by_the_rank_their_scheduler_gave():
+    """Hand-started GeoMX workers name no rank (no GEOMX_RANK / DMLC_WORKER_ID); their scheduler ranks them.
+    Each worker's push streams are seeded from its place in its tier, rank included, so two workers of a DC
+    do not draw the same random numbers (before, both were 'worker of DC a' and drew alike)."""
+    cluster = HipsCluster(dcs=("a",), per_dc=2, workers_ask_ranks=False)
+    try:
+        kvs = cluster.workers["a"]
+        assert all(kv.po.cfg.rank is None for kv in kvs)
+        for kv in [cluster.master, *kvs]:
+            kv.set_gradient_compression({"lan": "qsgd", "size_lower_bound": 1})
+        cluster.master.init("w", np.zeros(8, np.float32))
+        for kv in kvs:
+            kv.init("w", np.zeros(8, np.float32))
+        salts = {kv.rank: kv._client.wire.salt for kv in kvs}
+        assert salts == {0: "worker 0 of DC a", 1: "worker 1 of DC a"}, salts
+    finally:
+        cluster.close()
+
+
 @pytest.mark.parametrize("server_bound", [None, 10])
 def test_the_size_bound_set_on_the_global_server_decides_what_every_process_compresses(server_bound):
     """GeoMX's Bi-Sparse script sets MXNET_KVSTORE_SIZE_LOWER_BOUND on its servers. A 100-element key under a

@@ -335,8 +335,10 @@ class KVClient:
     def _configure_compression(self) -> None:
         wire = self.info.get("compression")
         if wire is not None and self.wire is None:
+            # seeded from this client's place in its tier, with the rank its scheduler gave it: a rank the
+            # process was not started with leaves cfg.label the same for every worker of a DC (same random draws)
             self.wire = ClientWire(CompressionPolicy.from_wire(wire), "wan" if self.tier.name == "global" else "lan",
-                                   weights=bool(self.info.get("server_optimizer")), salt=self.po.cfg.label)
+                                   weights=bool(self.info.get("server_optimizer")), salt=self.tier.me.place)
 
     def _encode(self, key, value: np.ndarray, count: int | None) -> tuple[list, dict]:
         dtype = self._layout[key][1] if count is not None and key in self._layout else value.dtype

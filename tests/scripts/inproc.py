@@ -140,8 +140,9 @@ class HipsCluster(Deployment):
     def __init__(self, dcs=("a", "b"), per_dc: int | list[int] = 2, mode: str = "dist_sync", van: str = "inproc",
                  link: Callable | None = None, global_server_fields: dict | None = None,
                  master_mode: str | None = None, reduction: str | None = "mean", mixedsync: str = "wait",
-                 global_servers: int = 1, **liveness) -> None:
+                 global_servers: int = 1, workers_ask_ranks: bool = True, **liveness) -> None:
         super().__init__(van, link, **liveness)
+        self._workers_ask_ranks = workers_ask_ranks     # False: as hand-started GeoMX workers, the scheduler ranks
         sizes = dict(zip(dcs, per_dc if isinstance(per_dc, list | tuple) else [per_dc] * len(dcs), strict=True))
         total = sum(sizes.values())
         self.worker_configs: dict[tuple[str, int], NodeConfig] = {}
@@ -180,7 +181,8 @@ class HipsCluster(Deployment):
                         **counts), threading.Event(), node_id=server_id)]
         for rank in range(size):
             cfg = self.worker_configs[(dc, rank)] = self.config(role="worker", dc=dc, scheduler=ds, num_workers=size,
-                                                                num_servers=1, rank=rank, **counts)
+                                                                num_servers=1, **counts,
+                                                                rank=rank if self._workers_ask_ranks else None)
             makers.append(lambda cfg=cfg: KVStore(cfg, mode, reduction=reduction))
         return makers
 
