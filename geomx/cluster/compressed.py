@@ -18,7 +18,9 @@ What travels where (docs/compression.md has the user's view):
   - gradients in ``dist_async`` (each client reads what was applied since its last read): one stream per
     key and client;
   - weights (server optimizer): one stream per key and client carrying the weight *change* since that
-    client's last reply; the client adds it to its replica. Without compression the weights travel whole.
+    client's last reply; the client adds it to its replica. Without compression the weights travel whole. In
+    synchronous rounds these streams share the key's seed, so the clients of a round, served the same
+    changes, hold the same weights.
 
   A value the client already holds (the init value, a pull before any push) travels dense.
 
@@ -283,13 +285,20 @@ class ClientWire(_Side):
 class ServerWire(_Side):
     """A server's half: decodes pushes, encodes replies (see the module docstring for the streams).
     ``weights``: replies are weights; ``per_client``: each client reads its own values (dist_async).
-    ``place_of``: a client's id -> its name in the tier, the same in every run (``NodeInfo.place``): a client's
-    own stream is seeded from it (a process's id is random, and seeding from it made no two runs alike)."""
+    ``place_of``: a client's id -> its place in the tier, the same in every run (``NodeInfo.place``).
+
+    Seeds, so that runs repeat and a synchronous job's workers hold one model: in ``dist_async`` a client's
+    stream is seeded from its place (clients read values of their own); under a server optimizer in
+    synchronous rounds every client's stream of a key has the key's seed, so clients served the same weights
+    draw the same numbers and hold the same weights (a seed per client had left workers of one synchronous
+    job on models apart by what each one's codec had not yet delivered). Never from a process's id, which is
+    random: no two runs were alike."""
 
     def __init__(self, policy: CompressionPolicy, tier: str, *, weights: bool, per_client: bool,
                  salt: str, place_of: Callable[[str], str]) -> None:
         super().__init__(policy, tier, salt)
         self.weights, self.per_client = weights, per_client or weights
+        self.own_values = per_client
         self.place_of = place_of
 
     def decode_push(self, st, fields: dict, tensors: list[np.ndarray]) -> np.ndarray | None:
@@ -310,8 +319,10 @@ class ServerWire(_Side):
             return Stream(codec.downlink(), _seed(st.key, self.salt))
 
         def new_client_stream(src: str) -> Stream:
-            return Stream(codec.downlink(), _seed(st.key, f"{self.salt}/{self.place_of(src)}"),
-                          always_feedback=self.weights)
+            # synchronous weights: the key's and tier's seed alone, the same on every server of a tier (each DC's
+            # local server relays the global server's weights to its workers: all DCs' workers draw alike)
+            salt = f"{self.salt}/{self.place_of(src)}" if self.own_values else f"weights/{self.tier}"
+            return Stream(codec.downlink(), _seed(st.key, salt), always_feedback=self.weights)
 
         return WireKeyState(new_down, new_client_stream)
 
