@@ -259,7 +259,7 @@ class KVServer:
         return rnd.scale(full / pushed) if 0 < pushed < full else rnd.total
 
     def client_place(self, src: str) -> str:
-        """``src``'s name in its tier (``NodeInfo.place``), the same in every run; its id if not a member."""
+        """``src``'s place in its tier (``NodeInfo.place``), the same in every run; its id if not a member."""
         member = self.clients.get(src)
         return src if member is None else member.place
 
