@@ -122,9 +122,11 @@ def test_a_rejoining_worker_checks_the_model_it_receives_against_its_servers_dig
         cluster.close()
 
 
-def test_a_distributed_optimizer_restarted_into_the_running_job_trains_on_from_the_others_step_and_model():
+@pytest.mark.parametrize("sync", ["fsa", "p3"])
+def test_a_distributed_optimizer_restarted_into_the_running_job_trains_on_from_the_others_step_and_model(sync):
     """DistributedOptimizer and geomx.torch.loop on a rejoined kvstore: its step is the round it joined at, the
-    loop skips the batches of the steps it missed, and every worker ends on one model."""
+    loop skips the batches of the steps it missed, and every worker ends on one model. Under P3 too, whose
+    workers' replies land in their next forward pass."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -138,7 +140,7 @@ def test_a_distributed_optimizer_restarted_into_the_running_job_trains_on_from_t
         torch.manual_seed(seed)     # the workers' own initial weights differ: the master's are every worker's
         model = torch.nn.Linear(4, 2)
         return DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, kvstore=kv,
-                                    update_on_server=True), model
+                                    update_on_server=True, sync=sync), model
 
     def batches(model, drawn: list):
         for i in range(1000):
