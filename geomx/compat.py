@@ -84,6 +84,10 @@ RULES: tuple[Rule, ...] = (
          lambda c: f"{c.sync} lands each layer's new weights from the servers in the next forward pass: it needs the "
                    f"servers' optimizer (DistributedOptimizer(update_on_server=True); --update-on server in the "
                    f"examples)"),
+    # known at launch, before any worker says whether it updates on the servers: p3 always needs them to
+    Rule(("sync", "mixedsync"), lambda c: c.sync in SERVER_OPTIMIZER_ALGORITHMS and c.mixedsync == "overlap",
+         lambda c: f"{c.sync} needs the servers' optimizer, and MixedSync 'overlap' cannot run one (a local server "
+                   f"answers its DC before the global servers' weights exist); use --mixedsync wait"),
     Rule(("sync", "topology"),
          lambda c: c.sync in DC_ROUND_ALGORITHMS and c.topology == "flat" and (c.k2 > 1 or c.weights == "equal"),
          lambda c: f"{c.sync} with K2 = {c.k2} and {c.weights!r} weights needs DC rounds, i.e. the hips topology "

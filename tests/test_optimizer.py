@@ -172,6 +172,7 @@ def test_state_dict_round_trip_continues_bit_identically(optimizer_run):
     ({"sync": "esync", "server_optimizer": True}, ["sync 'esync'", "a server optimizer"]),
     ({"sync": "diloco", "topology": "flat", "k2": 3}, ["sync 'diloco'", "topology 'flat'", "K2 = 3"]),
     ({"sync": "hfa", "backward_passes_per_step": 2}, ["sync 'hfa'", "backward_passes_per_step=2"]),
+    ({"sync": "p3", "mixedsync": "overlap"}, ["sync 'p3'", "--mixedsync overlap", "use --mixedsync wait"]),
 ])
 def test_a_conflict_names_both_settings(settings, pair):
     from geomx.compat import check, conflict
@@ -212,6 +213,28 @@ def test_geomx_launch_refuses_a_worker_side_sync_in_dist_async(capsys):
     assert main(["launch", "--mode", "dist_async", "--sync", "hfa", "--", "python", "x.py"]) == 2
     err = capsys.readouterr().err
     assert "sync 'hfa'" in err and "conflicts with mode 'dist_async'" in err, err
+
+
+def test_geomx_launch_takes_p3_as_a_flag_of_its_own_and_refuses_what_p3_cannot_run_with(capsys, monkeypatch):
+    """--p3 (the issue's and GeoMX users' spelling) is --sync p3; before, argparse read it as an abbreviation of
+    --p3-slice and asked for a number. P3 needs the servers' optimizer, which MixedSync 'overlap' cannot run:
+    refused before anything starts, as --sync p3 is."""
+    import geomx.cli.main as cli
+    from geomx.cli.main import main
+
+    launched = {}
+    monkeypatch.setattr(cli, "cmd_launch", lambda args: launched.update(cli.topology_from_args(args).env) or 0)
+    assert main(["launch", "--p3", "--p3-slice", "1000", "--", "python", "x.py"]) == 0
+    assert launched["GEOMX_SYNC"] == "p3" and launched["GEOMX_P3_SLICE"] == "1000", launched
+    monkeypatch.undo()
+
+    for flags in (["--p3"], ["--sync", "p3"]):
+        assert main(["launch", *flags, "--mode", "dist_async", "--mixedsync", "overlap", "--", "python", "x.py"]) == 2
+        err = capsys.readouterr().err
+        assert "sync 'p3'" in err and "conflicts with --mixedsync overlap" in err, err
+    with pytest.raises(SystemExit):     # one algorithm: --p3 with another --sync is an argparse error
+        main(["launch", "--p3", "--sync", "hfa", "--", "python", "x.py"])
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 # policies' state without a deployment ------------------------------------------------------------------------

@@ -26,8 +26,13 @@ def _add_topology_flags(p: argparse.ArgumentParser) -> None:
                    help="dist_async: local servers answer their DC after the WAN round (wait, GeoMX, default) or "
                         "at once, trading gradients with the global servers behind (overlap)")
     p.add_argument("--topology", choices=["hips", "flat"], help="hierarchical (default) or flat parameter server")
-    p.add_argument("--sync", choices=list(ALGORITHMS),
-                   help="synchronization algorithm (default fsa; see geomx.sync)")
+    algorithm = p.add_mutually_exclusive_group()
+    algorithm.add_argument("--sync", choices=list(ALGORITHMS),
+                           help="synchronization algorithm (default fsa; see geomx.sync)")
+    # an exact flag, so that --p3 is not read as an abbreviation of --p3-slice (argparse takes unique prefixes)
+    algorithm.add_argument("--p3", dest="sync", action="store_const", const="p3",
+                           help="the same as --sync p3 (GeoMX's ENABLE_P3=1): the next forward pass overlaps the "
+                                "rest of each round, first layers first")
     p.add_argument("--hfa-k1", type=int, help="hfa/diloco: local steps between DC averages (default 1)")
     p.add_argument("--hfa-k2", type=int, help="hfa/diloco: DC averages between global averages (default 1)")
     p.add_argument("--hfa-overlap", type=int, metavar="D",
