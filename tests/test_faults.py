@@ -437,6 +437,17 @@ def test_registration_with_a_malformed_address_does_not_break_the_scheduler(tmp_
     assert all(load_json(run_dir, f"done-{me}") == 39 for me in range(2))
 
 
+def test_a_command_that_never_creates_a_kvstore_is_named_at_once_not_after_the_servers_grace(tmp_path):
+    """A script without geomx (the wrong script, or one that exits before its kvstore) leaves the servers and
+    schedulers waiting for workers that never come. The launcher names that cause and stops them as soon as
+    the command's processes exited (before, it waited 30 s and said the servers "did not exit")."""
+    code, run_dir, out = launch(tmp_path, "print('no geomx here')", dcs=1, workers_per_dc=1)
+    assert code == 1, out
+    assert "exited without joining the deployment: no worker created a geomx kvstore" in out, out
+    assert "did not exit within" not in out, out
+    assert "no geomx here" in (run_dir / "a-worker-0.log").read_text()
+
+
 # -- a server learns its members after its clients do --------------------------------------------------------
 
 ORDER_SCRIPT = """

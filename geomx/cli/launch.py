@@ -444,6 +444,11 @@ class Launcher:
                                  f"exited in {took}" if self.losses else
                                  f"geomx: all {len(self.running)} processes finished in {took}")
                     return 0
+                if self._no_trainer_joined():
+                    self.say("geomx: the training command exited without joining the deployment: no worker created "
+                             "a geomx kvstore (geomx.kvstore.create, or DistributedOptimizer), so the servers and "
+                             "schedulers would wait for workers that never come; stopping them")
+                    return 1
                 if time.monotonic() - trainers_done_at > INFRA_EXIT_GRACE_S:
                     stuck = ", ".join(r.spec.name for r in infra if r.returncode is None)
                     self.say(f"geomx: training finished but {stuck} did not exit within {INFRA_EXIT_GRACE_S:g} s")
@@ -495,6 +500,15 @@ class Launcher:
         """Start ``old``'s role again to rejoin the running job (geomx.cli.rejoins), in its place in the list."""
         self.running.remove(old)
         self._start(old.spec, env=Rejoins.env(old.spec.env), log_name=log_name).rejoined = True
+
+    def _no_trainer_joined(self) -> bool:
+        """No worker or master ever started a geomx node: each writes its metrics file (geomx.metrics) when its
+        node starts, before it joins, so after the trainers exited, none here means none joined. Only where every
+        role writes into this host's run directory."""
+        if self.backend.across_hosts:
+            return False
+        metrics = self.run_dir / "metrics"
+        return not any(next(metrics.glob(f"{role}-*.jsonl"), None) for role in ("worker", "master"))
 
     def _trainers_done(self, trainers: list[Running], elapsed_s: float) -> bool:
         """Every trainer exited 0 or was lost. A worker still frozen (SIGSTOP) when all the others are done was
