@@ -202,3 +202,23 @@ def test_the_device_probe_picks_the_batch_whose_shared_compute_is_nearest_the_tr
     assert [line.split()[:3] for line in lines if line.startswith("tiny batch")] == [["tiny", "batch", "1:"],
                                                                                     ["tiny", "batch", "2:"]]
     assert [line.split()[:3] for line in lines if line.startswith("pick")] == [["pick", "tiny", "regional"]]
+
+
+def test_the_training_scripts_update_on_the_servers_by_default_under_p3_and_on_the_workers_otherwise(monkeypatch):
+    """`geomx launch --p3 -- python examples/train_cnn.py` runs as it reads: p3 lands the servers' weights and
+    runs no other way, so the scripts' --update-on defaults to server under it (before, every worker failed at
+    set-up asking for --update-on server). An explicit --update-on still wins, and is checked as before."""
+    import argparse
+
+    from geomx.torch import loop
+
+    for env, expected in (({"GEOMX_SYNC": "p3"}, "server"), ({"ENABLE_P3": "1"}, "server"), ({}, "worker"),
+                          ({"GEOMX_SYNC": "hfa"}, "worker"), ({"GEOMX_SYNC": "no-such-algorithm"}, "worker")):
+        for var in ("GEOMX_SYNC", "ENABLE_P3", "MXNET_KVSTORE_USE_HFA"):
+            monkeypatch.delenv(var, raising=False)
+        for var, value in env.items():
+            monkeypatch.setenv(var, value)
+        parser = argparse.ArgumentParser()
+        loop.add_arguments(parser, steps=1, steps_help="")
+        assert parser.parse_args([]).update_on == expected, env
+        assert parser.parse_args(["--update-on", "worker"]).update_on == "worker"

@@ -27,6 +27,8 @@ import torch
 import geomx.kvstore
 from geomx import metrics
 from geomx.config import checkpoint_directory, env_checkpoint_seconds
+from geomx.errors import ConfigError
+from geomx.sync.settings import SERVER_OPTIMIZER_ALGORITHMS, settings_from_env
 from geomx.torch.checkpoint import Checkpointer
 
 # one batch: (epoch, last batch of its epoch?, a callable computing the batch's loss)
@@ -54,13 +56,23 @@ def _seconds(text: str) -> float:
     return seconds
 
 
+def _default_update_on(env) -> str:
+    """"server" where the algorithm the launcher set lands the servers' weights (p3), which runs no other way."""
+    try:
+        algorithm = settings_from_env(env).algorithm
+    except ConfigError:
+        return "worker"     # a malformed setting is named where the kvstore and the optimizer read it
+    return "server" if algorithm in SERVER_OPTIMIZER_ALGORITHMS else "worker"
+
+
 def add_arguments(p: argparse.ArgumentParser, *, steps: int, steps_help: str) -> None:
     """The flags every geomx training script takes (the benchmarks set --steps, --eval-every and --seed)."""
     p.add_argument("--steps", type=int, default=steps, help=steps_help)
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: every epoch)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--update-on", choices=["worker", "server"], default="worker",
-                   help="where the optimizer runs: on every worker, or on the global servers")
+    p.add_argument("--update-on", choices=["worker", "server"], default=_default_update_on(os.environ),
+                   help="where the optimizer runs: on every worker, or on the global servers (default: server "
+                        "where the deployment's algorithm needs it, p3 (geomx launch --p3); else worker)")
     p.add_argument("--data-slice-idx", type=int, default=None,
                    help="this worker's slice (default: GEOMX_WORKER_INDEX set by geomx launch)")
     p.add_argument("--checkpoint-every", type=int, default=int(os.environ.get("GEOMX_CHECKPOINT_EVERY") or 0),
