@@ -330,10 +330,9 @@ def test_a_global_server_resumes_from_the_checkpoints_of_that_round_and_names_wh
 
     keys = _server_keys()
     writer = ServerCheckpoints(rank=0, every=2, directory=tmp_path)
-    for _ in range(6):
+    for round_ in range(1, 7):      # in step: a worker pushes round m + 1 only with every reply of round m
         writer.round_done(keys[0], keys=2)
-        assert not list(tmp_path.iterdir())         # key 7 has not reached round 2 yet
-    for _ in range(6):
+        assert (tmp_path / f"global-server-0-round-{round_}.state").exists() is False   # key 7 is not there yet
         writer.round_done(keys[1], keys=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global-server-0-round-4.state",
                                                           "global-server-0-round-6.state"]
@@ -383,6 +382,43 @@ def test_a_server_that_hears_of_a_checkpoint_round_after_completing_it_skips_it_
         while server.rounds[st.key] < 6:
             server.round_done(st, keys=2)
     assert rounds_saved(tmp_path) == {1: [5]}
+
+
+def test_keys_that_are_only_read_do_not_hold_back_a_servers_checkpoints_or_its_declarations(tmp_path):
+    """Under tensor fusion (FSA with the workers' optimizer, the examples' default) the workers push buckets,
+    and the parameters' own keys are only read. A global server that waited for every key it owns to take a
+    round wrote no checkpoint, and its timekeeper never declared one: --checkpoint-seconds saved nothing and
+    said nothing. Keys that take rounds are known once one of them completed round 2 (FSA's step() waits for
+    every reply of a round before the next). With a server optimizer nothing is fused: every key counts."""
+    from geomx.cluster.checkpoint_clock import CheckpointClock
+    from geomx.cluster.server_checkpoint import ServerCheckpoints, rounds_saved
+
+    now = [0.0]
+    clock = CheckpointClock(1.0, now=lambda: now[0])
+    buckets = _server_keys()                     # the two keys the workers push; a third, read only, is owned too
+    server = ServerCheckpoints(rank=0, every=2, directory=tmp_path, clock=clock, holds_model=False)
+    declared = []
+    for step in range(1, 7):
+        now[0] = float(step)
+        for st in buckets:
+            round_ = server.round_done(st, keys=3)
+            if round_ is not None:
+                declared.append(round_)
+    assert declared == [4, 6, 8], declared      # due from round 2 on: the most rounds + 2, each once the last landed
+    assert sorted(rounds_saved(tmp_path)[0]) == [4, 6], rounds_saved(tmp_path)    # 2, 4, 6 written, 2 kept
+    # resumed at round 6: every key counts on from 6, the one only read too; it still holds nothing back
+    resumed = ServerCheckpoints(rank=0, every=2, directory=tmp_path / "resumed", resume_from=tmp_path, resume_round=6,
+                                clock=CheckpointClock(1.0, now=lambda: now[0]), holds_model=False)
+    assert resumed.resumed_state("w", (2,))["value"].tolist() == [0.0, 0.0]
+    assert resumed.resumed_state(7, (2,)) is not None
+    assert resumed.resumed_state("read-only", (2,)) is None     # it took no rounds: nothing saved, nothing missing
+    declared.clear()
+    for step in range(7, 11):
+        now[0] = float(step)
+        for st in buckets:
+            declared += [r for r in [resumed.round_done(st, keys=3)] if r is not None]
+    assert declared == [10, 12], declared
+    assert sorted(rounds_saved(tmp_path / "resumed")[0]) == [8, 10]
 
 
 def test_a_server_optimizer_job_asks_for_the_interval_on_every_role_not_only_the_script():

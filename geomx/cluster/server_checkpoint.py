@@ -83,6 +83,7 @@ class ServerCheckpoints:
         self.holds_model = holds_model
         self.directory = directory
         self.rounds: dict[Any, int] = {}                  # key -> synchronous rounds completed
+        self._taken: dict[Any, int] = {}                  # key -> rounds it completed in this process
         self.declared: set[int] = set()                   # declared rounds still to write
         self.latest_declared = 0                          # what value replies tell the clients (0: nothing yet)
         self._pending: dict[int, dict[Any, dict]] = {}    # round -> key -> its state at that round
@@ -131,7 +132,11 @@ class ServerCheckpoints:
                 self._saved_shapes = {k: tuple(e["shape"]) if "shape" in e else np.shape(e["value"])
                                       for k, e in self._every_server.items()
                                       if "shape" in e or e.get("value") is not None}
-            entry = self._every_server.get(key) or self._recut(key, shape)
+            entry = self._every_server.get(key)
+            if entry is None and not self.holds_model and not saved_pieces(base_key(key), self._saved_shapes,
+                                                                            self._every_server):
+                return None     # only reply residuals were saved, and this key took no rounds (a fused model's)
+            entry = entry or self._recut(key, shape)
         return entry
 
     def _entries(self, path: Path, rank: int | None = None) -> dict:
@@ -169,21 +174,34 @@ class ServerCheckpoints:
         state if the round is a checkpoint round. Returns the round the timekeeper declares now, if any (the
         caller tells the other global servers)."""
         n = self.rounds[st.key] = self.rounds.get(st.key, 0) + 1
+        self._taken[st.key] = self._taken.get(st.key, 0) + 1
+        keys = self._keys_in_rounds(keys)
         if self.writes and self._checkpoint_round(n):
-            pending = self._pending.setdefault(n, {})
-            pending[st.key] = {"key": st.key, "shape": list(st.shape),
-                               "value": st.value if st.update is not None else None,
-                               "update": st.update.state_dict() if st.update is not None else None,
-                               "wire": st.wire.shared_state_dict() if st.wire is not None else None}
-            if len(pending) == keys:
-                self.declared.discard(n)
-                self._write(n, self._pending.pop(n))
-        if self.clock is None or not self.clock.due() or len(self.rounds) < keys:
+            self._pending.setdefault(n, {})[st.key] = {
+                "key": st.key, "shape": list(st.shape), "value": st.value if st.update is not None else None,
+                "update": st.update.state_dict() if st.update is not None else None,
+                "wire": st.wire.shared_state_dict() if st.wire is not None else None}
+        for round_ in [r for r, pending in self._pending.items() if len(pending) == keys]:
+            self.declared.discard(round_)
+            self._write(round_, self._pending.pop(round_))
+        if self.clock is None or not self.clock.due() or len(self._taken) < keys:
             return None
-        declared = self.clock.declare(max(self.rounds.values()), min(self.rounds.values()))
+        taken = [self.rounds[key] for key in self._taken]
+        declared = self.clock.declare(max(taken), min(taken))
         if declared is not None:
             self.declare(declared)
         return declared
+
+    def _keys_in_rounds(self, owned: int) -> int:
+        """How many of the ``owned`` keys take rounds. With a server optimizer, all of them. Without one, FSA
+        fuses tensors: the workers push buckets, and the parameters' own keys are only read (their initial
+        values). FSA's step() waits for every reply of round m before any push of round m + 1, so once a key has
+        completed two rounds here, every key that takes rounds has completed one, and those that did are all of
+        them. Before that, every key owned counts (a round-1 checkpoint waits until then). Rounds that a resumed
+        key counts on from do not count here: the keys only read are resumed too."""
+        if self.holds_model:
+            return owned
+        return len(self._taken) if max(self._taken.values(), default=0) >= 2 else owned
 
     def declare(self, round_: int) -> bool:
         """Checkpoint every key as of ``round_`` (the timekeeper's declaration). Skipped, with a warning, when a
