@@ -45,3 +45,18 @@ def test_constraints_pin_every_dependency_of_the_package_and_its_extras():
     names = {re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0].lower().replace("_", "-") for d in wanted}
     assert names - pins.keys() == set(), f"unpinned: {sorted(names - pins.keys())}"
     assert pins["torch"] == "2.13.0", "the CPU build that lies on this machine's disk"
+
+
+def test_the_readmes_topology_file_loads_as_it_is_printed(tmp_path):
+    """A user copies it first: every key in it must exist and the settings must combine (it once asked for HFA
+    in dist_async and named one place for two global servers)."""
+    from geomx.cli.topology import load_topology
+
+    text = (ROOT / "README.md").read_text()
+    blocks = [block for block in re.findall(r"```toml\n(.*?)```", text, re.S) if "workers_per_dc" in block]
+    assert blocks, "README.md: no topology file"
+    path = tmp_path / "topo.toml"
+    path.write_text(blocks[0])
+    topo = load_topology(str(path))
+    topo.validate()
+    assert topo.dcs == 2 and topo.global_servers == 2
