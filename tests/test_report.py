@@ -272,3 +272,24 @@ def _report_line(report: str, label_ends: str) -> str:
         if label.endswith(label_ends):
             return value.strip()
     raise AssertionError(f"no line {label_ends!r} in:\n{report}")
+
+
+def test_report_json_writes_a_figure_that_does_not_exist_as_null_so_strict_parsers_read_it(tmp_path, capsys):
+    """A language-model run has no accuracy: its final accuracy is NaN, which Python's json wrote as NaN, not
+    JSON (jq and JavaScript refuse it). It is null now, in `geomx report --json` and every `--json FILE`."""
+    from geomx import json_text
+    from geomx.cli.main import main
+
+    (tmp_path / "launch.json").write_text(json.dumps({"topology": "hips", "mode": "dist_sync", "dcs": ["a"]}))
+    (tmp_path / METRICS_DIR).mkdir()
+    lines = [{"t": 0, "kind": "start", "role": "worker", "dc": "a", "pid": 1},
+             {"t": 3, "kind": "step", "step": 1, "loss": 1.0, "elapsed_s": 3, "comm_wait_s": 0}]
+    (tmp_path / METRICS_DIR / "worker-a-1.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert main(["report", str(tmp_path), "--json"]) == 0
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+    summary = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert summary["final_acc"] is None, summary
+    assert json_text.finite({"a": [float("inf"), 1.5, (float("nan"),)], "b": "NaN"}) == {"a": [None, 1.5, [None]],
+                                                                                         "b": "NaN"}

@@ -20,6 +20,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from collections.abc import Iterator, Sequence
 
+from geomx import json_text
 from geomx.errors import ConfigError, GeomxError
 
 MIB = 1024 * 1024
@@ -196,7 +197,7 @@ def emit_report(args, title: str, body: str, result: dict) -> None:
     """Print the report; with ``--output FILE`` also append it with the command line, date and machine; with
     ``--json FILE`` write the raw ``result``."""
     if getattr(args, "json", None):
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        Path(args.json).write_text(json_text.dumps(result, indent=1))
     section = "\n".join([f"## {title}", "",
                          f"* command: `{command_line(args)}`",
                          f"* date: {time.strftime('%Y-%m-%d %H:%M %Z')}",

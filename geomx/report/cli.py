@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from geomx import json_text
 
 
 def cmd_report(args) -> int:
@@ -14,7 +15,7 @@ def cmd_report(args) -> int:
     target = args.target_loss if args.target_loss is not None else args.target_acc
     summaries = [summarize(load_run(path), target) for path in args.runs]
     if args.json:
-        print(json.dumps(summaries if len(summaries) > 1 else summaries[0], indent=2))
+        print(json_text.dumps(summaries if len(summaries) > 1 else summaries[0], indent=2))
     else:
         print("\n\n".join(format_report(s) for s in summaries))
     return 0
