@@ -343,7 +343,8 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed + 1000 + index)
     horizon = args.schedule_steps or args.steps
     warmup = args.warmup or max(1, horizon // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
+    # with --update-on server the servers' AdamW runs at the peak rate: a schedule here would reach nothing
+    schedule = None if args.update_on == "server" else torch.optim.lr_scheduler.LambdaLR(
         inner, lambda s: lr_schedule(s, warmup=warmup, total=horizon))
     offsets = torch.arange(context + 1)
 
@@ -357,8 +358,9 @@ def main(argv=None) -> int:
                                    max(1, args.steps // 10), evaluate=lambda: evaluate(model, windows),
                                    describe=lambda f: f"validation loss {f['val_loss']:.4f} "
                                                       f"({f['val_bpb']:.3f} bits per byte)",
-                                   after_step=schedule.step,
-                                   checkpoint=loop.checkpointer(args, kv, opt, model, schedule=schedule))
+                                   after_step=schedule.step if schedule is not None else None,
+                                   checkpoint=loop.checkpointer(args, kv, opt, model,
+                                                                **({"schedule": schedule} if schedule else {})))
     final = history[-1]
     print(f"final validation loss {final['val_loss']:.4f} ({final['val_bpb']:.3f} bits per byte) after {step} steps "
           f"in {time.perf_counter() - started:.1f} s (communication wait {opt.comm_wait_s:.1f} s)", flush=True)

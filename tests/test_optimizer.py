@@ -273,3 +273,43 @@ def test_diloco_state_round_trip_keeps_its_outer_momentum_bit_identically():
         assert not torch.equal(a, c)          # without the outer momentum the run goes elsewhere
     with pytest.raises(ConfigError, match="'diloco'.*'dga'"):
         DGA(delay=1).load_state_dict(first.state_dict())
+
+
+def test_a_learning_rate_schedule_on_the_workers_is_said_not_to_reach_the_servers_optimizer():
+    """With update_on_server=True the global servers run the optimizer with the hyper-parameters it had at
+    set-up. An LR scheduler on the workers changed their param_groups and nothing else, silently; the first
+    step() after the change now warns, naming the group and both rates, once. Without a change, no warning."""
+    import warnings
+    from concurrent.futures import ThreadPoolExecutor
+
+    from geomx.torch import DistributedOptimizer
+    from inproc import DEADLINE_S, HipsCluster
+
+    def make(kv):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        return DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, kvstore=kv,
+                                    update_on_server=True), model
+
+    def train(opt, model, steps):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(steps):
+                opt.zero_grad()
+                model(torch.ones(2, 3)).sum().backward()
+                opt.step()
+        return [str(w.message) for w in caught]
+
+    cluster = HipsCluster(dcs=("a",), per_dc=1)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            (_, _), (opt, model) = [f.result(DEADLINE_S) for f in
+                                    [pool.submit(make, kv) for kv in (cluster.master, cluster.workers["a"][0])]]
+        schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        assert train(opt, model, 2) == []
+        schedule.step()
+        said = train(opt, model, 3)
+    finally:
+        cluster.close()
+    assert len(said) == 1, said
+    assert "parameter group 0 is 0.05 on this worker" in said[0] and "(0.1)" in said[0], said

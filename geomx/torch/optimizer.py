@@ -25,8 +25,9 @@ started with ``GEOMX_SLOWDOWN=F`` (``geomx launch --slowdown``) makes every step
 
 It is a ``torch.optim.Optimizer``: its ``param_groups``, ``state`` and ``defaults`` are the wrapped
 optimizer's own objects, so an LR scheduler on it (``torch.optim.lr_scheduler.StepLR(opt, ...)``) changes the
-wrapped optimizer's learning rate (with ``update_on_server`` the servers' optimizer keeps its own
-hyper-parameters); ``zero_grad(set_to_none=)`` and step hooks work; ``state_dict()`` is the wrapped optimizer's
+wrapped optimizer's learning rate (with ``update_on_server`` the servers' optimizer keeps the hyper-parameters it
+had at set-up, and the first step() after the learning rate changed here warns that the schedule does not reach
+it); ``zero_grad(set_to_none=)`` and step hooks work; ``state_dict()`` is the wrapped optimizer's
 plus a ``"geomx"`` entry with the synchronization policy's state (HFA/DiLoCo base model and outer momentum, DGA's
 gradient history, ESync's round), the step count and this worker's compression streams (codec memory,
 error-feedback residuals), and ``load_state_dict`` restores them.
@@ -38,7 +39,9 @@ pass before ``step()`` raises an error naming this option (geomx.sync.fsa).
 """
 from __future__ import annotations
 
+import logging
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -49,6 +52,8 @@ from geomx.compat import check as check_combination
 from geomx.errors import ConfigError
 from geomx.sync import create as create_sync
 from geomx.sync.slowdown import Slowdown
+
+log = logging.getLogger("geomx.optimizer")
 
 STATE_KEY = "geomx"        # DistributedOptimizer's own entry in state_dict(), next to the wrapped optimizer's
 # what torch.optim.Optimizer.__init__ sets up besides the parameters (which are the wrapped optimizer's here)
@@ -111,6 +116,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.server_updates = kvstore.server_updates
         if update_on_server and not self.server_updates and kvstore.is_master_worker:
             raise ConfigError("update_on_server=True but the global servers run no optimizer")
+        # the servers' optimizer took these learning rates at set-up and keeps them: a change here (a scheduler)
+        # never reaches it, which step() says once rather than let a schedule do nothing unnoticed
+        self._servers_lrs = [g.get("lr") for g in optimizer.param_groups] if update_on_server else None
         self.sync.setup(kvstore, self.params, num_samples=num_samples)
         attach = getattr(self.sync, "attach_module", None)    # P3: waits per layer in the forward pass
         if attach is not None:
@@ -197,10 +205,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ConfigError("DistributedOptimizer.step does not take a closure")
         compute = self.slowdown.pause()
+        if self._servers_lrs is not None:
+            self._check_learning_rates()
         self.steps_taken += 1
         self._count_wait(self.sync.step(self.optimizer, compute_s=compute))
         self._record_counters()
         self.slowdown.compute_starts()
+
+    def _check_learning_rates(self) -> None:
+        now, then = [g.get("lr") for g in self.optimizer.param_groups], self._servers_lrs
+        if now == then:
+            return
+        group = next((i for i, (a, b) in enumerate(zip(now, then, strict=False)) if a != b), min(len(now), len(then)))
+        was = f"{then[group]:g}" if group < len(then) else "no group of its own"
+        message = (f"the learning rate of parameter group {group} is {now[group] if group < len(now) else None} on "
+                   f"this worker (an LR scheduler?), but with update_on_server=True the global servers run the "
+                   f"optimizer with what it had at set-up ({was}): a schedule on the workers does not reach them")
+        log.warning(message)
+        warnings.warn(message, stacklevel=3)
+        self._servers_lrs = None        # said once
 
     def _record_counters(self) -> None:
         """Hand the policy's counters to the next step record."""
