@@ -586,6 +586,9 @@ def test_a_link_of_the_matrix_may_have_its_own_jitter_told_from_its_loss_by_its_
     both = load_topology(dcs=2, wan="regional", wan_links=["b=50mbit/250ms/0.002s/0.1%"]).wan_links
     assert both[("central", "b")] == link_matrix.LinkSpec(5e7, 0.25, 0.001, 0.002)
     assert link_matrix.from_env(link_matrix.to_env(both), ["central", "a", "b"]) == both
+    # the launcher's start-up line says it in units people read (the environment keeps every digit)
+    assert link_matrix.describe(both) == ("b->central 50 Mbit/s, 250 ms RTT, loss 0.1%, jitter 2 ms; "
+                                          "central->b 50 Mbit/s, 250 ms RTT, loss 0.1%, jitter 2 ms")
     emulator = WanEmulator(profile=get_profile("transatlantic"), dcs=["central", "a", "b"], links=jittery)
     b, a = emulator.link("b", "central"), emulator.link("a", "central")
     try:

@@ -108,6 +108,7 @@ def test_a_secure_launch_trains_through_the_wan_emulator_with_every_link_encrypt
     assert launcher.run(timeout=120) == 0, launcher.out.getvalue()
     values = [json.loads((tmp_path / "run" / f"secure-{i}.json").read_text()) for i in range(2)]
     assert values == [[0.5] * 3, [0.5] * 3]
+    assert "every message encrypted and authenticated (AES-GCM)" in launcher.out.getvalue()    # the banner says
     # every role got the secret; none got it on its command line
     specs = plan(topo, ["x"], tmp_path, secret="s" * 20)
     assert all(s.env["GEOMX_SECRET"] == "s" * 20 and "s" * 20 not in " ".join(s.argv) for s in specs)
@@ -191,6 +192,11 @@ def test_the_launcher_authenticates_by_default_and_insecure_says_so(tmp_path):
     topo = load_topology(workers_per_dc=1)
     assert Launcher(topo, ["x"], run_dir=tmp_path).auth_token is not None
     assert Launcher(topo, ["x"], run_dir=tmp_path, insecure=True).auth_token is None
+    # the start-up line says which: authenticated, not encrypted, by default; nothing with --insecure
+    default = Launcher(topo, ["x"], run_dir=tmp_path)._security_description()
+    assert "messages not encrypted (--secure encrypts)" in default
+    assert Launcher(topo, ["x"], run_dir=tmp_path, insecure=True)._security_description() == \
+        "no authentication (--insecure)"
     specs = plan(topo, ["x"], tmp_path, auth_token="t" * 20)
     assert all(s.env["GEOMX_AUTH_TOKEN"] == "t" * 20 and "t" * 20 not in " ".join(s.argv) for s in specs)
     assert isinstance(link_security(specs[-1].env), Plain)

@@ -355,8 +355,9 @@ class Launcher:
                 self.say(f"geomx: {len(specs)} processes up ({self.topo.topology}, {self.topo.mode}, "
                          f"{self.topo.dcs} DCs x {self.topo.workers_per_dc} workers, {self.topo.global_servers} "
                          f"global server(s), WAN {p.name}: {p.description}"
-                         + (f"; own settings for {link_matrix.to_env(self.topo.wan_links)}" if self.topo.wan_links
-                            else "") + self._tcp_description() + f"); logs in {self.run_dir}")
+                         + (f"; own settings for {link_matrix.describe(self.topo.wan_links)}" if self.topo.wan_links
+                            else "") + self._tcp_description() + f"); {self._security_description()}; logs in "
+                         f"{self.run_dir}")
                 from geomx.cli.progress import Progress
                 self.progress = Progress(self.run_dir, self.out)
                 self.progress.start()
@@ -392,6 +393,14 @@ class Launcher:
                           log_path)
         self.running.append(running)
         return running
+
+    def _security_description(self) -> str:
+        if self.secret:
+            how = "CurveZMQ" if (self._role_env().get("GEOMX_ENCRYPTION") or "").lower() == "curve" else "AES-GCM"
+            return f"every message encrypted and authenticated ({how})"
+        if self.auth_token:
+            return "connections authenticated with this run's token, messages not encrypted (--secure encrypts)"
+        return "no authentication (--insecure)"
 
     def _tcp_description(self) -> str:
         tcp = self.topo.tcp

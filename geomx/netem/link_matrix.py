@@ -106,6 +106,16 @@ def to_env(overrides: dict[tuple[str, str], LinkSpec]) -> str:
                     for (a, b), s in sorted(overrides.items()))
 
 
+def describe(overrides: dict[tuple[str, str], LinkSpec]) -> str:
+    """For people: ``b->central 50 Mbit/s, 250 ms RTT, loss 0.1%; ...``."""
+    def one(spec: LinkSpec) -> str:
+        rate = (f"{spec.rate_bps / 1e9:.4g} Gbit/s" if spec.rate_bps >= 1e9 else f"{spec.rate_bps / 1e6:.4g} Mbit/s")
+        return ", ".join([rate, f"{spec.rtt_s * 1e3:.4g} ms RTT",
+                          *([f"loss {spec.loss * 100:.4g}%"] if spec.loss is not None else []),
+                          *([f"jitter {spec.jitter_s * 1e3:.4g} ms"] if spec.jitter_s is not None else [])])
+    return "; ".join(f"{a}->{b} {one(s)}" for (a, b), s in sorted(overrides.items()))
+
+
 def from_env(text: str | None, dcs: list[str] | None) -> dict[tuple[str, str], LinkSpec]:
     """The emulator's side of :func:`to_env`; ``dcs``: its configured DCs (central included), if known."""
     if not text:
