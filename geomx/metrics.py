@@ -42,6 +42,11 @@ from pathlib import Path
 from typing import Any
 
 METRICS_DIR = "metrics"
+RESULT_PREFIX = "result-"     # result-<dc>-<rank>.json: a worker's final figures (geomx.torch.loop.write_result)
+
+
+def result_name(dc: str, rank: int) -> str:
+    return f"{RESULT_PREFIX}{dc}-{rank}.json"
 
 _lock = threading.Lock()
 _writer: MetricsWriter | None = None

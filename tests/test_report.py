@@ -143,9 +143,11 @@ def test_a_second_launch_into_the_same_run_directory_reports_only_its_own_proces
     run_dir = check_ok(launch(tmp_path, RUN_TWICE_SCRIPT, dcs=2, workers_per_dc=2, name="run"))
     assert len(load_run(run_dir).workers) == 4 and (run_dir / "b-worker-1.log").exists()
     (run_dir / "notes.txt").write_text("mine")
+    (run_dir / "result-b-1.json").write_text("{}")     # a worker's final figures (geomx.torch.loop.write_result)
     assert check_ok(launch(tmp_path, RUN_TWICE_SCRIPT, dcs=2, workers_per_dc=1, name="run")) == run_dir
     assert len(load_run(run_dir).workers) == 2
     assert not (run_dir / "b-worker-1.log").exists(), "a role of the first run left its log behind"
+    assert not (run_dir / "result-b-1.json").exists(), "a worker of the first run left its result behind"
     assert (run_dir / "notes.txt").read_text() == "mine", "a file the user wrote was removed"
 
 

@@ -30,7 +30,7 @@ from geomx.config import checkpoint_path, env_heartbeat_timeout, env_int
 from geomx.dropped import FILE as DROPPED_FILE
 from geomx.dropped import DropLog
 from geomx.errors import ConfigError
-from geomx.metrics import METRICS_DIR
+from geomx.metrics import METRICS_DIR, RESULT_PREFIX
 from geomx.netem import dc_lines, link_matrix, node_links
 from geomx.netem import outages as outage_plan
 from geomx.netem.emulator import STATS_FILE
@@ -182,10 +182,12 @@ def _site(topo: Topology, server: int) -> dict[str, str]:
 
 
 def run_files(run_dir: Path, roles: list[str]) -> list[Path]:
-    """What geomx writes into a run directory for one run of ``roles``: their logs, the metrics, the WAN link
-    counters, the drop log and the manifest (not the checkpoints, nor what the training script writes)."""
+    """What geomx writes into a run directory for one run of ``roles``: their logs, the metrics, the workers'
+    results (geomx.torch.loop.write_result), the WAN link counters, the drop log and the manifest (not the
+    checkpoints, nor what the training script writes itself)."""
     return [*(run_dir / f"{name}.log" for name in roles), *(run_dir / METRICS_DIR).glob("*.jsonl"),
-            run_dir / STATS_FILE, run_dir / DROPPED_FILE, run_dir / "launch.json"]
+            *run_dir.glob(f"{RESULT_PREFIX}*-*.json"), run_dir / STATS_FILE, run_dir / DROPPED_FILE,
+            run_dir / "launch.json"]
 
 
 def clear_previous_run(run_dir: Path) -> None:

@@ -218,7 +218,7 @@ def write_result(kv, opt, step: int, history: list[dict], **final) -> None:
     """``result-<dc>-<rank>.json`` in the run directory (what tests and recipes read back)."""
     run_dir = os.environ.get("GEOMX_RUN_DIR")
     if run_dir:
-        Path(run_dir, f"result-{kv.dc}-{kv.rank}.json").write_text(json.dumps(
+        Path(run_dir, metrics.result_name(kv.dc, kv.rank)).write_text(json.dumps(
             {"dc": kv.dc, "rank": kv.rank, **final, "steps": step, "history": history,
              "comm_wait_s": opt.comm_wait_s}))
 
