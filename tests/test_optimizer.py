@@ -313,3 +313,39 @@ def test_a_learning_rate_schedule_on_the_workers_is_said_not_to_reach_the_server
         cluster.close()
     assert len(said) == 1, said
     assert "parameter group 0 is 0.05 on this worker" in said[0] and "(0.1)" in said[0], said
+
+
+def test_parameter_groups_the_servers_optimizer_does_not_run_are_named_at_set_up(caplog):
+    """The servers' optimizer is built from the wrapped optimizer's defaults, one set for every key: a group
+    with its own learning rate or weight decay (no decay on biases, a common recipe) is not applied there, which
+    DistributedOptimizer now says at set-up (a log warning and a Python warning), naming the group and what
+    differs. One set for all: nothing said."""
+    import logging
+    from concurrent.futures import ThreadPoolExecutor
+
+    from geomx.torch import DistributedOptimizer
+    from inproc import DEADLINE_S, HipsCluster
+
+    def make(kv, split: bool):
+        model = torch.nn.Linear(3, 1)
+        groups = ([{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0.0, "lr": 0.5}] if split
+                  else model.parameters())
+        DistributedOptimizer(torch.optim.AdamW(groups, lr=0.1, weight_decay=0.01), model, kvstore=kv,
+                             update_on_server=True)
+
+    for split in (False, True):
+        caplog.clear()
+        cluster = HipsCluster(dcs=("a",), per_dc=1)
+        try:
+            with caplog.at_level(logging.WARNING, logger="geomx.optimizer"), ThreadPoolExecutor(2) as pool:
+                for f in [pool.submit(make, kv, split) for kv in (cluster.master, cluster.workers["a"][0])]:
+                    f.result(DEADLINE_S)
+        finally:
+            cluster.close()
+        said = [r.getMessage() for r in caplog.records if r.name == "geomx.optimizer"]
+        if not split:
+            assert said == [], said
+            continue
+        assert len(said) == 2, said         # the master worker and the worker
+        assert all("parameter group 1's {'lr': 0.5, 'weight_decay': 0.0} are not applied there" in m
+                   and "the optimizer's defaults ({'lr': 0.1" in m for m in said), said

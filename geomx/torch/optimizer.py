@@ -62,6 +62,21 @@ _HOOK_TABLES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_opt
                 "_optimizer_load_state_dict_post_hooks")
 
 
+def _numbers(settings: dict) -> dict:
+    return {k: v for k, v in settings.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _groups_unlike_defaults(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The parameter groups whose numeric hyper-parameters differ from the optimizer's defaults, which alone
+    reach the servers (KVStore.set_optimizer sends the defaults)."""
+    unlike = []
+    for i, group in enumerate(optimizer.param_groups):
+        own = {k: group[k] for k, v in _numbers(optimizer.defaults).items() if k in group and group[k] != v}
+        if own:
+            unlike.append(f"parameter group {i}'s {own}")
+    return unlike
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]] | None = None, *,
@@ -119,6 +134,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # the servers' optimizer took these learning rates at set-up and keeps them: a change here (a scheduler)
         # never reaches it, which step() says once rather than let a schedule do nothing unnoticed
         self._servers_lrs = [g.get("lr") for g in optimizer.param_groups] if update_on_server else None
+        unlike = _groups_unlike_defaults(optimizer) if update_on_server else []
+        if unlike:
+            message = (f"with update_on_server=True the global servers run one set of hyper-parameters, the "
+                       f"optimizer's defaults ({_numbers(optimizer.defaults)}): {'; '.join(unlike)} are not "
+                       f"applied there")
+            log.warning(message)
+            warnings.warn(message, stacklevel=2)
         self.sync.setup(kvstore, self.params, num_samples=num_samples)
         attach = getattr(self.sync, "attach_module", None)    # P3: waits per layer in the forward pass
         if attach is not None:
