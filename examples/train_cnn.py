@@ -221,7 +221,7 @@ def main(argv=None) -> int:
         inner = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum)
     else:
         inner = geomx.optim.DCASGD(model.parameters(), lr=lr, momentum=args.momentum)
-    index = loop.worker_index(args)
+    index = loop.worker_index(args, kv.num_all_workers)
     idx = worker_slice(y_train, index, kv.num_all_workers, args.split_by_class, args.seed)
     # the synchronization algorithm comes from geomx launch --sync (GEOMX_SYNC); HFA weighs models by samples
     opt = DistributedOptimizer(inner, model, kvstore=kv, update_on_server=args.update_on == "server",

@@ -322,7 +322,7 @@ def main(argv=None) -> int:
     device = loop.device(args, kv)
     model = ByteGPT(size).to(device)
     inner = adamw(model, lr=args.lr, weight_decay=args.weight_decay, one_group=args.update_on == "server")
-    index = loop.worker_index(args)
+    index = loop.worker_index(args, kv.num_all_workers)
     data = np.zeros(0, np.uint8) if kv.is_master_worker else worker_data(
         corpus, worker=index, workers=kv.num_all_workers, dc=int(os.environ.get("GEOMX_DC_INDEX", 0)),
         dcs=int(os.environ.get("GEOMX_NUM_DCS", 1)), rank=kv.rank, dc_workers=kv.num_workers,

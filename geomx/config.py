@@ -161,14 +161,27 @@ def env_int(env: Mapping[str, str], name: str, role: str, default: int | None = 
         raise ConfigError(f"{name}={raw!r} is not an integer (role {role!r})") from None
 
 
-def env_float(env: Mapping[str, str], name: str, default: float) -> float:
+def env_float(env: Mapping[str, str], name: str, default: float, *, positive: bool = False) -> float:
+    """``positive``: a duration, refused unless > 0 (a negative deadline read as an outage, not as a typo)."""
     raw = env.get(name)
     if not raw:
         return default
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if positive and not value > 0:
+        raise ConfigError(f"{name}={raw!r} must be a number of seconds > 0")
+    return value
+
+
+def env_port(env: Mapping[str, str], name: str, role: str, default: int | None = None) -> int:
+    """A TCP port, 0..65535 (0: any free one where a default allows it); a larger number was wrapped by the
+    socket layer to another port."""
+    port = env_int(env, name, role, default)
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{name}={port} is not a port: ports are 0 to 65535 (role {role!r})")
+    return port
 
 
 def checkpoint_directory(cfg: NodeConfig) -> Path | None:
@@ -210,11 +223,11 @@ def env_heartbeat_timeout(env: Mapping[str, str]) -> tuple[float, bool]:
     deadlines' cap; seconds fix every deadline at that many."""
     if (env.get("GEOMX_HEARTBEAT_TIMEOUT") or "auto").strip() == "auto":
         return NodeConfig.heartbeat_timeout, True
-    return env_float(env, "GEOMX_HEARTBEAT_TIMEOUT", NodeConfig.heartbeat_timeout), False
+    return env_float(env, "GEOMX_HEARTBEAT_TIMEOUT", NodeConfig.heartbeat_timeout, positive=True), False
 
 
 def _addr(env: Mapping[str, str], uri: str, port: str, role: str) -> tuple[str, int]:
-    return _need(env, uri, role), env_int(env, port, role)
+    return _need(env, uri, role), env_port(env, port, role)
 
 
 def role_from_env(env: Mapping[str, str]) -> str:
@@ -259,7 +272,7 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
     cfg = NodeConfig(role=role, dc="", topology=topology, mode=mode, mixedsync=mixedsync)
     cfg.host = env.get("DMLC_NODE_HOST") or env.get("GEOMX_HOST") or "127.0.0.1"
     cfg.bind_host = env.get("GEOMX_BIND_HOST") or None
-    cfg.port = env_int(env, "PORT", role, 0)
+    cfg.port = env_port(env, "PORT", role, 0)
     cfg.emulator = env.get("GEOMX_WAN_EMULATOR") or None
     if cfg.emulator and env.get("GEOMX_WAN_BYPASS") == "1":
         # large messages to nodes of other DCs on this host are parked at their receiver; the emulator is
@@ -295,9 +308,9 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
     cfg.heartbeat_timeout, cfg.heartbeat_measured = env_heartbeat_timeout(env)
     # measured deadlines need frequent heartbeats; a fixed deadline of seconds does with one a second
     default_interval = NodeConfig.heartbeat_interval if cfg.heartbeat_measured else FIXED_DEADLINE_INTERVAL_S
-    cfg.heartbeat_interval = env_float(env, "GEOMX_HEARTBEAT_INTERVAL", default_interval)
-    cfg.connect_timeout = env_float(env, "GEOMX_CONNECT_TIMEOUT", cfg.connect_timeout)
-    cfg.op_timeout = env_float(env, "GEOMX_TIMEOUT", cfg.op_timeout)
+    cfg.heartbeat_interval = env_float(env, "GEOMX_HEARTBEAT_INTERVAL", default_interval, positive=True)
+    cfg.connect_timeout = env_float(env, "GEOMX_CONNECT_TIMEOUT", cfg.connect_timeout, positive=True)
+    cfg.op_timeout = env_float(env, "GEOMX_TIMEOUT", cfg.op_timeout, positive=True)
     cfg.partition_bytes = _partition_bytes(env.get("GEOMX_PARTITION_BYTES"))
     requested = env.get("GEOMX_RANK") or env.get("DMLC_WORKER_ID")
     cfg.rank = env_int(env, "GEOMX_RANK" if env.get("GEOMX_RANK") else "DMLC_WORKER_ID", role) if requested else None

@@ -16,10 +16,16 @@ from geomx.lifeline import watch_launcher
 from geomx.profiles import CENTRAL_DC
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def setup_logging() -> None:
-    level = os.environ.get("GEOMX_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=getattr(logging, level, logging.INFO), stream=sys.stderr,
+    level = (os.environ.get("GEOMX_LOG_LEVEL") or "INFO").upper()
+    logging.basicConfig(level=getattr(logging, level) if level in LOG_LEVELS else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    if level not in LOG_LEVELS:     # said, not silently INFO
+        logging.getLogger("geomx.node").warning("GEOMX_LOG_LEVEL=%r is not a level (%s): logging at INFO",
+                                                os.environ.get("GEOMX_LOG_LEVEL"), ", ".join(LOG_LEVELS))
 
 
 def run_scheduler(cfg: NodeConfig) -> int:

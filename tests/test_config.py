@@ -110,9 +110,18 @@ def test_role_missing_a_variable_is_refused_naming_the_variable(env, missing):
     (worker_env(GEOMX_CHECKPOINT_SECONDS="soon"), ["GEOMX_CHECKPOINT_SECONDS", "'soon'"]),
     (worker_env(GEOMX_CHECKPOINT_DIR="s3://bucket/run"), ["GEOMX_CHECKPOINT_DIR", "scheme 's3'", "file://"]),
     (worker_env(GEOMX_CHECKPOINT_DIR="file://host/run"), ["GEOMX_CHECKPOINT_DIR", "file:///abs/path"]),
+    # found by a review (session 36): each was accepted and failed later as an outage or a wrong port
+    (worker_env(DMLC_PS_ROOT_PORT="99999"), ["DMLC_PS_ROOT_PORT=99999", "0 to 65535"]),
+    (server_env(PORT="70000"), ["PORT=70000", "0 to 65535"]),
+    (worker_env(GEOMX_HEARTBEAT_INTERVAL="-1"), ["GEOMX_HEARTBEAT_INTERVAL='-1'", "> 0"]),
+    (worker_env(GEOMX_CONNECT_TIMEOUT="0"), ["GEOMX_CONNECT_TIMEOUT='0'", "> 0"]),
+    (worker_env(GEOMX_TIMEOUT="-1"), ["GEOMX_TIMEOUT='-1'", "> 0"]),
+    (worker_env(GEOMX_HEARTBEAT_TIMEOUT="-1"), ["GEOMX_HEARTBEAT_TIMEOUT='-1'", "> 0"]),
 ], ids=["nan-count", "nan-port", "nan-timeout", "zero-workers", "bad-role", "bad-geomx-role", "bad-topology",
         "bad-mode", "bad-mixedsync", "two-local-servers", "global-server-not-server", "bad-global-role", "no-role",
-        "zero-checkpoint-seconds", "nan-checkpoint-seconds", "s3-checkpoint-dir", "remote-file-url"])
+        "zero-checkpoint-seconds", "nan-checkpoint-seconds", "s3-checkpoint-dir", "remote-file-url",
+        "port-above-65535", "server-port-above-65535", "negative-heartbeat-interval", "zero-connect-timeout",
+        "negative-timeout", "negative-heartbeat-timeout"])
 def test_malformed_variable_is_refused_naming_variable_and_value(env, words):
     with pytest.raises(ConfigError) as info:
         config_from_env(env)

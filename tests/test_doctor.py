@@ -126,7 +126,24 @@ def test_role_that_cannot_listen_on_its_address_names_dmlc_node_host(tmp_path):
     envs = {"a-server": deployment(tmp_path)["a-server"]}
     envs["a-server"]["DMLC_NODE_HOST"] = "192.0.2.1"      # TEST-NET-1: no address of this machine
     problems, _ = diagnose(envs, network=True, local=True, timeout=0.2)
-    assert any("cannot listen on 192.0.2.1" in str(p) and "DMLC_NODE_HOST" in str(p) for p in problems), problems
+    assert any("cannot listen on 192.0.2.1" in str(p) and "DMLC_NODE_HOST" in str(p)
+               and "GEOMX_BIND_HOST=0.0.0.0" in str(p) for p in problems), problems
+
+
+def test_role_whose_port_is_taken_is_told_to_pick_a_free_port_not_another_address(tmp_path):
+    """The fix for a port in use names the port's variable (the doctor had advised another DMLC_NODE_HOST,
+    0.0.0.0 included, which peers cannot dial)."""
+    import socket
+
+    envs = {"a-server": deployment(tmp_path)["a-server"]}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        envs["a-server"]["DMLC_NODE_HOST"] = "127.0.0.1"
+        envs["a-server"]["PORT"] = str(taken.getsockname()[1])
+        problems, _ = diagnose(envs, network=True, local=True, timeout=0.2)
+    lines = [str(p) for p in problems if "cannot listen on" in str(p)]
+    assert len(lines) == 1 and "give PORT a free port" in lines[0] and "DMLC_NODE_HOST" not in lines[0], lines
 
 
 def test_doctor_command_prints_one_line_per_problem_and_exits_1(tmp_path, capsys):
@@ -208,3 +225,14 @@ def test_doctor_probe_reads_the_listeners_clock_and_names_clocks_too_far_apart_f
     monkeypatch.setenv("GEOMX_SEAL_MAX_AGE_S", "600")      # a deployment that allows for it
     assert main(["doctor", "--probe", f"127.0.0.1:{_probe_listener(clock=lambda: time.time() - 90)}",
                  "--probe-mb", "1"]) == 0
+
+
+def test_a_role_checked_alone_is_not_told_the_other_dcs_are_missing(tmp_path):
+    """In a role's own shell the doctor sees that role only: a local server that rightly declares 2 DCs was told
+    "the roles given form 1 DCs" (found by a review). Counts across roles are checked when they are given."""
+    envs = deployment(tmp_path)
+    alone, _ = diagnose({"a-server": envs["a-server"]})
+    assert not [p for p in alone if "DMLC_NUM_GLOBAL_WORKER" in str(p)], alone
+    envs["a-server"]["DMLC_NUM_GLOBAL_WORKER"] = "3"
+    together, _ = diagnose(envs)
+    assert any("DMLC_NUM_GLOBAL_WORKER" in str(p) for p in together), together

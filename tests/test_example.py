@@ -268,3 +268,24 @@ def test_dcasgd_on_the_global_server_trains_the_example_in_dist_async(tmp_path):
                                      "40"], mode="dist_async", wan="lan")
     finals = [r["final_test_acc"] for r in results]
     assert min(finals) >= 0.93, finals
+
+
+def test_a_worker_index_outside_the_job_is_refused_naming_where_it_came_from(monkeypatch):
+    """A hand-started worker sets GEOMX_WORKER_INDEX itself: one past the job's workers got an empty data slice,
+    and the example spun at full CPU, saying nothing (found by a review). It is refused naming the variable."""
+    import argparse
+
+    from geomx.torch import loop
+
+    args = argparse.Namespace(data_slice_idx=None)
+    monkeypatch.setenv("GEOMX_WORKER_INDEX", "7")
+    with pytest.raises(SystemExit, match="GEOMX_WORKER_INDEX=7 is not a worker index of this job: its 2 training "
+                                         "workers are 0 to 1"):
+        loop.worker_index(args, 2)
+    monkeypatch.setenv("GEOMX_WORKER_INDEX", "1")
+    assert loop.worker_index(args, 2) == 1
+    with pytest.raises(SystemExit, match="--data-slice-idx=-1"):
+        loop.worker_index(argparse.Namespace(data_slice_idx=-1), 2)
+    monkeypatch.setenv("GEOMX_WORKER_INDEX", "one")
+    with pytest.raises(SystemExit, match="GEOMX_WORKER_INDEX='one' is not a worker index"):
+        loop.worker_index(args)

@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import ipaddress
 import os
+import errno
 import socket
 import sys
 import time
@@ -138,6 +139,8 @@ def check_global_tier(roles: list[Role]) -> list[Problem]:
             seen = "; ".join(f"{v} on {', '.join(names)}" for v, names in values.items())
             problems.append(Problem("global tier", f"{name} differs between roles: {seen}",
                                     f"give every role of the global tier the same {name}"))
+    if len(cfgs) < 2:       # one role (checked in its own shell): the other DCs are not known here
+        return problems
     # the DCs given: every local tier but the central party's (the one its global servers and master are in),
     # with the worker count its scheduler (or else its first role) declares
     central = {r.cfg.local_tier for r in cfgs if r.cfg.role in ("global_server", "master")}
@@ -275,18 +278,22 @@ def check_listen(role: Role) -> list[Problem]:
         return []
     host = cfg.bind_host or cfg.host
     if cfg.role == "global_scheduler":
-        port = cfg.global_scheduler[1]
+        port, port_variable = cfg.global_scheduler[1], "DMLC_PS_GLOBAL_ROOT_PORT"
     elif cfg.role == "scheduler":
-        port = cfg.scheduler[1]
+        port, port_variable = cfg.scheduler[1], "DMLC_PS_ROOT_PORT"
     else:
-        port = cfg.port
+        port, port_variable = cfg.port, "PORT"
     with socket.socket() as s:
         try:
             s.bind((host, port))
         except OSError as exc:
-            variable = "GEOMX_BIND_HOST" if cfg.bind_host else "DMLC_NODE_HOST"
-            return [Problem(role.name, f"cannot listen on {host}:{port}: {exc.strerror}",
-                            f"set {variable} to an address of this machine (0.0.0.0 for all) and use a free port")]
+            if exc.errno == errno.EADDRINUSE:
+                fix = f"another process listens there: give {port_variable} a free port"
+            else:       # not an address of this machine: peers dial DMLC_NODE_HOST, the socket binds the other
+                fix = ("set GEOMX_BIND_HOST to an address of this machine (0.0.0.0 for all)" if cfg.bind_host else
+                       "set DMLC_NODE_HOST to an address of this machine, or keep it (what peers dial) and set "
+                       "GEOMX_BIND_HOST=0.0.0.0 to listen on every address")
+            return [Problem(role.name, f"cannot listen on {host}:{port}: {exc.strerror}", fix)]
     return []
 
 

@@ -122,9 +122,20 @@ def device(args: argparse.Namespace, kv) -> torch.device:
     return chosen
 
 
-def worker_index(args: argparse.Namespace) -> int:
-    """This worker's index among all training workers: --data-slice-idx, else what geomx launch set."""
-    return args.data_slice_idx if args.data_slice_idx is not None else int(os.environ.get("GEOMX_WORKER_INDEX", 0))
+def worker_index(args: argparse.Namespace, workers: int | None = None) -> int:
+    """This worker's index among all training workers: --data-slice-idx, else what geomx launch set
+    (``GEOMX_WORKER_INDEX``, which a hand-started worker sets itself). With ``workers`` (how many train), an
+    index outside 0..workers-1 is refused: its data slice would be empty, and the worker would spin on it."""
+    given = "--data-slice-idx" if args.data_slice_idx is not None else "GEOMX_WORKER_INDEX"
+    raw = args.data_slice_idx if args.data_slice_idx is not None else os.environ.get("GEOMX_WORKER_INDEX") or 0
+    try:
+        index = int(raw)
+    except ValueError:
+        raise SystemExit(f"{given}={raw!r} is not a worker index") from None
+    if workers is not None and not 0 <= index < workers:
+        raise SystemExit(f"{given}={index} is not a worker index of this job: its {workers} training workers are "
+                         f"0 to {workers - 1} (each worker of each DC its own)")
+    return index
 
 
 def checkpointer(args: argparse.Namespace, kv, opt, model: torch.nn.Module, **stateful) -> Checkpointer | None:
