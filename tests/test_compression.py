@@ -125,6 +125,19 @@ def test_error_feedback_refuses_codecs_with_their_own_memory():
     assert not make_codec({"type": "randomk", "unbiased": True}).needs_error_feedback
 
 
+def test_error_feedback_refuses_codecs_whose_error_can_exceed_the_signal_as_the_docs_say():
+    """docs/compression.md: never put terngrad, or qsgd with levels**2 < bucket_size, in ErrorFeedback (the
+    residual grows without bound: qsgd at 4 levels, buckets of 512, x1000 in 30 steps). They were accepted; now
+    refused naming the codec and the rule. The servers' weight-change streams keep a residual for every codec on
+    purpose (expanding=True), as tests/test_inproc.py's sampled-codec runs check."""
+    for spec in ({"type": "terngrad"}, {"type": "qsgd", "levels": 4}):
+        with pytest.raises(ConfigError, match="is not contractive.*levels\\*\\*2 >= bucket_size"):
+            ErrorFeedback(codec=make_codec(spec))
+        ErrorFeedback(codec=make_codec(spec), expanding=True)
+    assert make_codec({"type": "qsgd", "levels": 7, "bucket_size": 48}).contractive    # 49 >= 48
+    assert make_codec("qsgd").contractive and make_codec("topk").contractive
+
+
 # -- 16-bit dense ------------------------------------------------------------------------------------------------
 
 def test_fp16_and_bf16_round_trip_within_half_an_ulp():

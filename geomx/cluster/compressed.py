@@ -93,7 +93,7 @@ class Stream:
         self.state = CodecState(seed=seed)
         # weight changes keep a residual even for unbiased codecs: a replica must not random-walk away
         feedback = codec.needs_error_feedback or (always_feedback and not codec.has_own_memory)
-        self.feedback = ErrorFeedback(codec=codec) if feedback else None
+        self.feedback = ErrorFeedback(codec=codec, expanding=always_feedback) if feedback else None
 
     def encode(self, x: np.ndarray, count: int = 1) -> tuple[list[np.ndarray], dict[str, Any]]:
         if count != 1:

@@ -166,6 +166,12 @@ class Codec(ABC):
         return self
 
     @property
+    def contractive(self) -> bool:
+        """||x - decompress(compress(x))|| < ||x|| on average, what error feedback needs: fed back, the error of a
+        codec that is not can grow without bound. True unless a codec says otherwise."""
+        return True
+
+    @property
     def needs_error_feedback(self) -> bool:
         """Wrap this codec in ErrorFeedback: it is biased and keeps no residual itself."""
         return self.biased and not self.has_own_memory

@@ -527,6 +527,10 @@ class QSGD(Codec):
         check_int(self, "bucket_size", low=1)
 
     @property
+    def contractive(self) -> bool:
+        return self.levels ** 2 >= self.bucket_size
+
+    @property
     def _bits(self) -> int:
         return 4 if self.levels <= 7 else 8
 
@@ -564,6 +568,8 @@ class TernGrad(Codec):
     with probability |x| / s: unbiased. 2 bits per entry (4 per byte) + the float32 scale: ceil(N/4) + 4
     bytes. The paper's 2.5-sigma clipping (which trades bias for variance) is left to the caller. Its error
     can exceed the signal (variance max|x| |x| - x^2 per entry), so do not feed it back (ErrorFeedback)."""
+
+    contractive = False     # overrides the property: never
 
     def wire_ratio(self, shape):
         return 16.0

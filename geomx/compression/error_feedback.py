@@ -26,10 +26,17 @@ class ErrorFeedback:
     """Residuals of one codec, per key. ``compress(key, x, state)`` replaces ``codec.compress(x, state)``;
     the receiver decodes with ``codec.decompress`` as usual."""
 
-    def __init__(self, *, codec: Codec) -> None:
+    def __init__(self, *, codec: Codec, expanding: bool = False) -> None:
+        """``expanding``: accept a codec that is not contractive. Only for the servers' weight-change streams,
+        whose residual keeps each replica on the servers' weights: there a sampled codec's error stays bounded
+        by what the next changes carry (tests/test_inproc.py), where a gradient residual would compound."""
         if codec.has_own_memory:
             raise ConfigError(f"{codec.name} keeps its own residual (has_own_memory); do not wrap it in "
                               f"ErrorFeedback")
+        if not (codec.contractive or expanding):
+            raise ConfigError(f"{codec.spec()} is not contractive: its error can exceed the signal, and a residual "
+                              f"fed back would grow without bound; do not wrap it in ErrorFeedback (qsgd: levels**2 "
+                              f">= bucket_size)")
         self.codec = codec
         self._residual: dict[Hashable, np.ndarray] = {}
 
