@@ -19,8 +19,8 @@ import argparse
 import contextlib
 import hashlib
 import ipaddress
-import os
 import errno
+import os
 import socket
 import sys
 import time
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from geomx.config import NodeConfig, config_from_env
 from geomx.errors import ConfigError, GeomxError
-from geomx.transport.security import DEFAULT_ENCRYPTION, read_secret, seal_max_age
+from geomx.transport.security import encryption_of, read_secret, seal_max_age
 
 CONNECT_TIMEOUT_S = 1.0
 
@@ -172,7 +172,7 @@ def check_addresses(roles: list[Role]) -> list[Problem]:
     problems: list[Problem] = []
     owners: dict[tuple[str, int], str] = {}
     port_owners: dict[int, tuple[str, str]] = {}
-    sealed = any(_secret_digest(r.env) for r in roles) and all(_encryption(r.env) == "aes-gcm" for r in roles)
+    sealed = any(_secret_digest(r.env) for r in roles) and all(encryption_of(r.env) == "aes-gcm" for r in roles)
     for r in roles:
         if r.cfg is None or r.cfg.role not in ("scheduler", "global_scheduler"):
             continue
@@ -188,11 +188,6 @@ def check_addresses(roles: list[Role]) -> list[Problem]:
         owners[addr] = r.name
         port_owners.setdefault(addr[1], (r.name, addr[0]))
     return problems
-
-
-def _encryption(env: Mapping[str, str]) -> str:
-    """How a role's links are encrypted where it holds a secret (GEOMX_ENCRYPTION, AES-GCM by default)."""
-    return env.get("GEOMX_ENCRYPTION") or DEFAULT_ENCRYPTION
 
 
 def _secret_digest(env: Mapping[str, str]) -> str | None:
@@ -224,7 +219,7 @@ def check_secrets(roles: list[Role]) -> list[Problem]:
     encryptions: dict[str, list[str]] = {}
     for r in roles:
         if digests[r.name] is not None:
-            encryptions.setdefault(_encryption(r.env), []).append(r.name)
+            encryptions.setdefault(encryption_of(r.env), []).append(r.name)
     if len(encryptions) > 1:      # each side would drop every message of the other
         problems.append(Problem("deployment", "roles use different GEOMX_ENCRYPTION: " + "; ".join(
             f"{', '.join(names)} ({name})" for name, names in encryptions.items()),

@@ -37,6 +37,7 @@ from geomx.netem.emulator import STATS_FILE
 from geomx.cli.fault_domains import MIN_DCS_ENV, MIN_WORKERS_ENV, DcRole, Losses
 from geomx.profiles import CENTRAL_DC
 from geomx.sync.slowdown import ENV as SLOWDOWN_ENV
+from geomx.transport.security import ENCRYPTION_LABELS, encryption_of
 
 INFRA_EXIT_GRACE_S = 30.0
 
@@ -398,8 +399,8 @@ class Launcher:
 
     def _security_description(self) -> str:
         if self.secret:
-            how = "CurveZMQ" if (self._role_env().get("GEOMX_ENCRYPTION") or "").lower() == "curve" else "AES-GCM"
-            return f"every message encrypted and authenticated ({how})"
+            name = encryption_of(self._role_env())
+            return f"every message encrypted and authenticated ({ENCRYPTION_LABELS.get(name, name)})"
         if self.auth_token:
             return "connections authenticated with this run's token, messages not encrypted (--secure encrypts)"
         return "no authentication (--insecure)"

@@ -162,6 +162,15 @@ ENCRYPTIONS = {"aes-gcm": Sealed, "curve": Curve}
 DEFAULT_ENCRYPTION = "aes-gcm"
 
 
+ENCRYPTION_LABELS = {"aes-gcm": "AES-GCM", "curve": "CurveZMQ"}
+
+
+def encryption_of(env) -> str:
+    """How a role holding a secret encrypts its links: GEOMX_ENCRYPTION, AES-GCM by default (checked where the
+    role's security is built, secret_security)."""
+    return env.get("GEOMX_ENCRYPTION") or DEFAULT_ENCRYPTION
+
+
 def secret_security(secret: str, encryption: str | None = None, *, max_age_s: float | None = None) -> Sealed | Curve:
     """The protection a deployment with ``secret`` runs: GEOMX_ENCRYPTION's choice, AES-GCM by default
     (``max_age_s``: its GEOMX_SEAL_MAX_AGE_S; CurveZMQ's fresh keys per connection need none)."""
