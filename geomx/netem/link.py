@@ -10,10 +10,13 @@ The model of a link is one serial line of ``rate_bps`` followed by a propagation
   than a slow one).
 * Serialization runs on a virtual clock: a chunk occupies the line from ``max(busy_until, ready)`` for its bytes
   at the line's rate (``ready``: when its message was enqueued, or reached this link). The engine commits
-  chunks only while the virtual clock is at most ``LOOKAHEAD_S`` ahead of real time, several per wake-up, and an
-  engine that wakes late (coarse sleeps, a busy machine) back-dates the chunks it commits instead of leaving
-  the line idle, so goodput stays at the rate and deliveries keep their virtual times (a late one is made at
-  once).
+  chunks only while the virtual clock is at most ``LOOKAHEAD_S`` ahead of real time, and back-dates the chunks
+  it commits when it comes late, instead of leaving the line idle, so goodput stays at the rate and deliveries
+  keep their virtual times (a late one is made at once). So it needs no wake-up to keep a line busy: it wakes
+  when the next delivery can be due (a lower bound from the bytes queued, exact for a message alone on a line of
+  constant rate) or a message is enqueued, and commits everything up to then at once. On such a line a message
+  that the last link of its path carries, and that nothing queued could interrupt before the horizon, is
+  committed as one chunk, not many.
 * A message whose last chunk ends at ``tx_end`` is delivered at ``tx_end + one_way_delay + jitter``, jitter
   drawn from a seeded normal distribution (std ``jitter_s``, clipped to +-2 std), but never before the previous
   delivery on the same link: a TCP connection does not reorder.
@@ -70,10 +73,11 @@ class LinkEngine:
     """Serializes the chunks of every attached link and calls deliveries at their times.
 
     Driven by its own thread, or (``driven=True``) by a caller's event loop that calls :meth:`pump` whenever the
-    time it returned has come or a message was enqueued: the WAN emulator does, so that receiving, serializing
-    and forwarding take one thread and no hand-offs. ``schedule(at, fn)`` calls ``fn()`` at monotonic time
-    ``at``, in (time, arrival) order, on the thread that pumps, so a callback may use sockets that only that
-    thread owns; ``on_exit`` runs in the engine's own thread when it stops (the place to close those sockets).
+    time it returned has come, or the time :meth:`next_due` gives after it enqueued messages: the WAN emulator
+    does, so that receiving, serializing and forwarding take one thread and no hand-offs. ``schedule(at, fn)``
+    calls ``fn()`` at monotonic time ``at``, in (time, arrival) order, on the thread that pumps, so a callback
+    may use sockets that only that thread owns; ``on_exit`` runs in the engine's own thread when it stops (the
+    place to close those sockets).
     """
 
     def __init__(self, *, name: str = "wan-engine", on_exit: Callable[[], None] | None = None,
@@ -84,6 +88,7 @@ class LinkEngine:
         self._seq = itertools.count()          # ties on time keep arrival order
         self._closed = False
         self._kicked = False                   # something was enqueued or scheduled since the last pump
+        self._due = float("inf")               # the soonest any of it can be delivered
         self._on_exit = on_exit
         self._thread = None if driven else threading.Thread(target=self._run, name=name, daemon=True)
         if self._thread is not None:
@@ -102,12 +107,21 @@ class LinkEngine:
     def schedule(self, at: float, fn: Callable[[], None]) -> None:
         with self.cv:
             self._push(at, fn)
-            self.kick()
+            self.kick(at)
 
-    def kick(self) -> None:
-        """(With the lock held.) Wake the engine's thread: there is new work."""
+    def kick(self, due: float = 0.0) -> None:
+        """(With the lock held.) Wake the engine's thread: there is new work, none of it due before ``due``."""
         self._kicked = True
+        self._due = min(self._due, due)
         self.cv.notify()
+
+    def next_due(self) -> float:
+        """For a driven engine's caller after it enqueued messages: the soonest any of them can be delivered. Pumping
+        then, not at once, is enough: a pump back-dates the chunks it commits, so a message that reached an idle
+        line, or overtakes queued ones, takes the line when it arrived, whenever the pump runs."""
+        with self.cv:
+            due, self._due = self._due, float("inf")
+            return due
 
     def _push(self, at: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._deliveries, (at, next(self._seq), fn))
@@ -122,16 +136,15 @@ class LinkEngine:
 
     def pump(self, now: float | None = None) -> float:
         """Commit the chunks whose line time starts within ``LOOKAHEAD_S``, make the deliveries that are due;
-        returns the monotonic time at which to pump again (sooner if a message is enqueued)."""
+        returns the monotonic time at which to pump again: the next delivery, or the soonest one that work not
+        yet committed could make (sooner if a message is enqueued: :meth:`next_due`)."""
         now = time.monotonic() if now is None else now
         handed: list = []
         with self.cv:
-            self._kicked = False
+            self._kicked, self._due = False, float("inf")
             wake = now + _IDLE_WAIT_S
-            for link in self._links:      # in stage order: a chunk handed on is served in the same pass
-                at = link._commit(now + LOOKAHEAD_S, handed)
-                if at is not None:        # the committed work runs LOOKAHEAD_S ahead: come back halfway
-                    wake = min(wake, at - LOOKAHEAD_S / 2)
+            # in stage order: a chunk handed on is served in the same pass
+            waiting = [link for link in self._links if link._commit(now + LOOKAHEAD_S, handed) is not None]
             foreign = []
             for target, at, fn in handed:
                 if target is self:
@@ -143,6 +156,11 @@ class LinkEngine:
                 due.append(heapq.heappop(self._deliveries)[2])
             if self._deliveries:
                 wake = min(wake, self._deliveries[0][0])
+            # a line with work left uncommitted: come back when its first delivery could be due, not to keep the
+            # line busy (a late pump back-dates its chunks, and an arrival pumps the engine anyway)
+            for link in waiting:
+                if link._landing_floor() < wake:      # else a committed delivery comes first: no need to look
+                    wake = min(wake, link._soonest_landing())
         for target, at, fn in foreign:     # a delivery scheduler of another kind (a test's recorder)
             target.schedule(at, fn)
         for fn in due:
@@ -236,6 +254,7 @@ class EmulatedLink:
                 raise ConfigError(f"link {name}: outage {[start, end, *kept]}: {wrong}")
             windows.append((self._epoch + start, self._epoch + end, kept[0] if kept else 0.0))
         self._outages = sorted(windows)          # (start, end, rate kept: 0 cuts the line), monotonic times
+        self._constant_rate = not self._outages and not self.tcp.slow_start   # a chunk's time is bytes / rate
         # legs whose next waiting bytes are ready by the line's decision time, by (priority desc, when those bytes
         # reached this link, arrival asc: _requeue), and legs whose next bytes become ready later, by that time; a
         # leg whose bytes are all still upstream is in neither until the previous link hands some on
@@ -273,8 +292,9 @@ class EmulatedLink:
                 with link._stats_lock:
                     link._queued_bytes += nbytes
                     link._queued_messages += 1
-            self._receive(transit.legs[0], time.monotonic() if at is None else at, nbytes)
-            self._engine.kick()
+            ready = time.monotonic() if at is None else at
+            self._receive(transit.legs[0], ready, nbytes)
+            self._engine.kick(self._landing(max(self._busy_until, ready), transit.legs[0]))
 
     def snapshot(self) -> dict:
         with self._stats_lock:
@@ -323,10 +343,16 @@ class EmulatedLink:
             if start > horizon or not self._ready:
                 return start
             leg = heapq.heappop(self._ready)[1]
+            limit = self.chunk_bytes
+            if self._constant_rate and leg.hop + 1 == len(leg.transit.path):
+                # nothing can take the line before the horizon (or a queued leg's ready time), and no link
+                # downstream streams these bytes: what chunk by chunk would commit, as one chunk
+                until = min(horizon, self._later[0][0]) if self._later else horizon
+                limit = max(limit, int((until - start) * self.rate_bps / 8))
             take = 0
-            while leg.pieces and leg.pieces[0][0] <= start and take < self.chunk_bytes:
+            while leg.pieces and leg.pieces[0][0] <= start and take < limit:
                 piece = leg.pieces[0]
-                n = min(piece[1], self.chunk_bytes - take)
+                n = min(piece[1], limit - take)
                 take += n
                 piece[1] -= n
                 if not piece[1]:
@@ -347,6 +373,29 @@ class EmulatedLink:
                 self._last_delivery = at
                 handed.append((self._scheduler, at, lambda t=transit, a=at: self._delivered(t, a)))
         return None
+
+    def _landing_floor(self) -> float:
+        """No message queued here lands before this: it needs the line after ``busy_until``, then the delay."""
+        return self._busy_until + self.one_way_delay_s - 2 * self.jitter_s
+
+    def _soonest_landing(self) -> float:
+        """A lower bound on when any message queued here can have crossed this line and its delay: its bytes
+        need the line for at least ``left`` at the full rate, from when the line is free or they are ready.
+        Until then only an arrival can change what the line does, and an arrival tells the engine its own."""
+        busy = self._busy_until
+        if self._ready and not self._later:
+            head = self._ready[0][1]
+            if len(head.pieces) == 1 and head.pieces[0][1] == head.left:
+                # all its bytes are here, ready by one time: its place in the queue stays first until it is sent,
+                # so nothing queued here lands before it (the common case, and no need to look at every leg)
+                return self._landing(busy, head)
+        return min(min((self._landing(busy, leg) for _, leg in self._ready), default=float("inf")),
+                   min((self._landing(max(busy, at), leg) for at, _, leg in self._later), default=float("inf")))
+
+    def _landing(self, start: float, leg: _Leg) -> float:
+        """The soonest ``leg`` can have crossed this line and its delay if its bytes take the line from ``start``."""
+        return (start + leg.left * 8.0 / self.rate_bps + self.one_way_delay_s
+                + (leg.transit.jitter if self.jitter_s else 0.0))
 
     def _requeue(self, leg: _Leg, now: float) -> None:
         """Queue ``leg`` by its waiting bytes: among those ready by ``now``, by (priority desc, the time its next
