@@ -1,8 +1,11 @@
-"""Members the schedulers dropped (fault domains), one JSON line each in ``<run dir>/dropped.jsonl``.
+"""Members the schedulers dropped (fault domains), one JSON line each in ``<run dir>/dropped.jsonl``, and members
+whose own abort stopped a tier, in ``<run dir>/aborted.jsonl``.
 
-The launcher reads it to tell a role its deployment went on without (a worker its DC dropped, a DC's local
-server the global tier dropped) from one that failed on its own, whose error must stop the run. Each line is
-written with one ``O_APPEND`` write, so the schedulers of one run can share the file.
+The launcher reads the first to tell a role its deployment went on without (a worker its DC dropped, a DC's
+local server the global tier dropped) from one that failed on its own, whose error must stop the run; and the
+second to name the role a failure started from: a worker that died of an error aborts, and the schedulers and
+servers its abort reaches stop, often before its own process has exited. Each line is written with one
+``O_APPEND`` write, so the schedulers of one run can share a file, in the order the aborts travelled.
 """
 from __future__ import annotations
 
@@ -12,13 +15,14 @@ import time
 from pathlib import Path
 
 FILE = "dropped.jsonl"
+ABORTED_FILE = "aborted.jsonl"
 
 
-def record(run_dir: str | Path | None, *, tier: str, pid: int, member: str, reason: str) -> None:
+def record(run_dir: str | Path | None, *, tier: str, pid: int, member: str, reason: str, file: str = FILE) -> None:
     if run_dir is None:
         return
     line = json.dumps({"time": time.time(), "tier": tier, "pid": pid, "member": member, "reason": reason}) + "\n"
-    fd = os.open(Path(run_dir) / FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(Path(run_dir) / file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, line.encode())
     finally:
@@ -26,11 +30,14 @@ def record(run_dir: str | Path | None, *, tier: str, pid: int, member: str, reas
 
 
 class DropLog:
-    """The pids dropped so far in one run, read incrementally."""
+    """The pids recorded so far in one run's ``file`` (dropped members by default), read incrementally;
+    ``order``: the same pids in the order they were first recorded; ``reasons``: the first reason given for each."""
 
-    def __init__(self, run_dir: str | Path) -> None:
-        self.path = Path(run_dir) / FILE
+    def __init__(self, run_dir: str | Path, *, file: str = FILE) -> None:
+        self.path = Path(run_dir) / file
         self.pids: set[int] = set()
+        self.order: list[int] = []
+        self.reasons: dict[int, str] = {}
         self._offset = 0
 
     def refresh(self) -> set[int]:
@@ -44,7 +51,12 @@ class DropLog:
         self._offset += len(complete)
         for line in complete.splitlines():
             try:
-                self.pids.add(int(json.loads(line)["pid"]))
+                entry = json.loads(line)
+                pid = int(entry["pid"])
             except (ValueError, KeyError, TypeError):
                 continue
+            if pid not in self.pids:
+                self.pids.add(pid)
+                self.order.append(pid)
+                self.reasons[pid] = str(entry.get("reason", ""))
         return self.pids

@@ -172,6 +172,8 @@ def test_role_that_counts_the_topology_differently_fails_the_run_naming_the_mism
     assert code not in (0, 124), describe(code, run_dir, output)
     for word in words:
         assert word in output, f"{word!r} not in the launcher's output\n" + describe(code, run_dir, output)
+    headline = next(line for line in output.splitlines() if "stopping every process" in line)
+    assert headline.startswith(f"geomx: role {role} "), describe(code, run_dir, output)
 
 
 # -- ports ---------------------------------------------------------------------------------------------------

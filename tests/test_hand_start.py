@@ -6,6 +6,8 @@ import os
 import sys
 import time
 
+import pytest
+
 from harness import Processes, logs, make_topology, wait_until, write_script
 
 PY = sys.executable
@@ -20,15 +22,17 @@ if not kv.is_master_worker:
 """
 
 
-def _start_by_hand(tmp_path, edit_env) -> tuple[Processes, dict, object]:
-    """Every role of a 1-DC x 1-worker deployment started as its own process with the environment the docs
+def _start_by_hand(tmp_path, edit_env, *, script: str = PUSHPULL_SCRIPT, dcs: int = 1,
+                   timeout_s: int = 30) -> tuple[Processes, dict, object]:
+    """Every role of a ``dcs`` x 1-worker deployment started as its own process with the environment the docs
     give it, edited by ``edit_env(name, env)``."""
     from geomx.cli.launch import plan
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    script = write_script(tmp_path, PUSHPULL_SCRIPT)
-    topo = make_topology(dcs=1, workers_per_dc=1, env={"GEOMX_TIMEOUT": "30", "GEOMX_CONNECT_TIMEOUT": "60"})
+    script = write_script(tmp_path, script)
+    topo = make_topology(dcs=dcs, workers_per_dc=1,
+                         env={"GEOMX_TIMEOUT": str(timeout_s), "GEOMX_CONNECT_TIMEOUT": "60"})
     procs, started = Processes(), {}
     for spec in plan(topo, [PY, str(script)], run_dir):
         env = {**os.environ, **spec.env}
@@ -65,6 +69,46 @@ def test_role_whose_dc_name_differs_from_its_schedulers_fails_fast_naming_geomx_
         assert time.monotonic() - began < 40
         text = (run_dir / "master.log").read_text()
         assert "GEOMX_DC" in text and "dc:centre" in text and "dc:central" in text, text[-3000:]
+    finally:
+        procs.close()
+
+
+DIES_AT_SET_UP_SCRIPT = """
+import os
+import numpy as np
+import geomx
+kv = geomx.kvstore.create(reduction="mean")
+kv.init(1, np.ones(3, np.float32))
+if not kv.is_master_worker:
+    if os.environ.get("GEOMX_DC") == "b":
+        raise RuntimeError("the data directory is missing")
+    for _ in range(3):
+        kv.pushpull(1, np.full(3, 4.0, np.float32)).wait()
+"""
+
+
+@pytest.mark.parametrize("min_dcs", [1, 2])
+def test_a_worker_dying_of_an_uncaught_error_stops_its_dc_at_once_naming_the_error(tmp_path, min_dcs):
+    """Its DC's only worker dies at set-up: leaving with a goodbye had let that DC shut down as finished while the
+    other DC's worker waited for its rounds until GEOMX_TIMEOUT (300 s here). It aborts instead, and within
+    seconds the global tier drops its DC, naming the error, and the other DC trains on (GEOMX_MIN_DCS=1), or,
+    with every DC needed (2), every role stops, the other worker naming the error."""
+    began = time.monotonic()
+    procs, started, run_dir = _start_by_hand(tmp_path, lambda name, env: env.update(GEOMX_MIN_DCS=str(min_dcs)),
+                                             script=DIES_AT_SET_UP_SCRIPT, dcs=2, timeout_s=300)
+    try:
+        wait_until(lambda: all(p.poll() is not None for p in started.values()), 60, "every role exiting")
+        assert time.monotonic() - began < 60
+        codes = {name: p.returncode for name, p in started.items()}
+        said = "worker 0 of DC b ended on an uncaught RuntimeError: the data directory is missing"
+        if min_dcs == 1:
+            assert codes["b-worker-0"] != 0 and codes["a-worker-0"] == 0, f"{codes}\n{logs(run_dir)[-6000:]}"
+            text = (run_dir / "global-server-0.log").read_text()
+            assert said in text and "goes on with 1 of 2 DCs without DC b" in text, text[-3000:]
+        else:
+            assert codes["b-worker-0"] != 0 and codes["a-worker-0"] != 0, f"{codes}\n{logs(run_dir)[-6000:]}"
+            text = (run_dir / "a-worker-0.log").read_text()
+            assert said in text, text[-3000:]
     finally:
         procs.close()
 

@@ -27,8 +27,8 @@ from geomx.cli.inject import Injector, parse_faults
 from geomx.cli.rejoins import Rejoins
 from geomx.cli.topology import Topology
 from geomx.config import checkpoint_path, env_heartbeat_timeout, env_int
+from geomx.dropped import ABORTED_FILE, DropLog
 from geomx.dropped import FILE as DROPPED_FILE
-from geomx.dropped import DropLog
 from geomx.errors import ConfigError
 from geomx.metrics import METRICS_DIR, RESULT_PREFIX
 from geomx.netem import dc_lines, link_matrix, node_links
@@ -184,11 +184,11 @@ def _site(topo: Topology, server: int) -> dict[str, str]:
 
 def run_files(run_dir: Path, roles: list[str]) -> list[Path]:
     """What geomx writes into a run directory for one run of ``roles``: their logs, the metrics, the workers'
-    results (geomx.torch.loop.write_result), the WAN link counters, the drop log and the manifest (not the
+    results (geomx.torch.loop.write_result), the WAN link counters, the drop and abort logs and the manifest (not the
     checkpoints, nor what the training script writes itself)."""
     return [*(run_dir / f"{name}.log" for name in roles), *(run_dir / METRICS_DIR).glob("*.jsonl"),
             *run_dir.glob(f"{RESULT_PREFIX}*-*.json"), run_dir / STATS_FILE, run_dir / DROPPED_FILE,
-            run_dir / "launch.json"]
+            run_dir / ABORTED_FILE, run_dir / "launch.json"]
 
 
 def clear_previous_run(run_dir: Path) -> None:
@@ -339,6 +339,7 @@ class Launcher:
         self._write_manifest(specs)
         flat = self.topo.topology == "flat"
         self.drops = DropLog(self.run_dir)
+        self.aborts = DropLog(self.run_dir, file=ABORTED_FILE)     # members whose own abort stopped a tier
         # a role that exits with an error is a fault its deployment absorbs only if its scheduler drops it within
         # the heartbeat deadline (and a little): until then it is undecided
         env = self._role_env()
@@ -560,7 +561,24 @@ class Launcher:
             self.say(f"geomx: role {', '.join(frozen)} is frozen (stopped, not running); {r.spec.name} gave up "
                      f"waiting for it ({how}); stopping every process. Last lines of {r.log_path}:\n{tail}")
             return
+        origin = self._abort_origin()
+        if origin is not None and origin is not r:
+            # where a scheduler saw the failure begin (a worker that died of an error aborted, a role that
+            # registered a wrong count): the schedulers it reached stopped sooner than it did
+            origin.proc.finish_output(2.0)
+            state = _how_it_ended(origin.returncode) if origin.returncode is not None else "still running"
+            self._failed = origin
+            self.say(f"geomx: role {origin.spec.name} failed the run: {self.aborts.reasons[origin.proc.pid]} "
+                     f"({state}; {r.spec.name} {how}); stopping every process. Last lines of {origin.log_path}:\n"
+                     f"{_tail(origin.log_path, 30)}")
+            return
         self.say(f"geomx: role {r.spec.name} {how}; stopping every process. Last lines of {r.log_path}:\n{tail}")
+
+    def _abort_origin(self) -> Running | None:
+        """The role whose own abort a scheduler recorded first (geomx.dropped), if it is one of ours."""
+        by_pid = {r.proc.pid: r for r in self.running}
+        self.aborts.refresh()
+        return next((by_pid[pid] for pid in self.aborts.order if pid in by_pid), None)
 
     def _alive(self) -> dict[str, RoleHandle]:
         """Role name -> handle of every role still running."""

@@ -288,17 +288,19 @@ class Postoffice:
         for fn in self._member_joined_listeners:
             fn(tier, member, replaces)
 
-    def abort(self, reason: str, *, tell_schedulers: bool = True, fatal: bool = False) -> None:
+    def abort(self, reason: str, *, tell_schedulers: bool = True, fatal: bool = False, relayed: bool = False) -> None:
         """Fail every wait with ``reason``; tell our schedulers so the whole deployment learns of it. ``fatal``:
-        a tier failed before it was complete (a misconfiguration): no tier may go on without us then."""
+        a tier failed before it was complete (a misconfiguration): no tier may go on without us then.
+        ``relayed``: we pass on another role's abort or loss (the launcher names where an abort began)."""
         if self.aborted:
             return
         self.aborted = reason
         log.error("%s: aborting: %s", self.cfg.label, reason)
         if tell_schedulers:
+            flags = {**({Field.FATAL: True} if fatal else {}), **({Field.RELAYED: True} if relayed else {})}
             for tier in self.tiers.values():
                 if not tier.closed:
-                    tier.send_to_scheduler(Op.ABORT, reason=reason, **({Field.FATAL: True} if fatal else {}))
+                    tier.send_to_scheduler(Op.ABORT, reason=reason, **flags)
         for fn in self._abort_listeners:
             try:
                 fn(reason)
@@ -354,7 +356,7 @@ class Postoffice:
             return
         if msg.op == Op.ABORT:
             self.abort(str(msg.get(Field.REASON, "aborted by a peer")), tell_schedulers=True,
-                       fatal=msg.get(Field.FATAL) is True)
+                       fatal=msg.get(Field.FATAL) is True, relayed=True)
             return
         try:
             tier.handle(msg)

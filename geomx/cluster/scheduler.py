@@ -254,9 +254,9 @@ class Scheduler:
             free = iter(r for r in range(len(group)) if r not in taken)
             for e in sorted((e for e in group if e["rank"] is None), key=lambda e: _host_port(e["addr"])):
                 e["rank"] = next(free)
-        problem = self._count_all_workers()
-        if problem:
-            self._fail(problem, None, members=list(self._pending.values()))
+        miscounted = self._count_all_workers()
+        if miscounted:
+            self._fail(*miscounted, members=list(self._pending.values()))
             return
         now = time.monotonic()
         self._members = dict(self._pending)
@@ -266,8 +266,9 @@ class Scheduler:
             self._send(e, Op.TABLE, members=table)
         log.info("%s tier complete: %s", self.tier, ", ".join(self._label(e) for e in self._members.values()))
 
-    def _count_all_workers(self) -> str | None:
-        """Every role that states the world-wide worker count must agree with what actually registered."""
+    def _count_all_workers(self) -> tuple[str, dict] | None:
+        """Every role that states the world-wide worker count must agree with what actually registered: the
+        problem and the first member that does not."""
         entries = list(self._pending.values())
         dc_sizes = [e["declared"]["dc_workers"] for e in entries if "dc_workers" in e["declared"]]
         flat_workers = [e for e in entries if e["kind"] == "worker" and e["tier_role"] == "worker"]
@@ -278,7 +279,7 @@ class Scheduler:
             said = e["declared"].get("num_all_workers")
             if said is not None and said != total:
                 return (f"{self._label(e)} says DMLC_NUM_ALL_WORKER={said} but the DCs that registered with the "
-                        f"{self.tier} scheduler have {total} workers in all: inconsistent topology")
+                        f"{self.tier} scheduler have {total} workers in all: inconsistent topology"), e
         return None
 
     def _heartbeat(self, msg: Message) -> None:
@@ -326,21 +327,29 @@ class Scheduler:
         entry = self._members.get(msg.src)
         # a member the tier may go on without (a local server whose DC stopped) drops out instead, unless what
         # stopped it was a tier that never completed: a misconfiguration, which must stop the run
-        if entry is not None and msg.get(Field.FATAL) is not True and self._cannot_drop(entry) is None:
+        fatal = msg.get(Field.FATAL) is True
+        if entry is not None and not fatal and self._cannot_drop(entry) is None:
             self._drop(entry, f"{self._label(entry)} stopped: {reason}")
             return
-        self._fail(reason, None, skip=msg.src)
+        began_here = entry is not None and msg.get(Field.RELAYED) is not True
+        self._fail(reason, entry if began_here else None, skip=msg.src, fatal=fatal, notify_culprit=False)
 
     def _fail(self, reason: str, culprit: dict | None, *, skip: str | None = None,
-              members: list[dict] | None = None) -> None:
+              members: list[dict] | None = None, fatal: bool = False, notify_culprit: bool = True) -> None:
+        """Abort every member. ``culprit``: the member the failure began with, recorded for the launcher to name
+        (geomx.dropped) before the abort goes on. ``fatal`` (a member's own abort was): no tier may go on without
+        them, as when this tier never completed."""
         if self.failure:
             return
         self.failure = reason
         log.error("%s scheduler: %s", self.tier, reason)
+        if culprit is not None:
+            dropped.record(self.run_dir, tier=self.tier, pid=culprit["pid"], member=self._label(culprit),
+                           reason=reason, file=dropped.ABORTED_FILE)
         targets = members if members is not None else list(self._members.values() or self._pending.values())
-        if culprit is not None and culprit["id"] not in {t["id"] for t in targets}:
+        if notify_culprit and culprit is not None and culprit["id"] not in {t["id"] for t in targets}:
             targets.append(culprit)
-        fatal = {Field.FATAL: True} if not self._members else {}     # the tier never completed
+        fatal = {Field.FATAL: True} if fatal or not self._members else {}
         for e in targets:
             if e["id"] != skip and e["id"] not in self._left:
                 self._send(e, Op.ABORT, reason=reason, **fatal)

@@ -32,9 +32,10 @@ from geomx.cluster.protocol import Command, Op
 from geomx.compat import check as check_combination
 from geomx.compression import CompressionPolicy, parse_policy
 from geomx.config import MODES, REDUCTIONS, NodeConfig, config_from_env
-from geomx.errors import ConfigError, GeomxError, KVError
+from geomx.errors import ConfigError, GeomxError, KVError, PeerLostError
 from geomx.kvstore.partition import LAN_PART_BYTES, check_user_key, part_views, plan_parts, wire_part_bytes
 from geomx.lifeline import watch_launcher
+from geomx import uncaught
 from geomx.profiles import CENTRAL_DC
 from geomx.sync.settings import algorithm_rounds_are_steps, settings_from_env, sync_requested
 
@@ -72,6 +73,7 @@ def create(name: str | None = None, *, env: dict | None = None, reduction: str |
                           f"{cfg.role!r}")
     check_reduction(reduction)
     watch_launcher(env)
+    uncaught.watch()
     return KVStore(cfg, name, env=env, reduction=reduction)
 
 
@@ -451,6 +453,12 @@ class KVStore:
 
     # internals ----------------------------------------------------------------------------------------------
     def _close_at_exit(self) -> None:
+        died_of = uncaught.exception()
+        if died_of is not None and not self._closed and not self.po.aborted:
+            # not a goodbye: the others would take it for a finished worker and wait for its rounds. A fault
+            # domain may absorb a crash; a misconfiguration must stop the run
+            self.po.abort(f"{self.cfg.label} ended on an uncaught {uncaught.describe(died_of)}",
+                          fatal=isinstance(died_of, ConfigError), relayed=isinstance(died_of, PeerLostError))
         try:
             self.close()
         except GeomxError as exc:   # the error was (or will be) reported where it happened
