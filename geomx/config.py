@@ -16,6 +16,7 @@ from urllib.parse import unquote, urlsplit
 from geomx.errors import ConfigError
 from geomx.profiles import CENTRAL_DC
 from geomx.compression.policy import SIZE_BOUND_ENV, env_size_bound
+from geomx.transport.base import is_node_address
 from geomx.transport.security import Curve, Sealed, link_security
 from geomx.unimplemented import report_unimplemented
 
@@ -274,6 +275,9 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
     cfg.bind_host = env.get("GEOMX_BIND_HOST") or None
     cfg.port = env_port(env, "PORT", role, 0)
     cfg.emulator = env.get("GEOMX_WAN_EMULATOR") or None
+    if cfg.emulator is not None and not is_node_address(cfg.emulator):
+        raise ConfigError(f"GEOMX_WAN_EMULATOR={cfg.emulator!r} is not the emulator's address (tcp://HOST:PORT, "
+                          f"as geomx launch --wan sets it)")
     if cfg.emulator and env.get("GEOMX_WAN_BYPASS") == "1":
         # large messages to nodes of other DCs on this host are parked at their receiver; the emulator is
         # handed their route and size only (geomx.transport.parking)

@@ -117,11 +117,13 @@ def test_role_missing_a_variable_is_refused_naming_the_variable(env, missing):
     (worker_env(GEOMX_CONNECT_TIMEOUT="0"), ["GEOMX_CONNECT_TIMEOUT='0'", "> 0"]),
     (worker_env(GEOMX_TIMEOUT="-1"), ["GEOMX_TIMEOUT='-1'", "> 0"]),
     (worker_env(GEOMX_HEARTBEAT_TIMEOUT="-1"), ["GEOMX_HEARTBEAT_TIMEOUT='-1'", "> 0"]),
+    (worker_env(GEOMX_WAN_EMULATOR="bogus"), ["GEOMX_WAN_EMULATOR='bogus'", "tcp://HOST:PORT"]),
+    (worker_env(GEOMX_WAN_EMULATOR="tcp://127.0.0.1:99999"), ["GEOMX_WAN_EMULATOR='tcp://127.0.0.1:99999'"]),
 ], ids=["nan-count", "nan-port", "nan-timeout", "zero-workers", "bad-role", "bad-geomx-role", "bad-topology",
         "bad-mode", "bad-mixedsync", "two-local-servers", "global-server-not-server", "bad-global-role", "no-role",
         "zero-checkpoint-seconds", "nan-checkpoint-seconds", "s3-checkpoint-dir", "remote-file-url",
         "port-above-65535", "server-port-above-65535", "negative-heartbeat-interval", "zero-connect-timeout",
-        "negative-timeout", "negative-heartbeat-timeout"])
+        "negative-timeout", "negative-heartbeat-timeout", "emulator-not-an-address", "emulator-port-above-65535"])
 def test_malformed_variable_is_refused_naming_variable_and_value(env, words):
     with pytest.raises(ConfigError) as info:
         config_from_env(env)
