@@ -92,6 +92,70 @@ def test_sync_table_in_toml(tmp_path):
         load_topology(str(path))
 
 
+@pytest.mark.parametrize("flag,option,goes_with", [
+    ("--hfa-k1", "sync_k1", "--hfa-k1 goes with --sync hfa or diloco"),
+    ("--hfa-dc-sync", "sync_dc_sync", "--hfa-dc-sync goes with --sync hfa or diloco"),
+    ("--dga-delay", "sync_delay", "--dga-delay goes with --sync dga"),
+    ("--esync-steps", "sync_steps", "--esync-steps goes with --sync esync"),
+    ("--p3-slice", "sync_slice", "--p3-slice goes with --sync p3"),
+])
+def test_a_sync_sub_option_without_sync_is_refused_naming_the_flag_and_its_algorithms(flag, option, goes_with,
+                                                                                      capsys):
+    # it used to switch the run to HFA silently (--hfa-*), or refuse dga/esync/p3 options as not HFA's
+    value = "models" if option == "sync_dc_sync" else "3"
+    with pytest.raises(ConfigError, match=f"^{goes_with}, and no --sync was given$"):
+        load_topology(None, **{option: value})
+    assert main(["launch", flag, value, "--", "python", "x.py"]) == 2
+    assert capsys.readouterr().err == f"geomx: error: {goes_with}, and no --sync was given\n"
+
+
+def test_a_sync_sub_option_of_another_algorithm_is_refused_naming_the_flag():
+    with pytest.raises(ConfigError, match="^--hfa-k1 goes with --sync hfa or diloco, not fsa$"):
+        load_topology(None, sync="fsa", sync_k1=5)
+    with pytest.raises(ConfigError, match="--dga-delay goes with --sync dga; --esync-steps goes with --sync esync, "
+                                          "not hfa"):
+        load_topology(None, sync="hfa", sync_delay=3, sync_steps=2)
+
+
+def test_sync_sub_options_with_their_algorithm_reach_the_environment_p3_alias_included(monkeypatch):
+    import geomx.cli.main as cli
+
+    envs = []
+    monkeypatch.setattr(cli, "cmd_launch", lambda args: envs.append(cli.topology_from_args(args).env) or 0)
+    for flags in (["--p3", "--p3-slice", "1000"], ["--sync", "dga", "--dga-delay", "3"],
+                  ["--sync", "esync", "--esync-steps", "4"], ["--sync", "diloco", "--hfa-k1", "5"]):
+        assert main(["launch", *flags, "--", "python", "x.py"]) == 0
+    assert [(e["GEOMX_SYNC"], e.get("GEOMX_P3_SLICE"), e.get("GEOMX_DGA_DELAY"), e.get("GEOMX_ESYNC_STEPS"),
+             e.get("MXNET_KVSTORE_HFA_K1")) for e in envs] == [("p3", "1000", None, None, None),
+                                                               ("dga", None, "3", None, None),
+                                                               ("esync", None, None, "4", None),
+                                                               ("diloco", None, None, None, "5")]
+
+
+@pytest.mark.parametrize("table,words", [
+    ("{ k1 = 20 }", ["sync option 'k1' in", "topo.toml", 'goes with algorithm = "hfa" or "diloco"',
+                     "names no algorithm"]),
+    ("{ delay = 3 }", ["sync option 'delay'", 'goes with algorithm = "dga"', "names no algorithm"]),
+    ("{ k3 = 1 }", ["has no option 'k3'", "k1, k2"]),
+])
+def test_a_toml_sync_table_with_options_and_no_algorithm_is_refused_naming_the_option(tmp_path, table, words):
+    path = tmp_path / "topo.toml"
+    path.write_text(f"sync = {table}\n")
+    with pytest.raises(ConfigError) as err:
+        load_topology(str(path))
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+def test_resuming_with_another_algorithm_names_both_algorithms_cleanly():
+    from geomx.sync import HFA
+
+    with pytest.raises(ConfigError) as err:
+        HFA().load_state_dict({"algorithm": "fsa", "steps": 3})
+    assert str(err.value) == ("the checkpoint holds the state of synchronization 'fsa', but this optimizer runs "
+                              "'hfa': resume with the same --sync")
+
+
 @pytest.mark.parametrize("env,words", [
     ({"MXNET_KVSTORE_USE_HFA": "1", "MXNET_KVSTORE_HFA_K1": "0"}, ["K1 (MXNET_KVSTORE_HFA_K1)", ">= 1", "got 0"]),
     ({"GEOMX_SYNC": "hfa", "MXNET_KVSTORE_HFA_K2": "-3"}, ["K2 (MXNET_KVSTORE_HFA_K2)", "got -3"]),

@@ -27,8 +27,13 @@ from geomx.errors import ConfigError
 from geomx.netem.link_matrix import assignments, parse_link_overrides
 from geomx.netem.tcp_model import TcpPath, tcp_path
 from geomx.profiles import CENTRAL_DC, WanProfile, custom_profile, get_profile, parse_duration, parse_rate
-from geomx.sync.settings import launch_env, settings_from_env
+from geomx.sync.settings import ALGORITHMS, algorithms_taking, launch_env, settings_from_env
 from geomx.sync.slowdown import parse_factor
+
+# sync option -> the geomx launch flag that sets it (load_topology's sync_<option>); errors name the flag
+SYNC_FLAGS = {"k1": "--hfa-k1", "k2": "--hfa-k2", "overlap": "--hfa-overlap", "overlap_keep": "--hfa-overlap-keep",
+              "dc_sync": "--hfa-dc-sync", "dc_overlap": "--hfa-dc-overlap", "delay": "--dga-delay",
+              "steps": "--esync-steps", "slice": "--p3-slice"}
 
 
 @dataclass
@@ -194,16 +199,37 @@ def load_topology(path: str | None = None, **flags) -> Topology:
         topo.dc_lines = True
     if data.get("global_server_dcs") is not None:
         topo.global_server_dcs = parse_global_server_dcs(data["global_server_dcs"], topo, where)
-    sync = data.get("sync")
-    if sync is not None and not isinstance(sync, (str, dict)):
-        raise ConfigError(f"sync{where} must be an algorithm name or a table, got {sync!r}")
-    sync = dict(sync) if isinstance(sync, dict) else ({"algorithm": sync} if sync is not None else {})
-    sync.update({k: data[f"sync_{k}"] for k in ("k1", "k2", "overlap", "overlap_keep", "dc_sync", "dc_overlap",
-                                                 "delay", "steps", "slice") if data.get(f"sync_{k}") is not None})
+    sync = _sync_table(data, where)
     if sync:
         topo.env.update(launch_env(sync, where))
         topo.validate()          # again, with the synchronization algorithm
     return topo
+
+
+def _sync_table(data: dict, where: str) -> dict:
+    """The ``sync`` table (or algorithm name) with the ``--sync`` sub-option flags (``sync_<option>``) merged in."""
+    sync = data.get("sync")
+    if sync is not None and not isinstance(sync, (str, dict)):
+        raise ConfigError(f"sync{where} must be an algorithm name or a table, got {sync!r}")
+    table = dict(sync) if isinstance(sync, dict) else ({"algorithm": sync} if sync is not None else {})
+    flagged = {k: data[f"sync_{k}"] for k in SYNC_FLAGS if data.get(f"sync_{k}") is not None}
+    _check_sync_flags(flagged, table.get("algorithm"), where)
+    table.update(flagged)
+    return table
+
+
+def _check_sync_flags(options: dict, algorithm, where: str) -> None:
+    """Each sub-option flag goes with the algorithms that take it, named by --sync (or the topology file): one
+    without them once switched the run to HFA, silently, or was refused as not HFA's."""
+    misplaced = [(SYNC_FLAGS[option], algorithms_taking(option)) for option in options
+                 if algorithm is None or (algorithm in ALGORITHMS and algorithm not in algorithms_taking(option))]
+    if not misplaced:
+        return
+    goes_with = "; ".join(f"{flag} goes with --sync {' or '.join(takers)}" for flag, takers in misplaced)
+    if algorithm is None:
+        nor_the_file = f" (nor the sync algorithm{where})" if where else ""
+        raise ConfigError(f"{goes_with}, and no --sync was given{nor_the_file}")
+    raise ConfigError(f"{goes_with}, not {algorithm}")
 
 
 def parse_global_server_dcs(value, topo: Topology, where: str = "") -> list[str]:

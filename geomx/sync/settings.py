@@ -209,11 +209,17 @@ def _on(env: Mapping[str, str], var: str) -> bool:
     return env.get(var, "").strip().lower() in ("1", "true", "yes")
 
 
+def algorithms_taking(option: str) -> tuple[str, ...]:
+    """The algorithms that take ``option`` (``"k1"`` -> hfa, diloco): what an error about a misplaced option names."""
+    return tuple(name for name, options in ALGORITHM_OPTIONS.items() if option in options)
+
+
 def launch_env(table: Mapping, where: str = "") -> dict[str, str]:
     """The launcher's ``sync`` table (``{"algorithm": "hfa", "k1": 20, "k2": 10}``) -> every role's environment.
     HFA also sets GeoMX's own variables, so a GeoMX script reading them sees the same configuration."""
     table = dict(table)
-    algorithm = str(table.pop("algorithm", "hfa" if table else "fsa"))
+    _require_algorithm(table, where)
+    algorithm = str(table.pop("algorithm", "fsa"))
     s = check(algorithm, table, where)
     env = {SYNC_ENV: s.algorithm}
     env.update({OPTIONS[k][0]: str(v) for k, v in s.options().items()})
@@ -222,6 +228,20 @@ def launch_env(table: Mapping, where: str = "") -> dict[str, str]:
     if s.algorithm == "p3":
         env[GEOMX_P3_ENV] = "1"
     return env
+
+
+def _require_algorithm(table: Mapping, where: str) -> None:
+    """Options need the algorithm they belong to named: options alone once ran HFA, silently, and refused the
+    options of dga, esync and p3 as not HFA's."""
+    if not table or "algorithm" in table:
+        return
+    option = next(iter(table))
+    takers = algorithms_taking(option)
+    if not takers:
+        raise ConfigError(f"sync{where} has no option {option!r}; options: {', '.join(OPTIONS)}")
+    as_toml = " or ".join(f'"{a}"' for a in takers)
+    raise ConfigError(f"sync option {option!r}{where} goes with algorithm = {as_toml}, and the sync table names no "
+                      f"algorithm")
 
 
 def _convert(raw, kind, what: str):
@@ -242,8 +262,12 @@ def _convert(raw, kind, what: str):
 def check_saved_algorithm(name: str, state: Mapping) -> None:
     """A policy's saved state loads only into a policy of the same algorithm."""
     saved = state.get("algorithm") if isinstance(state, Mapping) else None
+    if saved is None:
+        raise ConfigError(f"the synchronization state to load names no algorithm (not a geomx policy's "
+                          f"state_dict?); this optimizer runs {name!r}")
     if saved != name:
-        raise ConfigError(f"the saved synchronization state is {saved!r}'s, this optimizer runs {name!r}")
+        raise ConfigError(f"the checkpoint holds the state of synchronization {saved!r}, but this optimizer runs "
+                          f"{name!r}: resume with the same --sync")
 
 
 def sync_requested(env: Mapping[str, str] | None = None) -> str | None:
