@@ -18,10 +18,13 @@ FILE = "dropped.jsonl"
 ABORTED_FILE = "aborted.jsonl"
 
 
-def record(run_dir: str | Path | None, *, tier: str, pid: int, member: str, reason: str, file: str = FILE) -> None:
+def record(run_dir: str | Path | None, *, tier: str, pid: int, member: str, reason: str, file: str = FILE,
+           own_abort: bool = False) -> None:
+    """``own_abort``: the member aborted itself (an error of its own), rather than fell silent."""
     if run_dir is None:
         return
-    line = json.dumps({"time": time.time(), "tier": tier, "pid": pid, "member": member, "reason": reason}) + "\n"
+    line = json.dumps({"time": time.time(), "tier": tier, "pid": pid, "member": member, "reason": reason,
+                       **({"own_abort": True} if own_abort else {})}) + "\n"
     fd = os.open(Path(run_dir) / file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, line.encode())
@@ -31,13 +34,15 @@ def record(run_dir: str | Path | None, *, tier: str, pid: int, member: str, reas
 
 class DropLog:
     """The pids recorded so far in one run's ``file`` (dropped members by default), read incrementally;
-    ``order``: the same pids in the order they were first recorded; ``reasons``: the first reason given for each."""
+    ``order``: the same pids in the order they were first recorded; ``reasons``: the first reason given for each;
+    ``own_aborts``: those a scheduler dropped because they aborted themselves (an error of their own)."""
 
     def __init__(self, run_dir: str | Path, *, file: str = FILE) -> None:
         self.path = Path(run_dir) / file
         self.pids: set[int] = set()
         self.order: list[int] = []
         self.reasons: dict[int, str] = {}
+        self.own_aborts: set[int] = set()
         self._offset = 0
 
     def refresh(self) -> set[int]:
@@ -59,4 +64,11 @@ class DropLog:
                 self.pids.add(pid)
                 self.order.append(pid)
                 self.reasons[pid] = str(entry.get("reason", ""))
+            if entry.get("own_abort") is True:
+                self.own_aborts.add(pid)
         return self.pids
+
+    def restartable(self) -> set[int]:
+        """The pids dropped for falling silent (killed, frozen, cut off), read afresh: a role that aborted on an
+        error of its own would fail again (geomx.cli.rejoins), and it exits by itself."""
+        return self.refresh() - self.own_aborts

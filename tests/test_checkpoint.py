@@ -131,6 +131,15 @@ def test_a_job_resumed_from_a_checkpoint_ends_on_the_uninterrupted_jobs_model_bi
                       if "final test accuracy" in line)
     assert len(accuracies(done_out)) == 2 and accuracies(done_out) == accuracies(straight_out)
 
+    # a directory holds one run's checkpoints: another run writing there deleted them (each worker keeps the two
+    # highest steps it finds) and a resume of either then read the other's model; nor may a second launch of
+    # the same run directory write over its own earlier checkpoints. Both are refused before anything starts
+    for again, named in ((tmp_path / "other", str(tmp_path / "straight")), (tmp_path / "straight", "--resume")):
+        with pytest.raises(ConfigError, match="already holds checkpoints|holds the checkpoints") as refused:
+            _train(again, 6, "worker", checkpoint_dir=tmp_path / "shared")
+        assert named in str(refused.value)
+    assert {w: sorted(s) for w, s in steps_saved(tmp_path / "shared").items()} == {0: [3, 6], 1: [3, 6]}
+
 
 def test_time_based_checkpoints_name_the_same_steps_on_every_role_and_a_job_resumed_from_one_ends_bit_for_bit(
         tmp_path):

@@ -9,7 +9,8 @@ import os
 import signal
 import time
 
-from harness import launch_faulted, load_json
+import pytest
+from harness import describe, launch, launch_faulted, load_json
 
 # each worker pushes (its global index + 1); with the mean reduction a full round reads (1+2+3+4)/4 = 2.5. A DC
 # that lost a worker counts its mean in the missing one's place: without a-worker-1 (2), DC a weighs 1 x 2 and
@@ -160,3 +161,34 @@ def test_a_round_that_waits_far_longer_than_rounds_take_names_the_live_member_wh
             np.testing.assert_array_equal(h.wait(DEADLINE_S), np.ones(4, np.float32))
     finally:
         cluster.close()
+
+
+UNEVEN_SCRIPT = """
+import os
+import numpy as np
+import geomx
+import kvhelp as h
+kv = geomx.kvstore.create(reduction="mean")
+kv.init(0, np.zeros(4, np.float32))
+if not kv.is_master_worker:
+    early = os.environ["GEOMX_DC"] == "a" and (os.environ["EARLY"] == "dc" or h.worker_index() == 0)
+    steps = 4 if early else 8
+    for _ in range(steps):
+        out = kv.pushpull(0, np.ones(4, np.float32)).wait()
+    h.dump(f"done-{h.worker_index()}", {"steps": steps, "last": out.tolist()})
+"""
+
+
+@pytest.mark.parametrize("early", ["worker", "dc"])
+def test_workers_that_finish_early_leave_and_the_others_train_on_without_them(tmp_path, early):
+    """Uneven data: a worker (or a whole DC) that takes fewer steps than the rest says goodbye after its last
+    round; the others go on without it, as without a dropped member, instead of waiting for its next push until
+    GEOMX_TIMEOUT with nothing on the console (PyTorch DDP's Join). Every worker ends, within seconds."""
+    began = time.monotonic()
+    code, run_dir, output = launch(tmp_path, UNEVEN_SCRIPT, env={"GEOMX_TIMEOUT": "120", "EARLY": early},
+                                   timeout=60)
+    assert code == 0, describe(code, run_dir, output)
+    assert time.monotonic() - began < 45, describe(code, run_dir, output)
+    done = {i: load_json(run_dir, f"done-{i}") for i in range(4)}
+    assert sorted(d["steps"] for d in done.values()) == ([4, 8, 8, 8] if early == "worker" else [4, 4, 8, 8])
+    assert all(d["last"] == [1.0] * 4 for d in done.values())     # the mean of ones, with or without them

@@ -286,6 +286,23 @@ def test_killed_and_frozen_workers_and_a_killed_dc_restarted_by_the_launcher_rej
     assert len({f["w"] for f in finals}) == 1 and abs(finals[0]["w"] + 0.01 * STEPS) < 1e-3, finals
 
 
+def test_a_restarted_worker_refused_its_place_is_not_restarted_again_and_the_run_ends_well(tmp_path):
+    """Without the servers' optimizer a worker cannot rejoin (the workers keep the model): the restarted one is
+    refused and exits with that error. Its abort has its DC drop it, as an error of its own, which the launcher
+    must not take for a frozen worker to kill and restart again (it did, three times, then failed the run)."""
+    from harness import FAST_HEARTBEAT, describe, launch
+
+    script = REJOIN_SCRIPT.replace('    kv.set_optimizer("SGD", lr=0.01)\n', '    pass\n')
+    code, run_dir, output = launch(tmp_path, script, timeout=120, wan="regional", env=FAST_HEARTBEAT,
+                                   inject=["kill:a-worker-1@3"], launcher_flags={"rejoin_after": 0.5},
+                                   min_workers_per_dc=1)
+    assert code == 0, describe(code, run_dir, output)
+    assert output.count("geomx: restarted a-worker-1") == 1, output
+    assert "after it was restarted" in output and "frozen?" not in output, output
+    assert "cannot rejoin the running job" in (run_dir / "a-worker-1.rejoin-1.log").read_text()
+    assert not (run_dir / "a-worker-1.rejoin-2.log").exists()
+
+
 @pytest.mark.parametrize("fault", ["partition:b@4+4", "stop:b-server@4+60"], ids=["cut-off", "frozen-server"])
 def test_a_dc_cut_off_or_whose_local_server_froze_is_dropped_restarted_by_the_launcher_and_rejoins(tmp_path, fault):
     """Under the default measured heartbeat deadlines (about 2 s here) neither fault is waited out: a 4 s WAN

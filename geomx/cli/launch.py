@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TextIO
 
 from geomx.cli.backends import Backend, LocalBackend, RoleHandle, Sites
+from geomx.cli.checkpoint_owner import claim as claim_checkpoint_dir
 from geomx.cli.inject import Injector, parse_faults
 from geomx.cli.rejoins import Rejoins
 from geomx.cli.topology import Topology
@@ -262,6 +263,9 @@ class Launcher:
         self.checkpoint_dir = (checkpoint_path(given, "GEOMX_CHECKPOINT_DIR") if given
                                else self.run_dir / "checkpoints").resolve()
         topo.env["GEOMX_CHECKPOINT_DIR"] = str(self.checkpoint_dir)
+        # whether this run writes checkpoints (--checkpoint-every, --checkpoint-seconds)
+        self.checkpoints = any((topo.env.get(v) or "0").strip() not in ("", "0")
+                               for v in ("GEOMX_CHECKPOINT_EVERY", "GEOMX_CHECKPOINT_SECONDS"))
         self.out = out or sys.stdout
         self.running: list[Running] = []
         self._print_lock = threading.Lock()
@@ -285,6 +289,8 @@ class Launcher:
     def run(self, timeout: float | None = None) -> int:
         """Start everything, wait, tear down. Returns the exit code for the launcher."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.checkpoints:
+            claim_checkpoint_dir(self.checkpoint_dir, self.run_dir)
         clear_previous_run(self.run_dir)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
             if threading.current_thread() is threading.main_thread() else {}
@@ -441,7 +447,7 @@ class Launcher:
                 elif line:
                     self.say(line)
                 if line is not None and line is not _WAIT and self.rejoins is not None:
-                    self.rejoins.note_loss(r, self.losses, self.drops.refresh())
+                    self.rejoins.note_loss(r, self.losses, self.drops.restartable())
             if failed:
                 self._report_failure(min(failed, key=_blame_order), time.monotonic() - start)
                 return 1
@@ -472,7 +478,7 @@ class Launcher:
             if self.injector is not None:
                 self.injector.tick(time.monotonic() - start, self._alive(), self.say)
             if self.rejoins is not None and trainers_done_at is None:
-                self.rejoins.tend(self.running, self.losses, self.drops.refresh(), self._restart_role, self.say,
+                self.rejoins.tend(self.running, self.losses, self.drops.restartable(), self._restart_role, self.say,
                                   time.monotonic() - start)
             time.sleep(0.1)
 
@@ -507,7 +513,7 @@ class Launcher:
             if line:
                 self.say(line)
             if line is not None and self.rejoins is not None:
-                self.rejoins.note_loss(r, self.losses, dropped)
+                self.rejoins.note_loss(r, self.losses, self.drops.restartable())
 
     def _restart_role(self, old: Running, log_name: str) -> None:
         """Start ``old``'s role again to rejoin the running job (geomx.cli.rejoins), in its place in the list."""
@@ -561,7 +567,7 @@ class Launcher:
             self.say(f"geomx: role {', '.join(frozen)} is frozen (stopped, not running); {r.spec.name} gave up "
                      f"waiting for it ({how}); stopping every process. Last lines of {r.log_path}:\n{tail}")
             return
-        origin = self._abort_origin()
+        origin = self._abort_origin() if r.returncode >= 0 else None     # a signal is a cause of its own
         if origin is not None and origin is not r:
             # where a scheduler saw the failure begin (a worker that died of an error aborted, a role that
             # registered a wrong count): the schedulers it reached stopped sooner than it did

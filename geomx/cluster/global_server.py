@@ -72,12 +72,14 @@ class GlobalServer(KVServer):
         if tier is self.global_tier:
             self.admit_client(member, replaces)
 
-    def on_member_left(self, tier: Tier, member: NodeInfo, reason: str) -> None:
-        """A DC dropped out of the global tier (its local server fell silent): rounds go on without it."""
+    def on_member_left(self, tier: Tier, member: NodeInfo, reason: str, *, finished: bool = False) -> None:
+        """A DC dropped out of the global tier (its local server fell silent), or its workers finished their
+        training before the others: rounds go on without it."""
         if tier is not self.global_tier:
             return
-        log.warning("global server %d goes on with %d of %d DCs without DC %s: rounds it misses weigh the others' "
-                    "mean in its place", self.rank, len(tier.workers()), len(self.round_weights), member.dc)
+        log.log(logging.INFO if finished else logging.WARNING, "global server %d goes on with %d of %d DCs without "
+                "DC %s%s: rounds it misses weigh the others' mean in its place", self.rank, len(tier.workers()),
+                len(self.round_weights), member.dc, " (it finished its training)" if finished else "")
         self.drop_client(member)
 
     # configuration from the master worker ------------------------------------------------------------------

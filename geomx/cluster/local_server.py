@@ -79,13 +79,15 @@ class LocalServer(KVServer):
         self.round_weights = {m.id: m.weight for m in tier.workers()}
         self.add_clients(tier.members)
 
-    def on_member_left(self, tier: Tier, member: NodeInfo, reason: str) -> None:
-        """A worker of this DC was dropped: its held requests go, the rounds that waited only for it complete."""
+    def on_member_left(self, tier: Tier, member: NodeInfo, reason: str, *, finished: bool = False) -> None:
+        """A worker of this DC was dropped, or finished its training before the others: its held requests go,
+        the rounds that waited only for it complete."""
         if tier is not self.dc_tier:
             return
         left = len(tier.workers())
-        log.warning("DC %s goes on with %d of %d workers without %s: rounds it misses count the DC's mean in its "
-                    "place", self.po.cfg.dc, left, self.po.cfg.num_workers, member.label)
+        log.log(logging.INFO if finished else logging.WARNING, "DC %s goes on with %d of %d workers without %s%s: "
+                "rounds it misses count the DC's mean in its place", self.po.cfg.dc, left, self.po.cfg.num_workers,
+                member.label, " (it finished its training)" if finished else "")
         self.drop_client(member)
         self.dc_rounds.drop(member.id)
 

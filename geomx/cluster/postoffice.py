@@ -192,7 +192,7 @@ class Tier:
             if not gone or gone[0] == self.me:
                 raise ValueError(f"member_left names {node!r}, not another member of the tier")
             self.members.remove(gone[0])
-            self.po.on_member_left(self, gone[0], reason)
+            self.po.on_member_left(self, gone[0], reason, finished=msg.get(Field.FINISHED) is True)
         elif msg.op == Op.MEMBER_JOINED:
             joined = NodeInfo.from_wire(msg[Field.MEMBER])
             if any(m.id == joined.id for m in self.members):
@@ -264,14 +264,16 @@ class Postoffice:
     def add_shutdown_listener(self, fn: Callable[[Tier], None]) -> None:
         self._shutdown_listeners.append(fn)
 
-    def add_member_left_listener(self, fn: Callable[[Tier, NodeInfo, str], None]) -> None:
-        """``fn(tier, member, reason)`` on the receive thread when a tier's scheduler drops a member."""
+    def add_member_left_listener(self, fn: Callable[..., None]) -> None:
+        """``fn(tier, member, reason, finished=...)`` on the receive thread when a tier's scheduler drops a member,
+        or (``finished``) a worker finished its training while others still train."""
         self._member_left_listeners.append(fn)
 
-    def on_member_left(self, tier: Tier, member: NodeInfo, reason: str) -> None:
-        log.warning("%s: %s left the %s tier: %s", self.cfg.label, member.label, tier.name, reason)
+    def on_member_left(self, tier: Tier, member: NodeInfo, reason: str, *, finished: bool = False) -> None:
+        log.log(logging.INFO if finished else logging.WARNING, "%s: %s left the %s tier: %s", self.cfg.label,
+                member.label, tier.name, reason)
         for fn in self._member_left_listeners:
-            fn(tier, member, reason)
+            fn(tier, member, reason, finished=finished)
 
     def add_periodic_check(self, fn: Callable[[], None]) -> None:
         """``fn()`` about every heartbeat interval on the heartbeat thread (it must only read what the receive
@@ -381,7 +383,7 @@ class Postoffice:
                 heard = max(tier.last_ack, stalled)
                 if now - heard > timeout:
                     self.abort(f"the {tier.name} scheduler at {tier.scheduler_addr} stopped answering heartbeats "
-                               f"for {now - heard:.1f} s ({self.cfg.label} gives up)")
+                               f"for {now - heard:.1f} s ({self.cfg.label} gives up)", relayed=True)
                     return
             for check in self._periodic_checks:
                 try:

@@ -91,6 +91,7 @@ class Field:
     REPLACES = "replaces"
     FATAL = "fatal"       # abort: a tier failed before it was complete (no fault domain absorbs it)
     RELAYED = "relayed"   # abort: passed on from another role's abort, or from a lost peer: not where it began
+    FINISHED = "finished"  # member_left: the member finished its training and said goodbye (not a fault)
     GROUP = "group"
     SEQ = "seq"
     TOKEN = "token"       # register: a secret the member chose; its scheduler echoes it as AUTH in every answer

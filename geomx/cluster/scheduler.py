@@ -298,9 +298,9 @@ class Scheduler:
         self._release_barriers()
 
     def _release_barriers(self) -> None:
-        """Release every barrier that all its members (those not dropped) have entered."""
+        """Release every barrier that all its members (those not dropped, nor gone) have entered."""
         for (group, seq), arrived in list(self._barriers.items()):
-            members = [e for i, e in self._members.items() if i not in self._departed
+            members = [e for i, e in self._members.items() if i not in self._departed and i not in self._left
                        and (group == "all" or e["tier_role"] == group)]
             if all(e["id"] in arrived for e in members):
                 for e in members:
@@ -311,16 +311,29 @@ class Scheduler:
         if msg.src not in self._members:
             return
         self._left.add(msg.src)
-        self._shut_down_when_workers_left()
-
-    def _shut_down_when_workers_left(self) -> None:
-        workers = [i for i, e in self._members.items() if e["tier_role"] == "worker" and i not in self._departed]
-        if all(i in self._left for i in workers):
+        if self._shut_down_when_workers_left():
+            return
+        entry = self._members[msg.src]
+        if entry["tier_role"] == "worker" and entry["kind"] != "master" and msg.src not in self._departed:
+            # a worker that finished its steps while others still train (uneven data): they go on without it, as
+            # without a dropped one, instead of waiting for its next push until GEOMX_TIMEOUT (DDP's Join). It
+            # left after its last round completed, so no round it took part in misses it
+            reason = f"{self._label(entry)} finished its training and left"
             for i, e in self._members.items():
                 if i not in self._left and i not in self._departed:
-                    self._send(e, Op.SHUTDOWN)
-            log.info("%s tier: every worker left; shutting down", self.tier)
-            self._done.set()
+                    self._send(e, Op.MEMBER_LEFT, node=entry["id"], reason=reason, finished=True)
+        self._release_barriers()
+
+    def _shut_down_when_workers_left(self) -> bool:
+        workers = [i for i, e in self._members.items() if e["tier_role"] == "worker" and i not in self._departed]
+        if not all(i in self._left for i in workers):
+            return False
+        for i, e in self._members.items():
+            if i not in self._left and i not in self._departed:
+                self._send(e, Op.SHUTDOWN)
+        log.info("%s tier: every worker left; shutting down", self.tier)
+        self._done.set()
+        return True
 
     def _remote_abort(self, msg: Message) -> None:
         reason = str(msg.get(Field.REASON, "aborted"))
@@ -329,7 +342,7 @@ class Scheduler:
         # stopped it was a tier that never completed: a misconfiguration, which must stop the run
         fatal = msg.get(Field.FATAL) is True
         if entry is not None and not fatal and self._cannot_drop(entry) is None:
-            self._drop(entry, f"{self._label(entry)} stopped: {reason}")
+            self._drop(entry, f"{self._label(entry)} stopped: {reason}", own_abort=msg.get(Field.RELAYED) is not True)
             return
         began_here = entry is not None and msg.get(Field.RELAYED) is not True
         self._fail(reason, entry if began_here else None, skip=msg.src, fatal=fatal, notify_culprit=False)
@@ -406,15 +419,17 @@ class Scheduler:
                     f"{rule.minimum} (geomx launch {rule.flag})")
         return None
 
-    def _drop(self, entry: dict, reason: str) -> None:
-        """Go on without a silent member: tell the others, release what waited for it."""
+    def _drop(self, entry: dict, reason: str, *, own_abort: bool = False) -> None:
+        """Go on without a silent member, or one that aborted (``own_abort``: on an error of its own, not one it
+        passed on): tell the others, release what waited for it."""
         self._departed[entry["id"]] = reason
         remaining = [e for i, e in self._members.items() if i not in self._departed and i not in self._left]
         left = self._droppable_remaining(entry["id"])
         log.warning("%s tier: %s; it goes on with %d %s", self.tier, reason, left, self.drop_rule.what)
         if self._metrics is not None:
             self._metrics.write("member_left", node=self._label(entry), reason=reason, remaining=left)
-        dropped.record(self.run_dir, tier=self.tier, pid=entry["pid"], member=self._label(entry), reason=reason)
+        dropped.record(self.run_dir, tier=self.tier, pid=entry["pid"], member=self._label(entry), reason=reason,
+                       own_abort=own_abort)
         self._send(entry, Op.ABORT, reason=f"dropped from the {self.tier} tier: {reason}")
         for e in remaining:
             self._send(e, Op.MEMBER_LEFT, node=entry["id"], reason=reason)
