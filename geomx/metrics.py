@@ -22,6 +22,9 @@ kind        fields
             ``geomx.sync.averaging.WaitPhases``)
 ``ready``   ``elapsed_s``, ``comm_wait_s``: the worker is set up (joined, keys initialized, initial model
             pulled) and starts training; reports measure training from here
+``resumed`` ``step``, and the cumulative counters of a step record (``wan_rounds``, ...): a worker that starts
+            at ``step``, not 0 (``geomx launch --resume``, or restarted into the running job), with the
+            counters its checkpoint restored; reports count this run's steps and rounds from them
 ``model``   ``keys``, ``dense_bytes``: fp32 bytes of every key this worker initialized (one dense copy)
 ``traffic`` ``sent``: {destination DC: bytes}, ``sent_messages``: {destination DC: count}, ``received``:
             bytes, cumulative counters of the process's van (header + tensor frames, as on the wire);
@@ -120,14 +123,28 @@ def comm_wait_s() -> float:
     return _comm_wait_s
 
 
+def _policy_counters() -> dict[str, Any]:
+    """The cumulative counters a step record carries besides the script's numbers (a checkpoint restores them)."""
+    rounds = {} if _wan_rounds is None else {"wan_rounds": _wan_rounds[0], "wan_rounds_waited": _wan_rounds[1]}
+    return {**rounds, **_landings, **_wait_phases}
+
+
 def log(*, step: int, **numbers: Any) -> None:
     """Record one training step's numbers (loss, test_acc, ...). A no-op outside a run directory."""
     writer = _writer
     if writer is None:
         return
-    rounds = {} if _wan_rounds is None else {"wan_rounds": _wan_rounds[0], "wan_rounds_waited": _wan_rounds[1]}
     writer.write("step", step=int(step), elapsed_s=time.time() - writer.started, comm_wait_s=_comm_wait_s,
-                 **rounds, **_landings, **_wait_phases, **numbers)
+                 **_policy_counters(), **numbers)
+
+
+def resumed(step: int) -> None:
+    """Record that this worker starts training at ``step``, not 0 (resumed from a checkpoint, or restarted into
+    the running job), with the counters it starts from: a report counts the steps and rounds of this run from
+    them, not from 0."""
+    writer = _writer
+    if writer is not None:
+        writer.write("resumed", step=int(step), **_policy_counters())
 
 
 def ready() -> None:

@@ -295,3 +295,140 @@ def test_report_json_writes_a_figure_that_does_not_exist_as_null_so_strict_parse
     assert summary["final_acc"] is None, summary
     assert json_text.finite({"a": [float("inf"), 1.5, (float("nan"),)], "b": "NaN"}) == {"a": [None, 1.5, [None]],
                                                                                          "b": "NaN"}
+
+
+REGIONAL = {"profile": "regional", "uplink_bps": 1e9, "downlink_bps": 1e9, "rtt_s": 0.02}
+
+
+def _write_worker_records(run_dir, per_worker: dict[str, list[dict]], wan: dict | None = None):
+    """A run directory with one metrics file per worker (named ``<dc>-<pid>``), each beginning with its start."""
+    run_dir.mkdir(exist_ok=True)
+    (run_dir / "launch.json").write_text(json.dumps({"topology": "hips", "mode": "dist_sync", "dcs": ["a", "b"],
+                                                    "wan": wan or {}}))
+    (run_dir / METRICS_DIR).mkdir()
+    for pid, (dc, lines) in enumerate(per_worker.items(), start=1):
+        head = {"t": 0, "kind": "start", "role": "worker", "dc": dc, "pid": pid}
+        (run_dir / METRICS_DIR / f"worker-{dc}-{pid}.jsonl").write_text(
+            "".join(json.dumps(x) + "\n" for x in [head, *lines]))
+
+
+def _resumed_fsa_worker(resumed_record: bool) -> list[dict]:
+    """A worker resumed at step 40 of an FSA job (one waited round per step, 40 restored from the checkpoint) that
+    trains steps 41..60 at 0.05 s each, 0.03 s of which it waits for the network."""
+    lines = [{"t": 0, "kind": "ready", "elapsed_s": 0.0, "comm_wait_s": 0.0}]
+    if resumed_record:
+        lines.append({"t": 0, "kind": "resumed", "step": 40, "wan_rounds": 40, "wan_rounds_waited": 40})
+    for k in range(1, 21):
+        lines.append({"t": 0.05 * k, "kind": "step", "step": 40 + k, "loss": 1.0, "elapsed_s": 0.05 * k,
+                      "comm_wait_s": 0.03 * k, "wan_rounds": 40 + k, "wan_rounds_waited": 40 + k})
+    return lines
+
+
+@pytest.mark.parametrize("resumed_record", [True, False], ids=["resumed-record", "recorded-before-it"])
+def test_a_resumed_run_counts_only_the_steps_and_rounds_it_trained_not_those_its_checkpoint_restored(
+        tmp_path, resumed_record):
+    """Resumed at step 40 and trained 41..60: 20 steps and 20 rounds, not 60, so its round trips are 20 RTTs and its
+    efficiency stays at most 1 (charged 60 round trips it read 1.39 on such a run). Runs recorded before workers
+    wrote a ``resumed`` record: the start is the step before the first of their step-by-step records."""
+    from geomx.report.summary import format_report, summarize
+
+    _write_worker_records(tmp_path, {dc: _resumed_fsa_worker(resumed_record) for dc in ("a", "b")}, REGIONAL)
+    s = summarize(load_run(tmp_path))
+    assert (s["steps"], s["resumed_at"]) == (20, 40)
+    assert s["step_s"] == pytest.approx(0.05)
+    assert (s["wan_rounds"], s["wan_rounds_waited"], s["first_wan_step"]) == (20, 20, 41)
+    assert s["round_trips_s"] == pytest.approx(20 * 0.02)
+    assert s["efficiency"] <= 1
+    assert _report_line(format_report(s), "training wall time").startswith("1.0 s for 20 steps (0.050 s per step; ")
+    assert _report_line(format_report(s), "training wall time").endswith("; resumed at step 40)")
+    assert _report_line(format_report(s), "first at") == "20 (20) / step 41"
+
+
+def test_a_fresh_run_that_logs_every_tenth_step_is_not_taken_for_a_resumed_one(tmp_path):
+    """Step records 10, 20, 30 with no ``resumed`` record: trained from step 0, 30 steps and 3 rounds."""
+    from geomx.report.summary import summarize
+
+    lines = [{"t": k / 10, "kind": "step", "step": k, "elapsed_s": k / 10, "comm_wait_s": 0.0, "wan_rounds": k // 10,
+              "wan_rounds_waited": k // 10} for k in (10, 20, 30)]
+    _write_worker_records(tmp_path, {"a": lines})
+    s = summarize(load_run(tmp_path))
+    assert (s["steps"], s["resumed_at"], s["wan_rounds"], s["first_wan_step"]) == (30, None, 3, 10)
+
+
+def test_the_resumed_record_counts_a_global_average_that_the_first_step_trained_completed(tmp_path, monkeypatch):
+    """An HFA worker resumed at step 149 with 2 global averages (K = 50) completes the third at step 150. Its
+    ``resumed`` record holds the restored counters, so the run counts 1 round from step 150; prorated from the first
+    step record (what runs recorded before it get) the start would be round(3 x 149 / 150) = 3, and 0 rounds."""
+    from geomx import metrics
+    from geomx.report.summary import summarize
+
+    (tmp_path / "launch.json").write_text(json.dumps({"topology": "hips", "mode": "dist_sync", "dcs": ["a"]}))
+    monkeypatch.setattr(metrics, "_writer", metrics.MetricsWriter(tmp_path, "worker", "a"))
+    for name, value in (("_wan_rounds", None), ("_landings", {}), ("_wait_phases", {})):
+        monkeypatch.setattr(metrics, name, value)
+    metrics.set_wan_rounds(2, 2)
+    metrics.resumed(149)
+    metrics.set_wan_rounds(3, 3)
+    for step in range(150, 161):
+        metrics.log(step=step, loss=1.0)
+    metrics._writer.close()
+    s = summarize(load_run(tmp_path))
+    assert (s["steps"], s["resumed_at"], s["wan_rounds"], s["first_wan_step"]) == (11, 149, 1, 150)
+
+
+def test_a_worker_resumed_at_its_last_step_writes_a_resumed_record_and_the_report_says_it_trained_nothing(
+        tmp_path, monkeypatch):
+    """geomx.torch.loop.run_steps on a worker whose checkpoint is at the job's last step only evaluates: it logs no
+    step, so the report read "0 workers ... 0 steps"; its ``resumed`` record now says where it started."""
+    from types import SimpleNamespace
+
+    from geomx import metrics
+    from geomx.report.summary import format_report, summarize
+    from geomx.torch import loop
+
+    (tmp_path / "launch.json").write_text(json.dumps({"topology": "hips", "mode": "dist_sync", "dcs": ["a"]}))
+    monkeypatch.setattr(metrics, "_writer", metrics.MetricsWriter(tmp_path, "worker", "a"))
+    metrics.ready()
+    opt = SimpleNamespace(kv=SimpleNamespace(), progress=60, finish=lambda: None, record_resumed=metrics.resumed)
+    checkpoint = SimpleNamespace(restore=lambda: 0, resume_from=tmp_path / "old-checkpoints")
+    step, _ = loop.run_steps(opt, [], total_steps=60, eval_every=10, evaluate=lambda: {"test_acc": 0.9},
+                             describe=str, checkpoint=checkpoint)
+    metrics._writer.close()
+    assert step == 60
+    s = summarize(load_run(tmp_path))
+    assert (s["steps"], s["workers"], s["resumed_at"]) == (0, 1, 60)
+    assert _report_line(format_report(s), "training wall time") == (
+        "no steps trained: 1 workers resumed at step 60 and recorded no step (a job resumed at its last step "
+        "trains none)")
+
+
+def test_a_loss_target_is_timed_as_a_validation_loss_at_or_below_it_never_as_an_accuracy(tmp_path, capsys):
+    """``--target-loss 2.5`` on an accuracy run printed "time to test accuracy 2.500  not reached"; on a run that
+    logs val_loss it is reached when the loss gets to 2.5 or below."""
+    from geomx.cli.main import main
+
+    (tmp_path / "acc").mkdir()
+    _write_two_worker_run(tmp_path / "acc")
+    assert main(["report", str(tmp_path / "acc"), "--target-loss", "2.5"]) == 0
+    assert _report_line(capsys.readouterr().out, "time to validation loss 2.500") == \
+        "- (the run evaluated test accuracy, not validation loss)"
+    lines = [{"t": 1, "kind": "step", "step": 1, "loss": 3.0, "val_loss": 3.0},
+             {"t": 2, "kind": "step", "step": 2, "loss": 2.4, "val_loss": 2.4}]
+    _write_worker_records(tmp_path / "lm", {"a": lines})
+    assert main(["report", str(tmp_path / "lm"), "--target-loss", "2.5"]) == 0
+    assert _report_line(capsys.readouterr().out, "time to validation loss 2.500").startswith("2.0 s (step 2)")
+
+
+@pytest.mark.parametrize("argv, complaint", [
+    (["--target-acc", "0.9", "--target-loss", "1"], "argument --target-loss: not allowed with argument --target-acc"),
+    (["--target-acc", "90"], "argument --target-acc: 90: test accuracy is a fraction in [0, 1] (e.g. 0.9)"),
+    (["--target-acc", "-0.1"], "argument --target-acc: -0.1: test accuracy is a fraction in [0, 1]"),
+], ids=["both-targets", "a-percentage", "negative"])
+def test_report_refuses_a_target_it_would_drop_or_never_reach_naming_the_flag(tmp_path, capsys, argv, complaint):
+    from geomx.cli.main import main
+
+    _write_two_worker_run(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["report", str(tmp_path), *argv])
+    assert exit_.value.code == 2
+    assert complaint in capsys.readouterr().err

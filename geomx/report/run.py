@@ -53,6 +53,7 @@ class WorkerSeries:
     """One training process's step records, times relative to the run's training start."""
     dc: str
     pid: int
+    start_step: int = 0             # the step it started training from: > 0 when resumed from a checkpoint
     steps: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)        # seconds since the run's first worker record
     losses: list[float] = field(default_factory=list)
@@ -63,13 +64,15 @@ class WorkerSeries:
     ready_t: float = 0.0            # set-up done (time since training start; 0 without a ready record)
     ready_elapsed_s: float = 0.0
     ready_comm_wait_s: float = 0.0
-    wan_rounds: int | None = None           # cross-DC rounds started, at the last step (None: not recorded)
-    wan_rounds_waited: int | None = None    # of which the worker waited out the round trip
+    # cross-DC rounds started in this run, at the last step (None: not recorded), and of those the ones whose
+    # round trip the worker waited out; a resumed worker's counters went on from its checkpoint's, taken off here
+    wan_rounds: int | None = None
+    wan_rounds_waited: int | None = None
     first_wan_step: int | None = None       # the first step record that counts a cross-DC round
-    # overlapped global averages (HFA/DiLoCo, D >= 1), at the last step: landed, late at their landing step, and
+    # overlapped global averages (HFA/DiLoCo, D >= 1), in this run: landed, late at their landing step, and
     # the seconds waited for them (None: not recorded)
     landings: tuple[int, int, float] | None = None
-    # seconds waited by phase of the policy's work, at the last step (None: not recorded)
+    # seconds waited by phase of the policy's work, in this run (None: not recorded)
     wait_phases: dict[str, float] | None = None
 
     @property
@@ -105,10 +108,13 @@ class Run:
     start_t: float                           # Unix time of the first worker record
     server_queues: list[dict]                # traffic records of servers (held_requests, send_queue, ...)
     metric: EvalMetric = ACCURACY            # what the workers' evaluations measured
+    resumed_at: int | None = None            # the step a resumed run started from (None: from the start)
+    idle_workers: int = 0                    # workers that set up but recorded no step (resumed at the last step)
 
     @property
     def steps(self) -> int:
-        return max((w.steps[-1] for w in self.workers if w.steps), default=0)
+        """Steps trained in this run: a resumed run's start from its checkpoint's step, not from 0."""
+        return max((w.steps[-1] - w.start_step for w in self.workers if w.steps), default=0)
 
     @property
     def wall_s(self) -> float:
@@ -149,6 +155,7 @@ def load_run(path: str | Path) -> Run:
     dense: int | None = None
     queues: list[dict] = []
     raw_workers = []
+    idle: list[dict | None] = []          # per worker set up without a step record: its resumed record, if any
     for f in files:
         records = read_records(f)
         if not records or records[0]["kind"] != "start":
@@ -170,39 +177,87 @@ def load_run(path: str | Path) -> Run:
             for dst, n in last_traffic.get("sent_messages", {}).items():
                 sent_messages[(dc, dst)] = sent_messages.get((dc, dst), 0) + int(n)
         steps = [r for r in records if r["kind"] == "step"]
+        ready = next((r for r in records if r["kind"] == "ready"), None)
+        resumed = next((r for r in records if r["kind"] == "resumed"), None)
         if role == "worker" and steps:
-            raw_workers.append((head, steps, next((r for r in records if r["kind"] == "ready"), None)))
-    start_t = min((head["t"] for head, _, _ in raw_workers), default=0.0)
+            raw_workers.append((head, steps, ready, resumed))
+        elif role == "worker" and (ready or resumed):
+            idle.append(resumed)
+    start_t = min((head["t"] for head, _, _, _ in raw_workers), default=0.0)
     metric = next((EVAL_METRICS[k] for k in EVAL_METRICS
-                   if any(r.get(k) is not None for _, steps, _ in raw_workers for r in steps)), ACCURACY)
-    for head, steps, ready in raw_workers:
-        w = WorkerSeries(dc=head["dc"], pid=head["pid"])
-        if ready is not None:
-            w.ready_t, w.ready_elapsed_s = ready["t"] - start_t, float(ready["elapsed_s"])
-            w.ready_comm_wait_s = float(ready["comm_wait_s"])
-        for r in steps:
-            t = r["t"] - start_t
-            w.steps.append(int(r["step"]))
-            w.times.append(t)
-            if r.get("loss") is not None:
-                w.losses.append(float(r["loss"]))
-            if r.get("wan_rounds") is not None and r["wan_rounds"] > 0 and w.first_wan_step is None:
-                w.first_wan_step = int(r["step"])
-            if r.get(metric.key) is not None:
-                w.evals.append((int(r["step"]), t, float(r[metric.key])))
-                w.eval_spent.append((w.eval_spent[-1] if w.eval_spent else 0.0) + float(r.get("eval_s") or 0.0))
-        w.elapsed_s = float(steps[-1].get("elapsed_s", 0.0))
-        w.comm_wait_s = float(steps[-1].get("comm_wait_s", 0.0))
-        if steps[-1].get("wan_rounds") is not None:
-            w.wan_rounds, w.wan_rounds_waited = int(steps[-1]["wan_rounds"]), int(steps[-1]["wan_rounds_waited"])
-        if steps[-1].get("landings") is not None:
-            last = steps[-1]
-            w.landings = (int(last["landings"]), int(last["late_landings"]), float(last["landing_wait_s"]))
-        if steps[-1].get("wait_phases") is not None:
-            w.wait_phases = {name: float(v) for name, v in steps[-1]["wait_phases"].items()}
-        workers.append(w)
+                   if any(r.get(k) is not None for _, steps, _, _ in raw_workers for r in steps)), ACCURACY)
+    for head, steps, ready, resumed in raw_workers:
+        start = resumed if resumed is not None else inferred_start(steps)
+        workers.append(_worker_series(head, steps, ready, start, start_t, metric))
     links_file = path / "wan_links.json"
     links = json.loads(links_file.read_text()) if links_file.exists() else None
+    starts = [w.start_step for w in workers] + [int(r["step"]) for r in idle if r is not None]
     return Run(path=path, name=path.name, manifest=manifest, workers=workers, sent=sent,
                sent_messages=sent_messages, dense_bytes=dense, links=links, start_t=start_t,
-               server_queues=queues, metric=metric)
+               server_queues=queues, metric=metric, resumed_at=min(starts, default=0) or None,
+               idle_workers=len(idle))
+
+
+def _worker_series(head: dict, steps: list[dict], ready: dict | None, start: dict, start_t: float,
+                   metric: EvalMetric) -> WorkerSeries:
+    """One worker's records as a series; ``start``: the step and counters it started this run from."""
+    w = WorkerSeries(dc=head["dc"], pid=head["pid"], start_step=int(start.get("step", 0)))
+    if ready is not None:
+        w.ready_t, w.ready_elapsed_s = ready["t"] - start_t, float(ready["elapsed_s"])
+        w.ready_comm_wait_s = float(ready["comm_wait_s"])
+    for r in steps:
+        t = r["t"] - start_t
+        w.steps.append(int(r["step"]))
+        w.times.append(t)
+        if r.get("loss") is not None:
+            w.losses.append(float(r["loss"]))
+        if r.get("wan_rounds") is not None and _since(r, start, "wan_rounds") > 0 and w.first_wan_step is None:
+            w.first_wan_step = int(r["step"])
+        if r.get(metric.key) is not None:
+            w.evals.append((int(r["step"]), t, float(r[metric.key])))
+            w.eval_spent.append((w.eval_spent[-1] if w.eval_spent else 0.0) + float(r.get("eval_s") or 0.0))
+    last = steps[-1]
+    w.elapsed_s = float(last.get("elapsed_s", 0.0))
+    w.comm_wait_s = float(last.get("comm_wait_s", 0.0))       # the process's own: never restored
+    _take_counters_in_run(w, last, start)
+    return w
+
+
+def _take_counters_in_run(w: WorkerSeries, last: dict, start: dict) -> None:
+    """The policy's cumulative counters at ``last``, less those the run started from (a checkpoint's)."""
+    if last.get("wan_rounds") is not None:
+        w.wan_rounds = _since(last, start, "wan_rounds")
+        w.wan_rounds_waited = _since(last, start, "wan_rounds_waited")
+    if last.get("landings") is not None:
+        w.landings = (_since(last, start, "landings"), _since(last, start, "late_landings"),
+                      float(last["landing_wait_s"]) - float(start.get("landing_wait_s", 0.0)))
+    if last.get("wait_phases") is not None:
+        started = start.get("wait_phases") or {}
+        w.wait_phases = {name: float(v) - float(started.get(name, 0.0)) for name, v in last["wait_phases"].items()}
+
+
+def _since(record: dict, start: dict, counter: str) -> int:
+    """A cumulative count of ``record`` less the value it started this run from."""
+    return int(record[counter]) - int(start.get(counter, 0))
+
+
+def inferred_start(steps: list[dict]) -> dict:
+    """Where a worker recorded before ``resumed`` records existed started: step 0 and every counter at 0, unless
+    its step records begin above step 1 and go one step at a time (geomx.torch.loop logs every step; a script
+    that logs every tenth step starts at 10 from 0). Then it resumed at the step before its first record, and its
+    counters there are its first record's prorated over the steps so far: exact for a count that grows every step
+    (FSA's rounds), off by at most one for a count that grows every K steps (HFA's global averages) when the
+    first step trained completed one."""
+    if len(steps) < 2 or steps[0]["step"] <= 1 or steps[1]["step"] != steps[0]["step"] + 1:
+        return {}
+    first, start_step = steps[0], steps[0]["step"] - 1
+    share = start_step / first["step"]
+    start: dict = {"step": start_step}
+    for counter in ("wan_rounds", "wan_rounds_waited", "landings", "late_landings"):
+        if first.get(counter) is not None:
+            start[counter] = round(first[counter] * share)
+    if first.get("landing_wait_s") is not None:
+        start["landing_wait_s"] = first["landing_wait_s"] * share
+    if first.get("wait_phases") is not None:
+        start["wait_phases"] = {name: v * share for name, v in first["wait_phases"].items()}
+    return start

@@ -1,7 +1,9 @@
 """``geomx report RUN_DIR``: one table per run, every figure computed from what the run recorded.
 
 Training is measured from the moment the first worker finished set-up (``ready``: joined, keys initialized,
-initial model pulled) to the last step; set-up is reported apart. Definitions:
+initial model pulled) to the last step; set-up is reported apart. A resumed run is measured alone: its steps
+and its cumulative counters (rounds, landings, wait phases) count from where it resumed
+(:func:`geomx.report.run.inferred_start`, the workers' ``resumed`` records). Definitions:
 
 * accuracy at a step = mean test accuracy over the workers that evaluated it (the plots' curve); a language
   model's runs evaluate validation loss instead (``val_loss``, lower is better: "reaching" a target is getting
@@ -43,7 +45,7 @@ import math
 from statistics import mean
 
 from geomx.profiles import CENTRAL_DC
-from geomx.report.run import Run
+from geomx.report.run import EvalMetric, Run
 
 MB = 1e6
 
@@ -140,7 +142,7 @@ def wan_rounds(run: Run) -> tuple[int, int, int | None]:
     did), the most any worker recorded; a run recorded without the counts: one waited round per step."""
     recorded = [w for w in run.workers if w.wan_rounds is not None]
     if not recorded:
-        return run.steps, run.steps, 1 if run.steps else None
+        return run.steps, run.steps, (run.resumed_at or 0) + 1 if run.steps else None
     first = [w.first_wan_step for w in recorded if w.first_wan_step is not None]
     return (max(w.wan_rounds for w in recorded), max(w.wan_rounds_waited for w in recorded),
             min(first) if first else None)
@@ -169,7 +171,10 @@ def wait_by_phase(run: Run) -> dict[str, float] | None:
     return {phase: mean(r.get(phase, 0.0) for r in recorded) for phase in recorded[0]}
 
 
-def summarize(run: Run, target: float | None = None) -> dict:
+def summarize(run: Run, target: float | None = None, target_metric: EvalMetric | None = None) -> dict:
+    """The report's figures. ``target``: a value of ``target_metric`` to time (default: what the run evaluated);
+    a run that evaluated something else reaches no target of it."""
+    target_metric = target_metric or run.metric
     m = run.manifest
     wan = m.get("wan", {})
     steps = run.steps
@@ -177,8 +182,9 @@ def summarize(run: Run, target: float | None = None) -> dict:
     ready_t = min((w.ready_t for w in run.workers), default=0.0)
     train_s = run.wall_s - ready_t
     curve = accuracy_curve(run)
-    reached = time_to_accuracy(run, target) if target is not None else None
-    reached_train = time_to_accuracy(run, target, without_evals=True) if target is not None else None
+    timed = target is not None and target_metric == run.metric
+    reached = time_to_accuracy(run, target) if timed else None
+    reached_train = time_to_accuracy(run, target, without_evals=True) if timed else None
     link_bytes = training_link_bytes(run, ready_t)
     steady, steady_steps = _steady_window(run, link_bytes, steps)
     up = sum(v for (src, dst), v in steady.items() if dst == CENTRAL_DC and src != dst)
@@ -201,11 +207,13 @@ def summarize(run: Run, target: float | None = None) -> dict:
     accuracy = run.metric.key == "test_acc"
     return {
         "run": run.name, "topology": m.get("topology"), "mode": m.get("mode"), "wan": wan.get("profile"),
-        "workers": len(run.workers), "steps": steps, "setup_s": ready_t, "train_s": train_s,
+        "workers": len(run.workers) + run.idle_workers, "steps": steps, "resumed_at": run.resumed_at,
+        "setup_s": ready_t, "train_s": train_s,
         "step_s": train_s / steps if steps else math.nan,
         "metric": run.metric.key, "metric_label": run.metric.label, "final_eval": final, "best_eval": best,
         "final_acc": final if accuracy else math.nan, "best_acc": best if accuracy else math.nan,
-        "target": target, "time_to_target_s": reached[1] - ready_t if reached else None,
+        "target": target, "target_metric": target_metric.key, "target_label": target_metric.label,
+        "time_to_target_s": reached[1] - ready_t if reached else None,
         "steps_to_target": reached[0] if reached else None,
         "time_to_target_no_eval_s": reached_train[1] - ready_t if reached_train else None,
         "eval_s": mean(w.eval_s for w in run.workers) if run.workers else 0.0,
@@ -273,21 +281,43 @@ def _waits(s: dict) -> str:
     return text
 
 
+def _time_to_target(s: dict) -> str:
+    num = fmt_number
+    if s["target"] is None:
+        return "- (no --target-acc / --target-loss)"
+    if s.get("target_metric", s["metric"]) != s["metric"]:
+        # a loss target on a run that measured accuracy (or the reverse) can be neither reached nor missed
+        return f"- (the run evaluated {s['metric_label']}, not {s['target_label']})"
+    if s["time_to_target_s"] is None:
+        return "not reached"
+    text = f"{num(s['time_to_target_s'], '.1f', ' s')} (step {s['steps_to_target']})"
+    if s["eval_s"]:
+        text += (f"; {num(s['time_to_target_no_eval_s'], '.1f', ' s')} without the workers' evaluations "
+                 f"({num(s['eval_s'], '.1f', ' s')} each in the whole run)")
+    return text
+
+
+def _training_time(s: dict) -> str:
+    num = fmt_number
+    if not s["steps"]:
+        # not a broken run: a job resumed at its last step sets up, evaluates its model and trains nothing
+        how = f"resumed at step {s['resumed_at']}" if s.get("resumed_at") else "set up"
+        return (f"no steps trained: {s['workers']} workers {how} and recorded no step (a job resumed at its last "
+                f"step trains none)")
+    resumed = f"; resumed at step {s['resumed_at']}" if s.get("resumed_at") else ""
+    return (f"{num(s['train_s'], '.1f', ' s')} for {s['steps']} steps ({num(s['step_s'], '.3f', ' s')} per step; "
+            f"set-up {num(s['setup_s'], '.1f', ' s')}{resumed})")
+
+
 def format_report(s: dict) -> str:
     num = fmt_number
-    target = (f"{num(s['time_to_target_s'], '.1f', ' s')} (step {s['steps_to_target']})" if s["time_to_target_s"]
-              is not None else ("not reached" if s["target"] is not None else "- (no --target-acc / --target-loss)"))
     spec = ".4f"
     first_wan = "never" if s["first_wan_step"] is None else f"step {s['first_wan_step']}"
-    if s["time_to_target_s"] is not None and s["eval_s"]:
-        target += (f"; {num(s['time_to_target_no_eval_s'], '.1f', ' s')} without the workers' evaluations "
-                   f"({num(s['eval_s'], '.1f', ' s')} each in the whole run)")
     rows = [
         ("run", f"{s['run']} ({s['topology']}, {s['mode']}, WAN {s['wan']}, {s['workers']} workers)"),
-        ("training wall time", f"{num(s['train_s'], '.1f', ' s')} for {s['steps']} steps "
-                               f"({num(s['step_s'], '.3f', ' s')} per step; set-up {num(s['setup_s'], '.1f', ' s')})"),
+        ("training wall time", _training_time(s)),
         (f"final / best {s['metric_label']}", f"{num(s['final_eval'], spec)} / {num(s['best_eval'], spec)}"),
-        (f"time to {s['metric_label']} {num(s['target'], '.3f')}", target),
+        (f"time to {s.get('target_label', s['metric_label'])} {num(s['target'], '.3f')}", _time_to_target(s)),
         ("WAN MB per step, up / down / between DCs", f"{num(s['wan_bytes_up_per_step'] / MB, '.2f')} / "
                                                     f"{num(s['wan_bytes_down_per_step'] / MB, '.2f')} / "
                                                     f"{num(s['wan_bytes_between_dcs_per_step'] / MB, '.2f')}"),

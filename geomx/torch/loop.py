@@ -186,6 +186,7 @@ def run_steps(opt, batches: Iterable[Batch], *, total_steps: int, eval_every: in
               checkpoint.resume_from if checkpoint else None)
     if step and source is not None:
         how = "rejoined" if joined_at else "resumed"
+        opt.record_resumed(step)
         if step >= total_steps:
             # a job restarted after its last checkpoint (--restart-failed), or resumed at its last step: nothing
             # is left to train, and the model it has is the one to report

@@ -257,6 +257,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if phases is not None:
             metrics.set_wait_phases(phases)
 
+    def record_resumed(self, step: int) -> None:
+        """Write the ``resumed`` metrics record: training starts at ``step`` from the counters a checkpoint (or
+        the running job) gave this worker, which reports subtract to count this run alone."""
+        self._record_counters()
+        metrics.resumed(step)
+
     def finish(self) -> None:
         """Call after the last step: lands what a synchronization algorithm still has on the way (HFA/DiLoCo
         with ``overlap``: the last global average), so every worker ends on the same model. Idempotent."""
