@@ -54,8 +54,15 @@ def test_each_worker_keeps_its_last_two_files_and_resume_takes_the_latest_step_a
     assert {w: sorted(s) for w, s in steps_saved(tmp_path).items()} == {0: [6, 8], 1: [4, 6]}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]        # no temporary file left
     assert common_step(tmp_path, 2) == 6
-    with pytest.raises(ConfigError, match=r"no checkpoint of worker\(s\) \[2\]"):
+    # another topology is named as such (it read as a missing worker, or asked whether checkpoints were on)
+    with pytest.raises(ConfigError, match=r"a run of 2 workers, this run has 3: resume with the topology"):
         common_step(tmp_path, 3)
+    # a worker of the saved run that never saved is named
+    three = tmp_path / "three"
+    for worker in (0, 1):
+        Checkpointer(three, worker=worker, workers=3, every=2, model=model, optimizer=opt).save(2, local_steps=2)
+    with pytest.raises(ConfigError, match=r"no checkpoint of worker\(s\) \[2\]"):
+        common_step(three, 3)
 
 
 def test_resume_is_checked_before_anything_starts_naming_what_is_wrong(tmp_path):

@@ -349,3 +349,40 @@ def test_parameter_groups_the_servers_optimizer_does_not_run_are_named_at_set_up
         assert len(said) == 2, said         # the master worker and the worker
         assert all("parameter group 1's {'lr': 0.5, 'weight_decay': 0.0} are not applied there" in m
                    and "the optimizer's defaults ({'lr': 0.1" in m for m in said), said
+
+
+def test_a_state_saved_with_the_servers_optimizer_is_refused_by_one_without_it_and_the_other_way_round():
+    """Resuming a run whose servers ran the optimizer without --update-on server went on, exit code 0, from
+    optimizer state that was never the model's (a reviewer's run lost 5 points of accuracy); the other way round
+    the workers' moments were dropped. Both are refused, naming --update-on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from geomx.errors import ConfigError
+    from geomx.torch import DistributedOptimizer
+    from inproc import DEADLINE_S, HipsCluster
+
+    def worker_state(on_server: bool) -> tuple:
+        def make(kv):
+            model = torch.nn.Linear(3, 1)
+            return DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, kvstore=kv,
+                                        update_on_server=on_server)
+
+        cluster = HipsCluster(dcs=("a",), per_dc=1)
+        with ThreadPoolExecutor(2) as pool:
+            _, opt = [f.result(DEADLINE_S) for f in [pool.submit(make, kv)
+                                                    for kv in (cluster.master, cluster.workers["a"][0])]]
+        return cluster, opt
+
+    clusters = []
+    try:
+        (c1, on_server), (c2, on_workers) = worker_state(True), worker_state(False)
+        clusters += [c1, c2]
+        for saved, loader, where in ((on_server, on_workers, "--update-on server"),
+                                     (on_workers, on_server, "--update-on worker")):
+            with pytest.raises(ConfigError, match="resume with the --update-on") as refused:
+                loader.load_state_dict(saved.state_dict())
+            assert where in str(refused.value)
+        on_workers.load_state_dict(on_workers.state_dict())       # the same set-up loads
+    finally:
+        for cluster in clusters:
+            cluster.close()

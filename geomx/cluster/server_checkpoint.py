@@ -118,7 +118,8 @@ class ServerCheckpoints:
             if not ranks:
                 raise ConfigError(f"cannot resume global server {self.rank} at round {self.resume_round}: {path} "
                                   f"does not exist (the run was not checkpointed at that step with a server "
-                                  f"optimizer or compression)")
+                                  f"optimizer or compression: was it run with --update-on server? Resume with the "
+                                  f"--update-on of the run it resumes)")
             # a job resumed with more global servers than it saved: this one's keys are all in the others' files
             self._resumed = self._entries(path) if path.exists() else {}
             self._ranks_saved = ranks

@@ -138,6 +138,11 @@ def common_step(directory: Path, workers: int, step: int | None = None) -> int:
     that step, checked."""
     found = steps_saved(directory)
     absent = [w for w in range(workers) if w not in found]
+    saved_workers = _saved_workers(directory, found)
+    if saved_workers is not None and saved_workers != workers:
+        raise ConfigError(f"cannot resume from {directory}: its checkpoints are of a run of {saved_workers} workers, "
+                          f"this run has {workers}: resume with the topology of the run it resumes (--dcs, "
+                          f"--workers-per-dc)")
     if absent:
         raise ConfigError(f"cannot resume from {directory}: no checkpoint of worker(s) {absent} (found workers "
                           f"{sorted(found)}; was the run started with --checkpoint-every or --checkpoint-seconds?)")
@@ -149,3 +154,16 @@ def common_step(directory: Path, workers: int, step: int | None = None) -> int:
         raise ConfigError(f"cannot resume from {directory}: the workers share no checkpointed step "
                           f"({ {w: sorted(s) for w, s in sorted(found.items())} })")
     return max(common) if step is None else step
+
+
+def _saved_workers(directory: Path, found: dict[int, list[int]]) -> int | None:
+    """How many workers the run that wrote ``directory``'s checkpoints had (each file says), if it holds any."""
+    if not found:
+        return None
+    worker = min(found)
+    try:
+        saved = torch.load(directory / checkpoint_name(worker, max(found[worker])), weights_only=True)
+    except Exception:       # unreadable: the resume itself names it
+        return None
+    workers = saved.get("workers") if isinstance(saved, dict) else None
+    return workers if isinstance(workers, int) else None

@@ -204,13 +204,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         step() (not between backward() and step())."""
         state = self.optimizer.state_dict()
         sync_state = self.sync.state_dict() if callable(getattr(self.sync, "state_dict", None)) else None
-        state[STATE_KEY] = {"steps_taken": self.steps_taken, "sync": sync_state, "wire": self.kv.wire_state_dict()}
+        state[STATE_KEY] = {"steps_taken": self.steps_taken, "sync": sync_state, "wire": self.kv.wire_state_dict(),
+                            "update_on_server": bool(self.server_updates)}
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a :meth:`state_dict` (or a plain optimizer state_dict: the wrapped optimizer's part only)."""
         state_dict = dict(state_dict)
         ours = state_dict.pop(STATE_KEY, None)
+        saved_on_server = (ours or {}).get("update_on_server")
+        if saved_on_server is not None and saved_on_server != bool(self.server_updates):
+            # the model and its optimizer lived on the servers or on the workers: resumed the other way, training
+            # would go on from the wrong optimizer state (or none) without a word
+            where = {True: "the global servers ran the optimizer (--update-on server)",
+                     False: "the workers ran the optimizer (--update-on worker)"}
+            raise ConfigError(f"the checkpoint was saved where {where[saved_on_server]}, but this run is set up "
+                              f"where {where[bool(self.server_updates)]}: resume with the --update-on of the run "
+                              f"it resumes")
         self.optimizer.load_state_dict(state_dict)
         if ours is None:
             return
