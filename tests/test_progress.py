@@ -50,3 +50,16 @@ def test_a_worker_that_stopped_stepping_long_before_its_dcs_others_no_longer_cou
     watcher.poll()
     assert sorted(watcher.by_dc()["a"]["steps"]) == [88, 90]
     assert "DC a: step 88-90" in status_line(watcher)
+
+
+def test_a_dc_that_stopped_stepping_long_before_the_others_is_shown_as_stopped_not_as_training(tmp_path):
+    """A dropped DC's last step stayed in the live status line, as if it still trained, until the run ended."""
+    (tmp_path / METRICS_DIR).mkdir()
+    for dc, records in (("a", [(5.0, 6)]), ("b", [(5.0, 6), (60.0, 80)])):
+        lines = [{"t": 0, "kind": "start", "role": "worker", "dc": dc, "pid": 1}]
+        lines += [{"t": t, "kind": "step", "step": step, "loss": 2.3} for t, step in records]
+        (tmp_path / METRICS_DIR / f"worker-{dc}-1.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    watcher = RunWatcher(tmp_path)
+    watcher.poll()
+    line = status_line(watcher)
+    assert "DC a: stopped at step 6" in line and "DC b: step 80 loss 2.300" in line, line

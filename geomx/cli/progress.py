@@ -52,11 +52,15 @@ class RunWatcher:
         for f, state in self.workers.items():
             dc = self._dc_of.get(f, "?")
             newest[dc] = max(newest.get(dc, 0.0), state.get("t", 0.0))
+        # so is a whole DC that stopped stepping long after the others stepped (dropped): it is marked stopped
+        latest = max(newest.values(), default=0.0)
         out: dict[str, dict] = {}
         for f, state in self.workers.items():
             if state.get("t", 0.0) < newest[self._dc_of.get(f, "?")] - GONE_AFTER_S:
                 continue
-            dc = out.setdefault(self._dc_of.get(f, "?"), {"steps": [], "loss": None, "test_acc": None})
+            name = self._dc_of.get(f, "?")
+            dc = out.setdefault(name, {"steps": [], "loss": None, "test_acc": None,
+                                       "stopped": newest[name] < latest - GONE_AFTER_S})
             dc["steps"].append(state.get("step", 0))
             dc["loss"] = state.get("loss") if state.get("loss") is not None else dc["loss"]
             dc["test_acc"] = state.get("test_acc") if state.get("test_acc") is not None else dc["test_acc"]
@@ -85,6 +89,9 @@ def step_range(steps: list[int]) -> str:
 def status_line(watcher: RunWatcher) -> str:
     parts = []
     for dc, s in sorted(watcher.by_dc().items()):
+        if s["stopped"]:
+            parts.append(f"DC {dc}: stopped at step {step_range(s['steps'])}")
+            continue
         text = f"DC {dc}: step {step_range(s['steps'])}"
         if s["loss"] is not None:
             text += f" loss {s['loss']:.3f}"
@@ -104,7 +111,8 @@ def progress_table(watcher: RunWatcher):
     for col in ("DC", "steps", "loss", "test acc"):
         table.add_column(col, justify="right" if col != "DC" else "left")
     for dc, s in sorted(watcher.by_dc().items()):
-        table.add_row(dc, step_range(s["steps"]), "-" if s["loss"] is None else f"{s['loss']:.4f}",
+        table.add_row(f"{dc} (stopped)" if s["stopped"] else dc, step_range(s["steps"]),
+                      "-" if s["loss"] is None else f"{s['loss']:.4f}",
                       "-" if s["test_acc"] is None else f"{s['test_acc']:.4f}")
     for name, rate in sorted(watcher.link_rates().items()):
         table.add_row(f"WAN {name}", "", "", f"{rate:.0f} Mbit/s")
