@@ -432,3 +432,19 @@ def test_report_refuses_a_target_it_would_drop_or_never_reach_naming_the_flag(tm
         main(["report", str(tmp_path), *argv])
     assert exit_.value.code == 2
     assert complaint in capsys.readouterr().err
+
+
+def test_the_dense_baseline_counts_a_dc_dropped_part_way_only_for_the_steps_it_took(tmp_path):
+    """A run whose DC a was dropped after 5 of 20 steps: one dense copy up and down per DC and step is 1.25 DCs a
+    step, not 2 (counted whole, the report read 2.00x less WAN than dense with no compression at all)."""
+    from geomx.report.run import load_run
+    from geomx.report.summary import _senders_per_step
+
+    def steps(n: int) -> list[dict]:
+        return [{"t": float(k), "kind": "step", "step": k, "loss": 1.0} for k in range(1, n + 1)]
+
+    _write_worker_records(tmp_path / "run", {"a": steps(5), "b": steps(20)})
+    run = load_run(tmp_path / "run")
+    assert run.steps == 20
+    assert _senders_per_step(run, True, run.steps) == 1.25
+    assert _senders_per_step(run, False, run.steps) == 1.25     # flat: per worker, the same here

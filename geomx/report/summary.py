@@ -16,7 +16,8 @@ and its cumulative counters (rounds, landings, wait phases) count from where it 
   finished set-up / the steps taken after that moment (counted from the first worker's set-up, another DC's
   initial model download, dense and one-time, would be charged to the steps);
 * compression ratio = the dense fp32 bytes the same protocol would move per step (one model copy up and one
-  down per DC in HiPS, per worker in the flat topology) / the measured WAN bytes per step;
+  down per DC in HiPS, per worker in the flat topology, each counted for the steps it took: a DC dropped
+  part-way counts for its share) / the measured WAN bytes per step;
 * compute utilization = share of the workers' training time, their evaluations left out, not spent waiting for the
   network (an overlapped average in flight travels while a worker evaluates, so frequent evaluations hide WAN
   time from it: the small LM's K1=5/K2=2 row read 0.81 with one every 10 steps and 0.54 with one at the end);
@@ -137,6 +138,22 @@ def _steady_window(run: Run, link_bytes: dict[tuple[str, str], float], steps: in
     return training_link_bytes(run, steady_t), steady_steps
 
 
+def _senders_per_step(run: Run, hips: bool, steady_steps: int) -> float:
+    """How many DCs (HiPS) or workers (flat) sent a dense copy each step, on average over the steps that per-step
+    WAN bytes divide: a DC dropped part-way sent for the steps it took, not for all (counted whole, the dense
+    baseline of a run that lost one of two DCs read 2.00x with no compression at all)."""
+    steady_t = steady_start(run) if run.links else -math.inf
+    if not any(t > steady_t for w in run.workers for t in w.times):
+        steady_t = -math.inf            # a run too short for the steady window: _steady_window took every step
+    taken: dict[str, int] = {}
+    for i, w in enumerate(run.workers):
+        who = w.dc if hips else str(i)
+        taken[who] = max(taken.get(who, 0), sum(t > steady_t for t in w.times))
+    if not steady_steps or not taken:
+        return float(len(taken))
+    return sum(min(n, steady_steps) for n in taken.values()) / steady_steps
+
+
 def wan_rounds(run: Run) -> tuple[int, int, int | None]:
     """(cross-DC rounds, rounds whose round trip was waited out, first step that crossed the WAN; None: no step
     did), the most any worker recorded; a run recorded without the counts: one waited round per step."""
@@ -189,7 +206,7 @@ def summarize(run: Run, target: float | None = None, target_metric: EvalMetric |
     steady, steady_steps = _steady_window(run, link_bytes, steps)
     up = sum(v for (src, dst), v in steady.items() if dst == CENTRAL_DC and src != dst)
     down = sum(v for (src, dst), v in steady.items() if src == CENTRAL_DC and src != dst)
-    senders = len(m.get("dcs", [])) if m.get("topology") == "hips" else len(run.workers)
+    senders = _senders_per_step(run, m.get("topology") == "hips", steady_steps)
     dense_per_step = 2 * run.dense_bytes * senders if run.dense_bytes else None
     # every cross-DC link: up and down, and between DCs (a global server placed inside a DC)
     between = sum(v for (src, dst), v in steady.items() if CENTRAL_DC not in (src, dst) and src != dst)
