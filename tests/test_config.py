@@ -287,6 +287,19 @@ def test_good_topology_file_is_read_and_flags_override_it(tmp_path):
     assert (topo.dcs, topo.workers_per_dc, topo.profile.name) == (2, [4, 4], "lan")
 
 
+def test_sync_given_by_flag_keeps_the_files_sync_options_that_its_algorithm_takes(tmp_path):
+    """A file's sync table with --sync on the command line: the flag names the algorithm, the file's options
+    still apply where the algorithm takes them (before, the table was replaced whole: K1 fell back to 1)."""
+    from geomx.cli.topology import load_topology
+
+    path = tmp_path / "topo.toml"
+    path.write_text('sync = { algorithm = "hfa", k1 = 20, k2 = 5 }\n')
+    diloco = load_topology(str(path), sync="diloco").env
+    assert [diloco[v] for v in ("GEOMX_SYNC", "MXNET_KVSTORE_HFA_K1", "MXNET_KVSTORE_HFA_K2")] == ["diloco", "20", "5"]
+    fsa = load_topology(str(path), sync="fsa").env
+    assert fsa["GEOMX_SYNC"] == "fsa" and "MXNET_KVSTORE_HFA_K1" not in fsa
+
+
 def test_launch_with_a_bad_topology_file_exits_2_without_a_traceback(tmp_path):
     path = tmp_path / "topo.toml"
     path.write_text('dcs = "two"\n')

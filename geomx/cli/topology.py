@@ -143,7 +143,13 @@ def load_topology(path: str | None = None, **flags) -> Topology:
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"topology file {path}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    file_sync = data.get("sync")
     data.update({k: v for k, v in flags.items() if v is not None})
+    if isinstance(file_sync, dict) and isinstance(flags.get("sync"), str):
+        # --sync names the algorithm; the file's options that algorithm takes still apply (k1 = 20 under --sync
+        # diloco: replaced whole, the table fell back to K1 = 1 without a word), the others' do not
+        data["sync"] = {"algorithm": flags["sync"], **{k: v for k, v in file_sync.items()
+                                                       if k != "algorithm" and flags["sync"] in algorithms_taking(k)}}
     where = f" in {path}" if path else ""
     topo = Topology()
     topo.dcs = _whole(data.get("dcs", topo.dcs), "dcs", where)
