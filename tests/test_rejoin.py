@@ -326,3 +326,20 @@ def test_a_dc_cut_off_or_whose_local_server_froze_is_dropped_restarted_by_the_la
     finals = [json.loads((run_dir / f"final-{dc}-0.json").read_text()) for dc in "ab"]
     assert {f["steps"] for f in finals} == {STEPS}, finals
     assert len({f["w"] for f in finals}) == 1 and abs(finals[0]["w"] + 0.01 * STEPS) < 1e-3, finals
+
+
+def test_a_worker_or_dc_lost_again_and_again_is_restarted_at_most_three_times_and_the_launcher_says_so():
+    """A DC whose worker fails the same way each time was restarted until --timeout; now the launcher gives up
+    after MAX_RESTARTS restarts of one worker or DC, saying so once, and the run goes on without it."""
+    from geomx.cli.rejoins import MAX_RESTARTS, Rejoins
+
+    rejoins, said = Rejoins(after_s=0.0), []
+    for _ in range(MAX_RESTARTS):
+        rejoins.schedule("dc:b", 0.0)
+        assert rejoins.due(1.0, lambda what: True) == ["dc:b"]
+    rejoins.schedule("dc:b", 0.0)
+    assert rejoins.due(1.0, lambda what: True) == []
+    for _ in range(2):
+        rejoins.tend([], None, set(), lambda old, log: None, said.append, 9.0)
+    assert said == [f"geomx: DC b was lost again after {MAX_RESTARTS} restarts; the run goes on without it "
+                    f"(--rejoin-after restarts a worker or DC at most {MAX_RESTARTS} times)"]

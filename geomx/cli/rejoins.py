@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 # variables a restarted worker must not inherit: it joins the running job, it does not resume an old step
 NOT_INHERITED = ("GEOMX_RESUME_FROM", "GEOMX_RESUME_STEP")
+# restarts of one worker or DC before the launcher stops trying: one lost again and again (a DC whose worker
+# fails the same way each time) would otherwise be restarted until --timeout
+MAX_RESTARTS = 3
 
 
 @dataclass
@@ -32,8 +35,12 @@ class Rejoins:
     pending: dict[str, float] = field(default_factory=dict)     # -> when to start it (monotonic)
     started: dict[str, int] = field(default_factory=dict)       # -> restarts so far
     killed: set[int] = field(default_factory=set)               # pids killed so that their place frees up
+    given_up: dict[str, bool] = field(default_factory=dict)      # -> whether the launcher has said so
 
     def schedule(self, name: str, now: float) -> None:
+        if self.started.get(name, 0) >= MAX_RESTARTS:
+            self.given_up.setdefault(name, False)
+            return
         self.pending.setdefault(name, now + self.after_s)
 
     def due(self, now: float, ready: Callable[[str], bool]) -> list[str]:
@@ -72,6 +79,12 @@ class Rejoins:
              restart: Callable[[Running, str], None], say: Callable[[str], None], elapsed_s: float) -> None:
         """Kill the dropped workers still running (frozen ones: their place must be free, and they must not run
         again) and the roles of a lost DC waiting for its restart, then ``restart(role, log name)`` what is due."""
+        for what, said in self.given_up.items():
+            if not said:
+                self.given_up[what] = True
+                name = f"DC {what.removeprefix('dc:')}" if what.startswith("dc:") else what
+                say(f"geomx: {name} was lost again after {MAX_RESTARTS} restarts; the run goes on without it "
+                    f"(--rejoin-after restarts a worker or DC at most {MAX_RESTARTS} times)")
         for r in running:
             if r.returncode is not None or r.proc.pid in self.killed:
                 continue
