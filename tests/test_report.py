@@ -448,3 +448,20 @@ def test_the_dense_baseline_counts_a_dc_dropped_part_way_only_for_the_steps_it_t
     assert run.steps == 20
     assert _senders_per_step(run, True, run.steps) == 1.25
     assert _senders_per_step(run, False, run.steps) == 1.25     # flat: per worker, the same here
+
+
+def test_time_to_target_of_a_synchronous_run_names_the_step_whose_evaluations_reached_it(tmp_path):
+    """Four workers evaluate steps 20 (0.6472) and 40 (0.83); three had evaluated step 40 when the fourth still
+    had only step 20: that mean (0.78) is no step's, and it had been reported as step 20 reaching 0.7. The step
+    is 40, at the time its last evaluation came."""
+    from geomx.report.run import load_run
+    from geomx.report.summary import time_to_accuracy
+
+    _write_worker_records(tmp_path / "run", {dc: [
+        {"t": 1.0 + k / 10, "kind": "step", "step": 20, "loss": 1.0, "test_acc": 0.6472},
+        {"t": (2.0 if k < 3 else 3.0) + k / 10, "kind": "step", "step": 40, "loss": 0.5, "test_acc": 0.83}]
+        for k, dc in enumerate("abcd")})
+    run = load_run(tmp_path / "run")
+    assert time_to_accuracy(run, 0.7) == (40, pytest.approx(3.3))
+    assert time_to_accuracy(run, 0.6) == (20, pytest.approx(1.3))
+    assert time_to_accuracy(run, 0.9) is None

@@ -63,18 +63,27 @@ def accuracy_curve(run: Run) -> list[tuple[int, float, float]]:
 def time_to_accuracy(run: Run, target: float, *, without_evals: bool = False) -> tuple[int, float] | None:
     """(step, time s) of the first moment, once every worker has evaluated, at which the mean of the workers'
     latest evaluations (test accuracy; validation loss: at or below) reaches ``target``; the step is the one
-    every worker had evaluated by then.
+    every worker had evaluated by then. In a synchronous run whose workers evaluate the same steps, a step is
+    judged once every worker evaluated it: a mean of some workers' new evaluations and the others' old ones
+    had been taken for the old step reaching the target.
 
     ``without_evals``: each worker's clock runs without the time it spent evaluating (``eval_s`` in its step
     records), this evaluation included. Evaluation is the benchmark's probe, not training: on a compute-bound
     run that evaluates every few steps it can cost more than the training steps themselves."""
     events = sorted((t - (w.eval_spent[k] if without_evals and w.eval_spent else 0.0), i, step, acc)
                     for i, w in enumerate(run.workers) for k, (step, t, acc) in enumerate(w.evals))
+    shared = set.intersection(*({s for s, _, _ in w.evals} for w in run.workers)) if run.workers else set()
+    step_by_step = run.manifest.get("mode") == "dist_sync" and bool(shared)
     latest: dict[int, tuple[int, float]] = {}
     for t, i, step, acc in events:
         latest[i] = (step, acc)
-        if len(latest) == len(run.workers) and run.metric.reached(mean(a for _, a in latest.values()), target):
-            return min(s for s, _ in latest.values()), t
+        if len(latest) < len(run.workers):
+            continue
+        steps = {s for s, _ in latest.values()}
+        if step_by_step and len(steps) > 1:
+            continue        # synchronous: this step is judged once the last worker has evaluated it
+        if run.metric.reached(mean(a for _, a in latest.values()), target):
+            return min(steps), t
     return None
 
 

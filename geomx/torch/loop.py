@@ -36,14 +36,23 @@ Batch = tuple[int, bool, Callable[[], torch.Tensor]]
 
 
 def parse_compression(text: str):
-    """``fp16`` or a JSON object such as ``{"type": "bsc", "threshold": 0.01}``."""
+    """``fp16`` or a JSON object such as ``{"type": "bsc", "threshold": 0.01}``, checked here: an unknown codec or
+    parameter is one line at parsing, not a traceback from every worker once the deployment runs."""
+    from geomx.compression import parse_policy
+
     text = text.strip()
-    if not text.startswith("{"):
-        return text
+    if text.startswith("{"):
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"--compression is not valid JSON: {exc}") from None
+    else:
+        spec = text
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"--compression is not valid JSON: {exc}") from None
+        parse_policy(spec)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(f"--compression {text}: {exc}") from None
+    return spec
 
 
 def _seconds(text: str) -> float:
