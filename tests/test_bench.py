@@ -353,3 +353,18 @@ def test_a_too_easy_table_names_the_first_fsa_evaluation_the_control_never_reach
     # an accuracy: higher is better
     assert first_step_the_control_misses(_run_of_curves("test_acc", [(5, 1.0, 0.5), (10, 2.0, 0.9)]),
                                          _run_of_curves("test_acc", [(5, 0.5, 0.6), (10, 1.0, 0.8)])) == 10
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--workload", "lm", "--target-acc", "0.5"], "--target-acc 0.5: the lm workload evaluates validation loss"),
+    (["--target-loss", "2.5"], "--target-loss 2.5: the digits workload evaluates test accuracy"),
+    (["--target-acc", "0.9", "--target-loss", "1"], "not allowed with argument --target-acc"),
+], ids=["accuracy-target-for-the-lm", "loss-target-for-digits", "both"])
+def test_bench_wan_refuses_a_target_of_the_metric_its_workload_does_not_evaluate(tmp_path, capsys, args, said):
+    """An accuracy target was silently judged as a loss on the LM (never reached), a loss target on digits was
+    refused naming --target-acc, and with both given the loss won without a word."""
+    try:
+        code = main(["bench", "wan", *args, "--configs", "flat", "--steps", "2", "--run-dir", str(tmp_path)])
+    except SystemExit as exc:       # argparse's own refusal
+        code = exc.code
+    assert code == 2 and said in capsys.readouterr().err

@@ -373,6 +373,13 @@ def format_wan_report(r: dict) -> str:
 
 def cmd_wan(args) -> int:
     target = args.target_loss if args.target_loss is not None else args.target_acc
+    given = "--target-loss" if args.target_loss is not None else "--target-acc" if target is not None else None
+    expected = workloads.workload(args.workload).target_flag
+    if given is not None and not args.from_runs and given != expected:
+        # a loss target read as an accuracy, or the other way round, is never reached or reached at once
+        raise ConfigError(f"{given} {target:g}: the {args.workload} workload evaluates "
+                          f"{'validation loss' if expected == '--target-loss' else 'test accuracy'}: give "
+                          f"{expected}")
     if args.from_runs:
         result = retabulate(from_runs=args.from_runs, configs=args.configs, target=target,
                             out_dir=args.out_dir, command=command_line(args), target_step=args.target_step,
@@ -405,8 +412,9 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     p.add_argument("--workload", choices=list(WORKLOADS), default="digits",
                    help="what every row trains: digits (examples/train_cnn.py, quick) or lm (examples/train_lm.py, "
                         "a byte-level GPT on the standard library's source; validation loss)")
-    p.add_argument("--target-acc", type=float, help="test accuracy whose time to reach is compared")
-    p.add_argument("--target-loss", type=float, help="validation loss whose time to reach is compared (lm)")
+    targets = p.add_mutually_exclusive_group()
+    targets.add_argument("--target-acc", type=float, help="test accuracy whose time to reach is compared (digits)")
+    targets.add_argument("--target-loss", type=float, help="validation loss whose time to reach is compared (lm)")
     p.add_argument("--target-step", type=int, metavar="N",
                    help="the target is the evaluation HiPS FSA reaches at step N in this run (a target that needs "
                         "cooperation); N must be an evaluated step")

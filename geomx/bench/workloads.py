@@ -17,6 +17,7 @@ class Workload:
     description: str
     # the script's learning-rate schedule spans its --steps, so rows of other lengths also learn at other rates
     schedule_spans_steps: bool = False
+    target_flag: str = "--target-acc"    # what its evaluations measure: the flag that sets a target of it
 
 
 WORKLOADS = {w.name: w for w in (
@@ -24,7 +25,7 @@ WORKLOADS = {w.name: w for w in (
              "examples/train_cnn.py on scikit-learn's 8x8 digits (test accuracy)"),
     Workload("lm", "train_lm.py", "--model-size", ("tiny", "small", "base"), "tiny",
              "examples/train_lm.py, a byte-level GPT on the Python standard library's source (validation loss)",
-             schedule_spans_steps=True),
+             schedule_spans_steps=True, target_flag="--target-loss"),
 )}
 
 
