@@ -259,4 +259,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(geomx.run_main(main))      # a geomx error is one line, not a traceback

@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import geomx
 from geomx.torch import DistributedOptimizer, loop
 
 VOCAB = 256
@@ -373,4 +374,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(geomx.run_main(main))      # a geomx error is one line, not a traceback

@@ -6,12 +6,13 @@ aggregates with the global servers over a slow WAN. See README.md and docs/archi
 from geomx import metrics
 from geomx.errors import (ConfigError, DeadlineError, GeomxError, KVError, PeerLostError, ProtocolError)
 from geomx.profiles import PROFILES, WanProfile, get_profile
+from geomx.uncaught import run_main
 
 __version__ = "0.1.0"
 
 __all__ = ["ConfigError", "DCASGD", "DGA", "DeadlineError", "DiLoCo", "ESync", "FSA", "GeomxError", "HFA", "KVError",
            "PeerLostError", "ProtocolError", "PROFILES", "WanProfile", "check_combination", "compat", "get_profile",
-           "kvstore", "metrics", "optim", "statefile", "sync", "__version__"]
+           "kvstore", "metrics", "optim", "run_main", "statefile", "sync", "__version__"]
 
 # public classes of submodules that import torch, loaded on first use
 _LAZY = {"DCASGD": "geomx.optim", "HFA": "geomx.sync", "DiLoCo": "geomx.sync", "FSA": "geomx.sync", "DGA": "geomx.sync",

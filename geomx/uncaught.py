@@ -1,4 +1,5 @@
-"""Whether this process is ending on an uncaught exception.
+"""Whether this process is ending on an uncaught exception, and :func:`run_main` for scripts that report a geomx
+error in one line instead of a traceback.
 
 A worker's kvstore leaves the deployment at interpreter exit. Leaving with a goodbye tells its DC's scheduler
 that the worker finished; when a worker died of an error instead, that goodbye let a DC whose every worker had
@@ -8,8 +9,12 @@ its schedulers then drop the worker or stop the run at once, naming the error.
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
+from collections.abc import Callable
+
+from geomx.errors import ConfigError, GeomxError
 
 _lock = threading.Lock()
 _installed = False
@@ -40,3 +45,22 @@ def exception() -> BaseException | None:
 
 def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def note(exc: BaseException) -> None:
+    """Note ``exc`` as what this process ends on, for a script that reports it itself (:func:`run_main`)."""
+    global _exception
+    _exception = exc
+
+
+def run_main(main: Callable[[], int | None], *, prog: str | None = None) -> int:
+    """``sys.exit(geomx.run_main(main))``: run a training script's ``main``; a geomx error (a misconfiguration, a
+    lost peer) ends it with one line on stderr and status 2 (1 for a lost peer), not a traceback, and its
+    kvstore still leaves by aborting, as for an uncaught exception. Other exceptions propagate."""
+    try:
+        return main() or 0
+    except GeomxError as exc:
+        note(exc)
+        print(f"{prog or os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr, flush=True)
+        return 2 if isinstance(exc, ConfigError) else 1
+

@@ -457,7 +457,7 @@ class KVStore:
         if died_of is not None and not self._closed and not self.po.aborted:
             # not a goodbye: the others would take it for a finished worker and wait for its rounds. A fault
             # domain may absorb a crash; a misconfiguration must stop the run
-            self.po.abort(f"{self.cfg.label} ended on an uncaught {uncaught.describe(died_of)}",
+            self.po.abort(f"{self.cfg.label} ended on {uncaught.describe(died_of)}",
                           fatal=isinstance(died_of, ConfigError), relayed=isinstance(died_of, PeerLostError))
         try:
             self.close()
