@@ -1,4 +1,5 @@
 """geomx report reads a run directory: what it takes from the metrics records."""
+import contextlib
 import json
 
 import pytest
@@ -465,3 +466,19 @@ def test_time_to_target_of_a_synchronous_run_names_the_step_whose_evaluations_re
     assert time_to_accuracy(run, 0.7) == (40, pytest.approx(3.3))
     assert time_to_accuracy(run, 0.6) == (20, pytest.approx(1.3))
     assert time_to_accuracy(run, 0.9) is None
+
+
+def test_a_report_without_target_names_the_runs_own_metric_and_a_run_that_never_trained_says_it_failed(tmp_path):
+    """An LM run's row read "time to test accuracy -" with no target given; a run whose workers all failed at
+    start read like a job resumed at its last step."""
+    from geomx.cli.main import main
+
+    _write_worker_records(tmp_path / "lm", {dc: [
+        {"t": 1.0, "kind": "step", "step": 10, "loss": 3.0, "val_loss": 3.1}] for dc in "ab"})
+    _write_worker_records(tmp_path / "failed", {"a": [], "b": []})      # started, never set up
+    for run, said in (("lm", "time to validation loss -"),
+                      ("failed", "no worker finished set-up (the run failed before training")):
+        out = tmp_path / f"{run}.txt"
+        with open(out, "w") as f, contextlib.redirect_stdout(f):
+            assert main(["report", str(tmp_path / run)]) == 0
+        assert said in out.read_text(), out.read_text()

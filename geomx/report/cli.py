@@ -13,8 +13,10 @@ def cmd_report(args) -> int:
     from geomx.report.summary import format_report, summarize
 
     # the parser lets at most one through: each is timed against the metric it names
+    # without a target: the metric each run evaluated (an LM's row read "time to test accuracy -")
     target, metric = ((args.target_loss, EVAL_METRICS["val_loss"]) if args.target_loss is not None
-                      else (args.target_acc, EVAL_METRICS["test_acc"]))
+                      else (args.target_acc, EVAL_METRICS["test_acc"]) if args.target_acc is not None
+                      else (None, None))
     summaries = [summarize(load_run(path), target, metric) for path in args.runs]
     if args.json:
         print(json_text.dumps(summaries if len(summaries) > 1 else summaries[0], indent=2))

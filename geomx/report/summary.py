@@ -326,6 +326,8 @@ def _time_to_target(s: dict) -> str:
 def _training_time(s: dict) -> str:
     num = fmt_number
     if not s["steps"]:
+        if not s["workers"]:        # nobody reached training: the run failed first (its logs say why)
+            return "no steps trained: no worker finished set-up (the run failed before training: see its logs)"
         # not a broken run: a job resumed at its last step sets up, evaluates its model and trains nothing
         how = f"resumed at step {s['resumed_at']}" if s.get("resumed_at") else "set up"
         return (f"no steps trained: {s['workers']} workers {how} and recorded no step (a job resumed at its last "
