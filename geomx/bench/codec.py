@@ -28,6 +28,7 @@ from geomx.errors import ConfigError
 
 RATIO = 0.001
 TARGET = 3.0            # bsc vs torch.topk, the issue's target at 25M elements
+TARGET_ELEMENTS = 25_000_000
 BENCH_SPECS = ({"type": "none"}, {"type": "fp16"}, {"type": "bf16"},
                {"type": "topk", "ratio": RATIO}, {"type": "bsc", "threshold": RATIO},
                {"type": "randomk", "ratio": RATIO}, {"type": "dgc", "ratio": RATIO},
@@ -66,7 +67,8 @@ def _bench_one(spec: dict, x: np.ndarray, repeats: int, seed: int) -> dict:
             "header_bytes": payload.header_nbytes, "compression_ratio": x.nbytes / wire}
 
 
-def bench_codec(*, elements: int = 25_000_000, repeats: int = 3, threads: int | None = None, seed: int = 0) -> dict:
+def bench_codec(*, elements: int = TARGET_ELEMENTS, repeats: int = 3, threads: int | None = None,
+                seed: int = 0) -> dict:
     """Measure every codec and exact torch.topk; see the module docstring."""
     import torch
 
@@ -100,8 +102,10 @@ def format_codec_report(r: dict) -> str:
           "zero-copy" if row["codec"] == "none" else f"{row['gb_per_s']:.2f}", f"{row['wire_bytes']:,}",
           str(row["header_bytes"]),
           f"{row['compression_ratio']:.1f}x"] for row in r["rows"]])
-    met = "met" if r["bsc_vs_torch_topk"] >= r["target"] else "NOT met"
     n = r["elements"]
+    # the target is set at 25M elements: a smaller tensor measures something else, and says so
+    met = ("not judged: measured on fewer elements" if n < TARGET_ELEMENTS
+           else "met" if r["bsc_vs_torch_topk"] >= r["target"] else "NOT met")
     return "\n".join([
         f"One float32 gaussian tensor of {n:,} elements ({r['shape'][0]} x {r['shape'][1]}, "
         f"{n * 4 / 1e6:.0f} MB); fastest of {r['repeats']} timed steps after a warm-up step.",
