@@ -86,6 +86,14 @@ CASES = [
     ("two schedulers on one port", lambda e: e["b-scheduler"].update(
         DMLC_PS_ROOT_PORT=e["a-scheduler"]["DMLC_PS_ROOT_PORT"]), "also a-scheduler's"),
     ("local server with two servers", _set("b-server", DMLC_NUM_SERVER=2), "DMLC_NUM_SERVER"),
+    # found by a review (session 37): each passed the doctor and failed, or trained wrong, at run time
+    ("unknown sync algorithm", _set("a-worker-0", GEOMX_SYNC="hfaa"), "'hfaa'"),
+    ("two workers of a DC with one rank", lambda e: [(e[n].pop("GEOMX_RANK"), e[n].update(DMLC_WORKER_ID="0"))
+                                                     for n in ("a-worker-0", "a-worker-1")],
+     "DMLC_WORKER_ID=0 is also a-worker-0's"),
+    ("worker rank out of range", _set("a-worker-1", GEOMX_RANK=7), "GEOMX_RANK=7"),
+    ("two workers with one data index", lambda e: e["b-worker-1"].update(
+        GEOMX_WORKER_INDEX=e["a-worker-0"]["GEOMX_WORKER_INDEX"]), "is also a-worker-0's"),
     ("two hosts' schedulers on one port under AES-GCM", lambda e: [
         e[n].update(DMLC_PS_ROOT_URI="127.0.0.2", DMLC_PS_ROOT_PORT=e["a-scheduler"]["DMLC_PS_ROOT_PORT"])
         for n in e if n.startswith("b-")], "names its receiver's port, not its host"),

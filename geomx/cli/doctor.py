@@ -73,11 +73,27 @@ def read_env_file(path: Path) -> dict[str, str]:
 # -- one role -------------------------------------------------------------------------------------------------
 
 def check_role(role: Role) -> list[Problem]:
+    """The role's variables as it reads them at start-up (the first problem: the rest follow from fixing it), and
+    those a training worker reads only later (the synchronization algorithm) or only with a secret (the
+    encryption)."""
+    from geomx.sync.settings import settings_from_env
+    from geomx.transport.security import ENCRYPTIONS
+
+    fix = "set the variable as docs/environment.md describes"
     try:
         role.cfg = config_from_env(role.env)
     except ConfigError as exc:
-        return [Problem(role.name, str(exc), "set the variable as docs/environment.md describes")]
-    return []
+        return [Problem(role.name, str(exc), fix)]
+    problems = []
+    if role.cfg.role in ("worker", "master"):
+        try:
+            settings_from_env(role.env)
+        except ConfigError as exc:
+            problems.append(Problem(role.name, str(exc), fix))
+    chosen = role.env.get("GEOMX_ENCRYPTION")
+    if chosen and chosen not in ENCRYPTIONS:
+        problems.append(Problem(role.name, f"GEOMX_ENCRYPTION={chosen!r} is not one of {sorted(ENCRYPTIONS)}", fix))
+    return problems
 
 
 # -- across roles ---------------------------------------------------------------------------------------------
@@ -122,6 +138,44 @@ def check_local_tiers(roles: list[Role]) -> list[Problem]:
             problems.append(Problem(reference.name, f"DMLC_NUM_WORKER={reference.cfg.num_workers} but "
                                                     f"{len(workers)} workers use the scheduler {host}:{port}",
                                     "count every worker of the DC in DMLC_NUM_WORKER"))
+        problems += _worker_ranks(workers, reference.cfg.num_workers, f"{host}:{port}")
+    return problems
+
+
+def _worker_ranks(workers: list[Role], count: int, scheduler: str) -> list[Problem]:
+    """The ranks the workers of one tier ask for (DMLC_WORKER_ID, GEOMX_RANK): each in range, none twice (the
+    scheduler refuses the second at start-up, after the others waited for it)."""
+    problems, holder = [], {}
+    for r in workers:
+        rank = r.cfg.rank
+        if rank is None:
+            continue
+        variable = "GEOMX_RANK" if r.env.get("GEOMX_RANK") else "DMLC_WORKER_ID"    # as config_from_env reads it
+        if not 0 <= rank < count:
+            problems.append(Problem(r.name, f"{variable}={rank} but its tier (scheduler {scheduler}) has "
+                                            f"{count} workers: 0..{count - 1}", "give each worker of the DC its own "
+                                                                              "rank in 0..DMLC_NUM_WORKER-1"))
+        elif rank in holder:
+            problems.append(Problem(r.name, f"{variable}={rank} is also {holder[rank]}'s (scheduler "
+                                            f"{scheduler})", "give each worker of the DC its own rank"))
+        else:
+            holder[rank] = r.name
+    return problems
+
+
+def check_worker_indexes(roles: list[Role]) -> list[Problem]:
+    """GEOMX_WORKER_INDEX picks a worker's slice of the data (geomx.torch.loop): two workers with one index
+    train on the same slice, and the job sees part of its data twice and part never."""
+    problems, holder = [], {}
+    for r in roles:
+        index = r.env.get("GEOMX_WORKER_INDEX")
+        if r.cfg is None or r.cfg.role != "worker" or index is None:
+            continue
+        if index in holder:
+            problems.append(Problem(r.name, f"GEOMX_WORKER_INDEX={index} is also {holder[index]}'s",
+                                    "give every worker of the job its own index, 0..DMLC_NUM_ALL_WORKER-1"))
+        else:
+            holder[index] = r.name
     return problems
 
 
@@ -301,7 +355,8 @@ def diagnose(envs: Mapping[str, Mapping[str, str]], *, network: bool = True, loc
     notes: list[str] = []
     for r in roles:
         problems += check_role(r)
-    problems += check_local_tiers(roles) + check_global_tier(roles) + check_addresses(roles) + check_secrets(roles)
+    for across in (check_local_tiers, check_worker_indexes, check_global_tier, check_addresses, check_secrets):
+        problems += across(roles)
     if network:
         problems += check_reachable(roles, timeout, notes)
         if local:
