@@ -31,8 +31,7 @@ def watch() -> None:
         previous = sys.excepthook
 
         def note_then_report(exc_type, exc, tb) -> None:
-            global _exception
-            _exception = exc
+            note(exc)
             previous(exc_type, exc, tb)
 
         sys.excepthook = note_then_report

@@ -340,11 +340,10 @@ class Scheduler:
         entry = self._members.get(msg.src)
         # a member the tier may go on without (a local server whose DC stopped) drops out instead, unless what
         # stopped it was a tier that never completed: a misconfiguration, which must stop the run
-        fatal = msg.get(Field.FATAL) is True
+        fatal, began_here = msg.get(Field.FATAL) is True, msg.get(Field.RELAYED) is not True
         if entry is not None and not fatal and self._cannot_drop(entry) is None:
-            self._drop(entry, f"{self._label(entry)} stopped: {reason}", own_abort=msg.get(Field.RELAYED) is not True)
+            self._drop(entry, f"{self._label(entry)} stopped: {reason}", own_abort=began_here)
             return
-        began_here = entry is not None and msg.get(Field.RELAYED) is not True
         self._fail(reason, entry if began_here else None, skip=msg.src, fatal=fatal, notify_culprit=False)
 
     def _fail(self, reason: str, culprit: dict | None, *, skip: str | None = None,
@@ -362,10 +361,10 @@ class Scheduler:
         targets = members if members is not None else list(self._members.values() or self._pending.values())
         if notify_culprit and culprit is not None and culprit["id"] not in {t["id"] for t in targets}:
             targets.append(culprit)
-        fatal = {Field.FATAL: True} if fatal or not self._members else {}
+        flags = {Field.FATAL: True} if fatal or not self._members else {}
         for e in targets:
             if e["id"] != skip and e["id"] not in self._left:
-                self._send(e, Op.ABORT, reason=reason, **fatal)
+                self._send(e, Op.ABORT, reason=reason, **flags)
         self._done.set()
 
     def _check_liveness(self) -> None:

@@ -162,7 +162,8 @@ def _saved_workers(directory: Path, found: dict[int, list[int]]) -> int | None:
         return None
     worker = min(found)
     try:
-        saved = torch.load(directory / checkpoint_name(worker, max(found[worker])), weights_only=True)
+        # mapped, not read: only the header's count is wanted, and each worker loads its own file next
+        saved = torch.load(directory / checkpoint_name(worker, max(found[worker])), weights_only=True, mmap=True)
     except Exception:       # unreadable: the resume itself names it
         return None
     workers = saved.get("workers") if isinstance(saved, dict) else None

@@ -66,6 +66,12 @@ def _numbers(settings: dict) -> dict:
     return {k: v for k, v in settings.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
+def _warn(message: str, *, stacklevel: int) -> None:
+    """In the log (a deployment's role logs) and as a Python warning (a notebook's user sees it at once)."""
+    log.warning(message)
+    warnings.warn(message, stacklevel=stacklevel)
+
+
 def _groups_unlike_defaults(optimizer: torch.optim.Optimizer) -> list[str]:
     """The parameter groups whose numeric hyper-parameters differ from the optimizer's defaults, which alone
     reach the servers (KVStore.set_optimizer sends the defaults)."""
@@ -139,8 +145,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             message = (f"with update_on_server=True the global servers run one set of hyper-parameters, the "
                        f"optimizer's defaults ({_numbers(optimizer.defaults)}): {'; '.join(unlike)} are not "
                        f"applied there")
-            log.warning(message)
-            warnings.warn(message, stacklevel=2)
+            _warn(message, stacklevel=3)
         self.sync.setup(kvstore, self.params, num_samples=num_samples)
         attach = getattr(self.sync, "attach_module", None)    # P3: waits per layer in the forward pass
         if attach is not None:
@@ -253,8 +258,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         message = (f"the learning rate of parameter group {group} is {now[group] if group < len(now) else None} on "
                    f"this worker (an LR scheduler?), but with update_on_server=True the global servers run the "
                    f"optimizer with what it had at set-up ({was}): a schedule on the workers does not reach them")
-        log.warning(message)
-        warnings.warn(message, stacklevel=3)
+        _warn(message, stacklevel=4)
         self._servers_lrs = None        # said once
 
     def _record_counters(self) -> None:
