@@ -55,11 +55,22 @@ def note(exc: BaseException) -> None:
 def run_main(main: Callable[[], int | None], *, prog: str | None = None) -> int:
     """``sys.exit(geomx.run_main(main))``: run a training script's ``main``; a geomx error (a misconfiguration, a
     lost peer) ends it with one line on stderr and status 2 (1 for a lost peer), not a traceback, and its
-    kvstore still leaves by aborting, as for an uncaught exception. Other exceptions propagate."""
+    kvstore still leaves by aborting, as for an uncaught exception. Other exceptions propagate.
+
+    A script that refuses on its own (``raise SystemExit("...")``, or ``main`` returning a non-zero status) also
+    leaves by aborting: a goodbye would tell the others this worker finished, and they would train on without it.
+    A refusal with a message is a misconfiguration and stops the run; a bare status is a crash."""
     try:
-        return main() or 0
+        status = main() or 0
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            note(ConfigError(str(exc.code)) if isinstance(exc.code, str) else exc)
+        raise
     except GeomxError as exc:
         note(exc)
         print(f"{prog or os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr, flush=True)
         return 2 if isinstance(exc, ConfigError) else 1
+    if status:
+        note(SystemExit(status))
+    return status
 

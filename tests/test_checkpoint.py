@@ -447,7 +447,7 @@ def test_a_server_optimizer_job_asks_for_the_interval_on_every_role_not_only_the
 
     kv = SimpleNamespace(cfg=SimpleNamespace(checkpoint_every=0, resume_from=None, resume_step=None, run_dir=None))
     args = argparse.Namespace(checkpoint_every=3, checkpoint_seconds=0.0, update_on="server", data_slice_idx=None)
-    with pytest.raises(SystemExit, match="geomx launch --checkpoint-every 3"):
+    with pytest.raises(ConfigError, match="geomx launch --checkpoint-every 3"):
         loop.checkpointer(args, kv, None, None)
 
 

@@ -179,7 +179,7 @@ def test_fsa_and_p3_take_time_based_checkpoints_and_the_other_roles_refuse_the_r
         parser.parse_args(["--checkpoint-seconds", "-1"])
     args = parser.parse_args(["--checkpoint-seconds", "2"])
     kv = SimpleNamespace(cfg=SimpleNamespace(checkpoint_every=0, checkpoint_seconds=0.0, resume_from=None))
-    with pytest.raises(SystemExit, match="geomx launch --checkpoint-seconds 2"):
+    with pytest.raises(ConfigError, match="geomx launch --checkpoint-seconds 2"):
         loop.checkpointer(args, kv, None, None)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from geomx.cli.launch import Launcher
+from geomx.errors import ConfigError
 from geomx.cli.topology import load_topology
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_cnn.py"
@@ -279,13 +280,13 @@ def test_a_worker_index_outside_the_job_is_refused_naming_where_it_came_from(mon
 
     args = argparse.Namespace(data_slice_idx=None)
     monkeypatch.setenv("GEOMX_WORKER_INDEX", "7")
-    with pytest.raises(SystemExit, match="GEOMX_WORKER_INDEX=7 is not a worker index of this job: its 2 training "
+    with pytest.raises(ConfigError, match="GEOMX_WORKER_INDEX=7 is not a worker index of this job: its 2 training "
                                          "workers are 0 to 1"):
         loop.worker_index(args, 2)
     monkeypatch.setenv("GEOMX_WORKER_INDEX", "1")
     assert loop.worker_index(args, 2) == 1
-    with pytest.raises(SystemExit, match="--data-slice-idx=-1"):
+    with pytest.raises(ConfigError, match="--data-slice-idx=-1"):
         loop.worker_index(argparse.Namespace(data_slice_idx=-1), 2)
     monkeypatch.setenv("GEOMX_WORKER_INDEX", "one")
-    with pytest.raises(SystemExit, match="GEOMX_WORKER_INDEX='one' is not a worker index"):
+    with pytest.raises(ConfigError, match="GEOMX_WORKER_INDEX='one' is not a worker index"):
         loop.worker_index(args)

@@ -2,6 +2,7 @@
 with GeoMX's variables, no `geomx launch` around them."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -181,3 +182,23 @@ def test_a_script_run_without_geomx_launch_says_so_in_one_line_and_exits_2():
     assert res.stderr.strip().splitlines() == [
         "train_cnn.py: error: no geomx role in the environment: set DMLC_ROLE (scheduler, server, worker) or "
         "DMLC_ROLE_GLOBAL, or start the script with `geomx launch`"], res.stderr
+
+
+@pytest.mark.parametrize("ending, noted", [
+    (lambda: sys.exit("train: worker 3 got no data"), "ConfigError: train: worker 3 got no data"),
+    (lambda: 3, "SystemExit: 3"),
+    (lambda: sys.exit(0), None),
+    (lambda: None, None),
+])
+def test_a_script_refusing_on_its_own_leaves_by_aborting_not_with_a_goodbye(monkeypatch, ending, noted):
+    """A script's own refusal after its kvstore exists (``raise SystemExit("...")``, a non-zero status) had left
+    with a goodbye, and a hand-started job trained on without that worker. run_main notes it, so the kvstore
+    aborts at exit as for an uncaught error: a message is a misconfiguration (ConfigError: the run stops), a bare
+    status a crash; a clean end is still a goodbye."""
+    from geomx import uncaught
+
+    monkeypatch.setattr(uncaught, "_exception", None)
+    with contextlib.suppress(SystemExit):
+        uncaught.run_main(ending)
+    died_of = uncaught.exception()
+    assert (uncaught.describe(died_of) if died_of is not None else None) == noted

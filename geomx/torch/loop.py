@@ -122,12 +122,12 @@ def device(args: argparse.Namespace, kv) -> torch.device:
     try:
         chosen = torch.device(text)
     except (RuntimeError, ValueError):
-        raise SystemExit(f"--device {text!r} is not a device: use cpu, cuda, cuda:N or auto") from None
+        raise ConfigError(f"--device {text!r} is not a device: use cpu, cuda, cuda:N or auto") from None
     if chosen.type == "cuda" and (chosen.index or 0) >= gpus:
-        raise SystemExit(f"--device {text}: torch sees {gpus} GPU(s) here (torch.cuda.device_count()); use "
+        raise ConfigError(f"--device {text}: torch sees {gpus} GPU(s) here (torch.cuda.device_count()); use "
                          f"--device cpu or auto")
     if chosen.type not in ("cpu", "cuda"):
-        raise SystemExit(f"--device {text}: geomx's examples run on cpu or cuda")
+        raise ConfigError(f"--device {text}: geomx's examples run on cpu or cuda")
     return chosen
 
 
@@ -140,9 +140,9 @@ def worker_index(args: argparse.Namespace, workers: int | None = None) -> int:
     try:
         index = int(raw)
     except ValueError:
-        raise SystemExit(f"{given}={raw!r} is not a worker index") from None
+        raise ConfigError(f"{given}={raw!r} is not a worker index") from None
     if workers is not None and not 0 <= index < workers:
-        raise SystemExit(f"{given}={index} is not a worker index of this job: its {workers} training workers are "
+        raise ConfigError(f"{given}={index} is not a worker index of this job: its {workers} training workers are "
                          f"0 to {workers - 1} (each worker of each DC its own)")
     return index
 
@@ -159,11 +159,11 @@ def checkpointer(args: argparse.Namespace, kv, opt, model: torch.nn.Module, **st
     if not args.checkpoint_every and not args.checkpoint_seconds and not cfg.resume_from:
         return None
     if args.update_on == "server" and args.checkpoint_every != cfg.checkpoint_every:
-        raise SystemExit(f"--checkpoint-every {args.checkpoint_every} with --update-on server: the model lives on the "
+        raise ConfigError(f"--checkpoint-every {args.checkpoint_every} with --update-on server: the model lives on the "
                          f"global servers, which checkpoint it too; give the interval to every role with geomx "
                          f"launch --checkpoint-every {args.checkpoint_every} (GEOMX_CHECKPOINT_EVERY)")
     if args.checkpoint_seconds != cfg.checkpoint_seconds:
-        raise SystemExit(f"--checkpoint-seconds {args.checkpoint_seconds:g}: the global servers decide at which steps "
+        raise ConfigError(f"--checkpoint-seconds {args.checkpoint_seconds:g}: the global servers decide at which steps "
                          f"every role saves, so they need the interval too; give it to every role with geomx launch "
                          f"--checkpoint-seconds {args.checkpoint_seconds:g} (GEOMX_CHECKPOINT_SECONDS)")
     return Checkpointer(checkpoint_directory(cfg) or Path("checkpoints"), worker=worker_index(args),
