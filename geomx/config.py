@@ -5,6 +5,7 @@ process bodies, plus a few ``GEOMX_*`` ones of its own (docs/environment.md has 
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import re
@@ -21,6 +22,33 @@ from geomx.transport.security import Curve, Sealed, link_security
 from geomx.unimplemented import report_unimplemented
 
 log = logging.getLogger("geomx.config")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP address or ``localhost``) reaches this machine only."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def refuse_exposed_without_secret(what: str, hosts, security, env: Mapping[str, str]) -> None:
+    """A listener on any of ``hosts`` off loopback needs the shared secret (sealed or CurveZMQ links): a token
+    alone travels in clear. Refused naming the address, unless GEOMX_INSECURE=1 (then a warning)."""
+    exposed = next((h for h in hosts if h and not is_loopback(h)), None)
+    if isinstance(security, Sealed | Curve):
+        return
+    if exposed is not None:
+        if env.get("GEOMX_INSECURE") != "1":
+            raise ConfigError(f"{what} would listen on {exposed} without GEOMX_SECRET (or GEOMX_SECRET_FILE): "
+                              f"across hosts every link needs the shared secret; set GEOMX_INSECURE=1 to run "
+                              f"unauthenticated and unencrypted anyway")
+        log.warning("%s listens on %s without GEOMX_SECRET (GEOMX_INSECURE=1): its links are neither "
+                    "authenticated nor encrypted", what, exposed)
+    elif security is None:
+        (log.warning if env.get("GEOMX_INSECURE") == "1" else log.info)(
+            "%s runs unauthenticated (no GEOMX_SECRET or GEOMX_AUTH_TOKEN): it accepts every connection and "
+            "checks only who sent each message", what)
 
 ROLES = ("global_scheduler", "global_server", "scheduler", "server", "worker", "master")
 MODES = ("dist_sync", "dist_async")
@@ -285,17 +313,8 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
     cfg.security = link_security(env)
     if cfg.van == "zmq":
         cfg.van_options["max_frame_bytes"] = max_frame_bytes(env)
-    if not isinstance(cfg.security, Sealed | Curve) and not cfg.host.startswith("127.") and cfg.host != "localhost":
-        if env.get("GEOMX_INSECURE") != "1":
-            raise ConfigError(f"{role} would listen on {cfg.host} without GEOMX_SECRET (or GEOMX_SECRET_FILE): "
-                              f"across hosts every link needs the shared secret; set GEOMX_INSECURE=1 to run "
-                              f"unauthenticated and unencrypted anyway")
-        log.warning("%s listens on %s without GEOMX_SECRET (GEOMX_INSECURE=1): its links are neither "
-                    "authenticated nor encrypted", role, cfg.host)
-    elif cfg.security is None:
-        (log.warning if env.get("GEOMX_INSECURE") == "1" else log.info)(
-            "%s runs unauthenticated (no GEOMX_SECRET or GEOMX_AUTH_TOKEN): it accepts every connection and "
-            "checks only who sent each message", role)
+    # the address peers dial and the one the socket binds (GEOMX_BIND_HOST=0.0.0.0 behind NAT) both expose it
+    refuse_exposed_without_secret(role, (cfg.host, cfg.bind_host), cfg.security, env)
     cfg.run_dir = env.get("GEOMX_RUN_DIR") or None
     cfg.checkpoint_every = env_int(env, "GEOMX_CHECKPOINT_EVERY", role, 0)
     cfg.checkpoint_seconds = env_checkpoint_seconds(env)

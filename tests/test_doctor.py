@@ -97,6 +97,9 @@ CASES = [
     ("two hosts' schedulers on one port under AES-GCM", lambda e: [
         e[n].update(DMLC_PS_ROOT_URI="127.0.0.2", DMLC_PS_ROOT_PORT=e["a-scheduler"]["DMLC_PS_ROOT_PORT"])
         for n in e if n.startswith("b-")], "names its receiver's port, not its host"),
+    # found by a review (session 38): bound to every address with no secret, and the doctor said nothing
+    ("no secret, listening on every address", lambda e: [(e[n].pop("GEOMX_SECRET"), e[n].update(
+        GEOMX_BIND_HOST="0.0.0.0")) for n in e], "0.0.0.0"),
 ]
 
 

@@ -208,6 +208,17 @@ def test_the_launcher_authenticates_by_default_and_insecure_says_so(tmp_path):
         config_from_env(env)
     assert config_from_env({**env, "GEOMX_INSECURE": "1"}).host == "10.0.0.5"
     assert config_from_env({**env, "GEOMX_SECRET": SECRET}).security is not None
+    # peers dial loopback, but the socket binds every interface (found by a review): exposed all the same
+    on_loopback = {**env, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_NODE_HOST": "127.0.0.1"}
+    assert config_from_env(on_loopback).host == "127.0.0.1"
+    with pytest.raises(ConfigError, match="scheduler would listen on 0.0.0.0 without GEOMX_SECRET"):
+        config_from_env({**on_loopback, "GEOMX_BIND_HOST": "0.0.0.0"})
+    # so is a WAN emulator started by hand on an outside address
+    from geomx.netem.emulator import run_from_env
+
+    with pytest.raises(ConfigError, match="the WAN emulator would listen on 10.0.0.5 without GEOMX_SECRET"):
+        run_from_env({"GEOMX_EMULATOR_HOST": "10.0.0.5", "GEOMX_EMULATOR_PORT": "9001", "GEOMX_WAN_PROFILE": "regional",
+                      "GEOMX_AUTH_TOKEN": "t" * 20})
 
 
 # -- a stopped node leaves nothing running --------------------------------------------------------------------

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import ipaddress
 import errno
 import os
 import socket
@@ -28,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from geomx.config import NodeConfig, config_from_env
+from geomx.config import NodeConfig, config_from_env, is_loopback
 from geomx.errors import ConfigError, GeomxError
 from geomx.transport.security import encryption_of, read_secret, seal_max_age
 
@@ -251,13 +250,6 @@ def _secret_digest(env: Mapping[str, str]) -> str | None:
     return hashlib.sha256(secret.encode()).hexdigest()[:12] if secret else None
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 def check_secrets(roles: list[Role]) -> list[Problem]:
     """Every role holds the same secret, or (on loopback only) none does."""
     digests = {r.name: _secret_digest(r.env) for r in roles}
@@ -279,11 +271,22 @@ def check_secrets(roles: list[Role]) -> list[Problem]:
             f"{', '.join(names)} ({name})" for name, names in encryptions.items()),
             "set the same GEOMX_ENCRYPTION (or none: aes-gcm) on every role"))
     for r in roles:
-        if digests[r.name] is None and (held or not _is_loopback(r.env.get("DMLC_NODE_HOST", "127.0.0.1"))):
+        exposed = _exposed_address(r.env)
+        if digests[r.name] is None and (held or exposed):
             problems.append(Problem(r.name, "no GEOMX_SECRET or GEOMX_SECRET_FILE" + (
-                " while other roles have one" if held else f" on {r.env.get('DMLC_NODE_HOST')}, off loopback"),
+                " while other roles have one" if held else f" on {exposed}, off loopback"),
                 "set the deployment's secret on this role (its links would be refused or unauthenticated)"))
     return problems
+
+
+def _exposed_address(env: Mapping[str, str]) -> str | None:
+    """What the role listens on off loopback, naming its variable: the address peers dial or the one it binds."""
+    for variable, default in (("DMLC_NODE_HOST", "127.0.0.1"), ("GEOMX_BIND_HOST", ""),
+                              ("GEOMX_EMULATOR_HOST", "")):
+        host = env.get(variable) or default
+        if host and not is_loopback(host):
+            return f"{host} ({variable})"
+    return None
 
 
 # -- the network ----------------------------------------------------------------------------------------------

@@ -98,8 +98,9 @@ class Scheduler:
 
     def start(self) -> None:
         self.van.start()
-        log.info("scheduler of the %s tier listening on %s, expecting %s", self.tier, self.van.address,
-                 self.expected)
+        bound = getattr(self.van, "bound_address", self.van.address)
+        log.info("scheduler of the %s tier listening on %s%s, expecting %s", self.tier, self.van.address,
+                 f" (bound to {bound})" if bound != self.van.address else "", self.expected)
 
     def serve(self) -> int:
         """Run until every worker left (0) or the tier aborted (1)."""

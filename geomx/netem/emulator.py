@@ -36,6 +36,7 @@ import msgpack
 import zmq
 
 from geomx.config import max_frame_bytes as frame_limit_from_env
+from geomx.config import refuse_exposed_without_secret
 from geomx.errors import ConfigError
 from geomx.netem import link_matrix
 from geomx.netem import outages as outage_plan
@@ -509,8 +510,10 @@ def run_from_env(env: Mapping[str, str] | None = None) -> int:
         raise ConfigError(f"GEOMX_EMULATOR_PORT={port_text!r} is not a port number") from None
     dcs, hosts = (env.get(var, "").replace(",", " ").split() or None
                   for var in ("GEOMX_EMULATOR_DCS", "GEOMX_EMULATOR_HOSTS"))
+    security = link_security(env)
+    refuse_exposed_without_secret("the WAN emulator", (host,), security, env)
     emulator = WanEmulator(profile=profile, host=host, port=port, run_dir=env.get("GEOMX_RUN_DIR") or None,
-                           security=link_security(env), dcs=dcs, hosts=hosts,
+                           security=security, dcs=dcs, hosts=hosts,
                            links=link_matrix.from_env(env.get(link_matrix.ENV), dcs),
                            outages=outage_plan.from_env(env.get(outage_plan.ENV), dcs),
                            tcp=tcp_path_from_env(env), node_links=node_link_plan.parse(env.get(node_link_plan.ENV)),

@@ -184,6 +184,11 @@ class ZmqVan(Van):
         return tcp_address(self.host, self._port)
 
     @property
+    def bound_address(self) -> str:
+        """Where the socket listens: ``address`` unless GEOMX_BIND_HOST binds another (0.0.0.0 behind NAT)."""
+        return tcp_address(self._bind_host, self._port)
+
+    @property
     def port(self) -> int:
         return self._port
 
