@@ -134,6 +134,34 @@ def test_a_reply_flood_grows_the_receiver_by_less_than_100_mib_and_logs_a_few_li
     assert refused.total == sent and refused.lines <= 10 + 3      # a burst, then one line per 10 s
 
 
+def test_a_message_the_receiver_cannot_decode_leaves_its_receive_thread_serving():
+    """A header announcing a 65-dimensional tensor made numpy raise a ValueError no receive loop caught: the
+    thread died, the node went deaf and its tier dropped it as dead (found by a review). Such specs, and
+    empty shapes numpy cannot hold, are refused as malformed; whatever else a message raises is logged and the
+    loop goes on."""
+    got: list[str] = []
+    receiver = ZmqVan(node_id="victim", dc="a", on_message=lambda m: got.append(m.op))
+    receiver.start()
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(receiver.address)
+    try:
+        for spec, frame in ((["float32", [1] * 65], b"\0" * 4), (["float32", [0, 2 ** 62]], b""),
+                            (["float32", [0, 2 ** 62, 2 ** 62]], b"")):
+            peer.send_multipart([msgpack.packb({"op": "evil", "src": "x", "f": {}, "t": [spec]}), frame])
+            peer.send_multipart([msgpack.packb({"op": "ping", "src": "x", "f": {}, "t": []})])
+        deadline = time.monotonic() + 10
+        while len(got) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert got == ["ping"] * 3 and receiver.dropped_messages == 3
+        assert receiver._receive_thread.is_alive()
+    finally:
+        peer.close()
+        ctx.term()
+        receiver.stop()
+
+
 # -- the WAN emulator relays only within its configuration ---------------------------------------------------
 
 def test_the_emulator_relays_only_between_its_dcs_and_to_its_hosts():

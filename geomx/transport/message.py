@@ -97,12 +97,17 @@ def decode_header(frame) -> dict:
     return header
 
 
+MAX_DIMENSIONS = 32
+
+
 def _spec(spec) -> tuple[np.dtype, tuple[int, ...]]:
     try:
         dtype_name, shape = spec
         if dtype_name not in WIRE_DTYPES:
             raise ProtocolError(f"dtype {dtype_name!r} is not allowed on the wire")
         shape = tuple(int(s) for s in shape)
+        if len(shape) > MAX_DIMENSIONS:     # numpy refuses more, with an error no receive loop expects
+            raise ProtocolError(f"a tensor of {len(shape)} dimensions (at most {MAX_DIMENSIONS})")
         if any(s < 0 for s in shape):
             raise ProtocolError(f"negative dimension in shape {shape}")
         return np.dtype(dtype_name), shape
@@ -131,8 +136,11 @@ def build_message(header: dict, frames: Sequence) -> Message:
         if count * dtype.itemsize != buf.nbytes:
             raise ProtocolError(f"tensor of shape {shape} {dtype.name} needs {count * dtype.itemsize} bytes, "
                                 f"frame has {buf.nbytes}")
-        tensors.append(np.frombuffer(buf, dtype=dtype, count=count).reshape(shape) if count
-                       else np.zeros(shape, dtype=dtype))
+        try:
+            tensors.append(np.frombuffer(buf, dtype=dtype, count=count).reshape(shape) if count
+                           else np.zeros(shape, dtype=dtype))
+        except (ValueError, OverflowError) as exc:     # an empty shape numpy cannot hold ((0, 2**70))
+            raise ProtocolError(f"tensor of shape {shape} {dtype.name}: {exc}") from None
     prio = header.get("p", 0)
     return Message(op=header["op"], src=str(header.get("src", "")), fields=header["f"], tensors=tensors,
                    priority=int(prio) if isinstance(prio, int) else 0)

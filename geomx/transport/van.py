@@ -320,11 +320,24 @@ class ZmqVan(Van):
                         peer = sock.recv(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._receive_one(sock, peer)
+                    try:
+                        self._receive_one(sock, peer)
+                    except Exception as exc:
+                        # one bad message must not leave the node deaf: its peers would take it for dead
+                        self._drop_rest(sock)
+                        self.dropped_messages += 1
+                        log.error("%s dropped a message from peer %r it could not handle: %s",
+                                  public_name(self.node_id), bytes(peer.bytes[:32]), exc, exc_info=True)
         finally:
             sock.close(linger=0)
             if self._security is not None:
                 self._security.release(self._ctx)
+
+    @staticmethod
+    def _drop_rest(sock: zmq.Socket) -> None:
+        """Read what is left of the current message, so that the next one starts clean."""
+        while sock.getsockopt(zmq.RCVMORE):
+            sock.recv(copy=False)
 
     def _receive_one(self, sock: zmq.Socket, peer: zmq.Frame) -> None:
         """Read the rest of one message (always all its frames, so the next message starts clean) and hand it on;
