@@ -27,8 +27,8 @@ def deployment():
     """An emulator and vans made by the test, stopped at teardown."""
     made: list = []
 
-    def make(rate_bps=1e8, rtt_s=0.04, security=None):
-        em = WanEmulator(profile=custom_profile(rate_bps, rtt_s), security=security)
+    def make(rate_bps=1e8, rtt_s=0.04, security=None, max_frame_bytes=-1):
+        em = WanEmulator(profile=custom_profile(rate_bps, rtt_s), security=security, max_frame_bytes=max_frame_bytes)
         em.start()
         inbox = TimedInbox()
         sender = ZmqVan(node_id="a-server", dc="a", on_message=lambda m: None, emulator=em.address,
@@ -125,17 +125,19 @@ def test_the_emulator_drops_a_malformed_parked_route_and_keeps_forwarding(deploy
     import msgpack
     import zmq
 
-    em, a, c, inbox = deployment()
+    em, a, c, inbox = deployment(max_frame_bytes=16 << 20)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(em.address)
     try:
         base = {"dst": c.address, "src_dc": "a", "dst_dc": CENTRAL_DC, "prio": 0}
-        for bad in ({"park": b"short", "n": 10}, {"park": b"i" * 12, "n": -1}, {"park": b"i" * 12}):
+        # the last: more than a part can be (four frames of the limit), which had held the link for a day
+        for bad in ({"park": b"short", "n": 10}, {"park": b"i" * 12, "n": -1}, {"park": b"i" * 12},
+                    {"park": b"i" * 12, "n": (64 << 20) + 1}):
             sock.send_multipart([msgpack.packb({**base, **bad}, use_bin_type=True)])
         sock.send_multipart([msgpack.packb({**base, "park": b"i" * 12, "n": 5}, use_bin_type=True), b"extra"])
-        wait_until(lambda: em.dropped_messages >= 4, 5, "four dropped routes")
-        assert em.dropped_messages == 4 and em.stats()["parked_messages"] == 0
+        wait_until(lambda: em.dropped_messages >= 5, 5, "five dropped routes")
+        assert em.dropped_messages == 5 and em.stats()["parked_messages"] == 0
         a.send(c.address, Message("push", tensors=[np.zeros(BIG, np.float32)]), dst_dc=CENTRAL_DC)
         inbox.wait_for(1)
     finally:

@@ -107,6 +107,9 @@ class WanEmulator:
         self.refusals = RefusalLog(log)
         self._security = security   # with GEOMX_SECRET the emulator is a CurveZMQ peer like any node
         self._max_frame_bytes = max_frame_bytes
+        # a parked message is one part, each of its frames within the frame limit: a route claiming more would
+        # hold the link for what was never sent (a forged route of 2**40 bytes stalled it for a day)
+        self.max_parked_bytes = 4 * max_frame_bytes if max_frame_bytes > 0 else 1 << 40
         self.host = host
         self._port = port
         self.run_dir = run_dir
@@ -331,9 +334,10 @@ class WanEmulator:
         else:                       # parked at its receiver (geomx.transport.parking): forward its release
             nbytes = route.get("n")
             if not (isinstance(park, bytes) and len(park) == parking.ID_BYTES and isinstance(nbytes, int)
-                    and not isinstance(nbytes, bool) and 0 <= nbytes < 1 << 40 and len(frames) == 2):
+                    and not isinstance(nbytes, bool) and 0 <= nbytes <= self.max_parked_bytes and len(frames) == 2):
                 raise ValueError(f"a parked message's route needs a {parking.ID_BYTES}-byte id and its size "
-                                 f"alone, got park={park!r}, n={nbytes!r}, {len(frames) - 2} frame(s) behind it")
+                                 f"alone (at most {self.max_parked_bytes} bytes: four frames of the frame limit), "
+                                 f"got park={park!r}, n={nbytes!r}, {len(frames) - 2} frame(s) behind it")
             self.parked_messages += 1
             release = parking.marker(parking.RELEASE, park)
             path[0].enqueue(nbytes, prio, lambda: self._releases.setdefault(dst, []).append(release), then=path[1])
