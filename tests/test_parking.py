@@ -115,6 +115,21 @@ def test_the_parking_store_matches_either_order_and_drops_what_is_never_matched(
     assert parking.read_marker(b"\x81\xa2op") is None and parking.read_marker(b"\x01" + b"e" * 13) is None
 
 
+def test_a_parked_message_is_held_as_long_as_a_request_may_wait_and_a_drop_names_the_limit(monkeypatch, caplog):
+    """Held for 300 s at most, a message behind a long WAN backlog (a slow link, a large model) was dropped
+    while the emulator would still release it, and its round waited out GEOMX_TIMEOUT (found by a review). It is
+    held as long as a request may wait (GEOMX_TIMEOUT, at least 300 s), and a drop says which limit to raise."""
+    monkeypatch.setenv("GEOMX_TIMEOUT", "3600")
+    assert parking.Parking().max_age_s == 3600
+    monkeypatch.setenv("GEOMX_TIMEOUT", "30")
+    assert parking.Parking().max_age_s == parking.MAX_AGE_S
+    store = parking.Parking(max_bytes=1000)
+    with caplog.at_level("ERROR", logger="geomx.van"):
+        store.park(b"a" * 12, "m1", 600)
+        store.park(b"b" * 12, "m2", 600)
+    assert store.dropped == 1 and "more than 0 MiB waited (GEOMX_PARK_MB)" in caplog.text, caplog.text
+
+
 def test_a_bad_park_cap_is_named(monkeypatch):
     monkeypatch.setenv("GEOMX_PARK_MB", "lots")
     with pytest.raises(ConfigError, match="GEOMX_PARK_MB"):

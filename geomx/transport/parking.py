@@ -18,9 +18,10 @@ before; only the copies through the emulator's process are gone. A marker frame 
 no msgpack value (an unsealed message's header) and no sealed envelope (whose first byte is its version).
 
 :class:`Parking` is the receiving side's store. Held messages and early releases are bounded in age
-(``max_age_s``: one never matched is dropped and logged), in number, and held bytes in all (``max_bytes``,
-``GEOMX_PARK_MB``, default 4096: a deployment's WAN backlog towards one node is held there, where it used to wait in
-the emulator; a peer that parks and never has its messages released cannot grow a node past it).
+(``max_age_s``: one never matched is dropped and logged; by default as long as a request may wait for it,
+``GEOMX_TIMEOUT``, at least 300 s, so a long WAN backlog is not cut short), in number, and held bytes in all
+(``max_bytes``, ``GEOMX_PARK_MB``, default 4096: a deployment's WAN backlog towards one node is held there, where
+it used to wait in the emulator; a peer that parks and never has its messages released cannot grow a node past it).
 """
 from __future__ import annotations
 
@@ -60,9 +61,10 @@ def read_marker(frame: bytes | memoryview) -> tuple[bytes, bytes] | None:
 class Parking:
     """Held messages by id, and releases that came first. Used by one thread (the van's receive thread)."""
 
-    def __init__(self, *, max_age_s: float = MAX_AGE_S, max_entries: int = MAX_ENTRIES,
+    def __init__(self, *, max_age_s: float | None = None, max_entries: int = MAX_ENTRIES,
                  max_bytes: int | None = None) -> None:
-        self.max_age_s, self.max_entries = max_age_s, max_entries
+        self.max_age_s = max_age_s if max_age_s is not None else _env_max_age()
+        self.max_entries = max_entries
         self.max_bytes = max_bytes if max_bytes is not None else _env_park_bytes()
         self._held: OrderedDict[bytes, tuple[float, object, int]] = OrderedDict()   # id -> (since, message, bytes)
         self._released: OrderedDict[bytes, float] = OrderedDict()                   # id -> since
@@ -94,19 +96,34 @@ class Parking:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        while self._held and (len(self._held) > self.max_entries or self.held_bytes > self.max_bytes
-                              or now - next(iter(self._held.values()))[0] > self.max_age_s):
+        while self._held:
+            since = next(iter(self._held.values()))[0]
+            why = (f"more than {self.max_entries} messages waited" if len(self._held) > self.max_entries else
+                   f"more than {self.max_bytes >> 20} MiB waited (GEOMX_PARK_MB)" if self.held_bytes > self.max_bytes
+                   else f"it waited {now - since:.0f} s (GEOMX_TIMEOUT)" if now - since > self.max_age_s else None)
+            if why is None:
+                break
             self.held_bytes -= self._held.popitem(last=False)[1][2]
-            self._drop("message")
+            self._drop("message", why)
         while self._released and (len(self._released) > self.max_entries
                                   or now - next(iter(self._released.values())) > self.max_age_s):
             self._released.popitem(last=False)
-            self._drop("release")
+            self._drop("release", f"no message came for it within {self.max_age_s:.0f} s")
 
-    def _drop(self, what: str) -> None:
+    def _drop(self, what: str, why: str) -> None:
+        # lost: the request it belongs to waits until its deadline, so say which limit to raise
         self.dropped += 1
-        log.warning("a parked %s was never matched within %.0f s (or more than %d, or %d MiB of messages, "
-                    "waited): dropped", what, self.max_age_s, self.max_entries, self.max_bytes >> 20)
+        log.error("a parked %s, still waiting for its %s from the WAN emulator, was dropped: %s", what,
+                  "release" if what == "message" else "message", why)
+
+
+def _env_max_age() -> float:
+    """As long as a request may wait (GEOMX_TIMEOUT, checked where the role's configuration is read), at least
+    MAX_AGE_S: a message held behind a long WAN backlog is still on its way."""
+    try:
+        return max(MAX_AGE_S, float(os.environ.get("GEOMX_TIMEOUT") or 0))
+    except ValueError:
+        return MAX_AGE_S
 
 
 def _env_park_bytes() -> int:
