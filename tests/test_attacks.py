@@ -197,6 +197,35 @@ def test_the_emulator_relays_only_between_its_dcs_and_to_its_hosts():
         emulator.stop()
 
 
+def test_a_stranger_connecting_first_under_the_emulators_name_cannot_keep_its_deliveries_off_a_node():
+    """The emulator's sockets introduced themselves under one constant identity: a stranger who connected to a
+    node first under it was kept, the emulator's own connection refused, and every message relayed to that
+    node was lost silently (found by a review). Each emulator's identity now has a random part."""
+    em = WanEmulator(profile=custom_profile(1e9, 0.002), dcs=["a", "b"])
+    em.start()
+    got = Inbox()
+    b = ZmqVan(node_id="server-b-" + "1" * 24, dc="b", on_message=got)
+    a = ZmqVan(node_id="worker-a-" + "2" * 24, dc="a", on_message=lambda m: None, emulator=em.address)
+    ctx = zmq.Context()
+    stranger = ctx.socket(zmq.DEALER)
+    stranger.setsockopt(zmq.LINGER, 0)
+    try:
+        b.start()
+        a.start()
+        assert em.identity.startswith(b"geomx-wan-emulator-") and em.identity != b"geomx-wan-emulator"
+        stranger.setsockopt(zmq.IDENTITY, b"geomx-wan-emulator")
+        stranger.connect(b.address)
+        stranger.send(b"\x81\xa2op")        # the connection is up, and b holds that identity
+        time.sleep(0.3)
+        a.send(b.address, Message("through the emulator"), dst_dc="b")
+        assert got.wait_for(1, 10) and [m.op for m in got.messages] == ["through the emulator"]
+    finally:
+        stranger.close()
+        ctx.term()
+        for thing in (a, b, em):
+            thing.stop()
+
+
 def test_the_launcher_tells_the_emulator_its_dcs_and_host(tmp_path):
     from geomx.cli.launch import plan
     from geomx.cli.topology import load_topology

@@ -54,7 +54,10 @@ import contextlib
 
 log = logging.getLogger("geomx.netem")
 
-IDENTITY = b"geomx-wan-emulator"
+# the emulator's sockets introduce themselves as this, plus a random part of each emulator: a constant identity
+# let a stranger who connected first under it keep the emulator's deliveries off a node (a ROUTER refuses a
+# second peer with an identity it holds)
+IDENTITY_PREFIX = b"geomx-wan-emulator-"
 # without a list of DCs, at most this many links (each has a thread); with one, exactly the pairs of its DCs
 MAX_LINKS = 256
 # distinct destinations the emulator keeps a socket to
@@ -107,6 +110,7 @@ class WanEmulator:
         self.refusals = RefusalLog(log)
         self._security = security   # with GEOMX_SECRET the emulator is a CurveZMQ peer like any node
         self._max_frame_bytes = max_frame_bytes
+        self.identity = IDENTITY_PREFIX + os.urandom(8).hex().encode()
         # a parked message is one part, each of its frames within the frame limit: a route claiming more would
         # hold the link for what was never sent (a forged route of 2**40 bytes stalled it for a day)
         self.max_parked_bytes = 4 * max_frame_bytes if max_frame_bytes > 0 else 1 << 40
@@ -398,7 +402,7 @@ class WanEmulator:
                                    "destinations", dst, MAX_DESTINATIONS)
                 return
             sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.IDENTITY, IDENTITY)
+            sock.setsockopt(zmq.IDENTITY, self.identity)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, 0)
             if self._security is not None:
