@@ -255,11 +255,9 @@ def validation_windows(corpus: Corpus, count: int, context: int) -> torch.Tensor
 # -- training --------------------------------------------------------------------------------------------------
 
 def lr_schedule(step: int, *, warmup: int, total: int, min_ratio: float = 0.1) -> float:
-    """Linear warm-up to 1 over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    """Linear warm-up to 1 over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``: the schedule
+    the global servers run with --update-on server (geomx.WarmupCosine)."""
+    return geomx.WarmupCosine(warmup=warmup, total=total, min_ratio=min_ratio).factor(step)
 
 
 def adamw(model: nn.Module, *, lr: float, weight_decay: float, one_group: bool = False) -> torch.optim.AdamW:
@@ -328,9 +326,14 @@ def main(argv=None) -> int:
         corpus, worker=index, workers=kv.num_all_workers, dc=int(os.environ.get("GEOMX_DC_INDEX", 0)),
         dcs=int(os.environ.get("GEOMX_NUM_DCS", 1)), rank=kv.rank, dc_workers=kv.num_workers,
         by_package=args.split_by_package, seed=args.seed)
-    # the synchronization algorithm comes from geomx launch --sync (GEOMX_SYNC); HFA weighs models by bytes
-    opt = DistributedOptimizer(inner, model, kvstore=kv, update_on_server=args.update_on == "server",
-                               num_samples=max(1, len(data)))
+    horizon = args.schedule_steps or args.steps
+    warmup = args.warmup or max(1, horizon // 20)
+    # the synchronization algorithm comes from geomx launch --sync (GEOMX_SYNC); HFA weighs models by bytes.
+    # With --update-on server the servers' AdamW runs the schedule (a scheduler here would reach nothing)
+    on_server = args.update_on == "server"
+    opt = DistributedOptimizer(inner, model, kvstore=kv, update_on_server=on_server, num_samples=max(1, len(data)),
+                               server_lr_schedule=geomx.WarmupCosine(warmup=warmup, total=horizon, min_ratio=0.1)
+                               if on_server else None)
     if kv.is_master_worker:
         print(f"master worker: corpus {len(corpus.tokens):,} bytes in {len(corpus.names)} files, sha256 "
               f"{corpus.digest[:16]}; initialized {sum(q.numel() for q in model.parameters()):,} parameters "
@@ -345,10 +348,7 @@ def main(argv=None) -> int:
     windows = validation_windows(corpus, args.eval_windows, context).to(device)
     source = torch.from_numpy(data)
     rng = np.random.default_rng(args.seed + 1000 + index)
-    horizon = args.schedule_steps or args.steps
-    warmup = args.warmup or max(1, horizon // 20)
-    # with --update-on server the servers' AdamW runs at the peak rate: a schedule here would reach nothing
-    schedule = None if args.update_on == "server" else torch.optim.lr_scheduler.LambdaLR(
+    schedule = None if on_server else torch.optim.lr_scheduler.LambdaLR(
         inner, lambda s: lr_schedule(s, warmup=warmup, total=horizon))
     offsets = torch.arange(context + 1)
 

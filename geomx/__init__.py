@@ -11,12 +11,12 @@ from geomx.uncaught import run_main
 __version__ = "0.1.0"
 
 __all__ = ["ConfigError", "DCASGD", "DGA", "DeadlineError", "DiLoCo", "ESync", "FSA", "GeomxError", "HFA", "KVError",
-           "PeerLostError", "ProtocolError", "PROFILES", "WanProfile", "check_combination", "compat", "get_profile",
-           "kvstore", "metrics", "optim", "run_main", "statefile", "sync", "__version__"]
+           "PeerLostError", "ProtocolError", "PROFILES", "StepDecay", "WanProfile", "WarmupCosine", "check_combination",
+           "compat", "get_profile", "kvstore", "metrics", "optim", "run_main", "statefile", "sync", "__version__"]
 
 # public classes of submodules that import torch, loaded on first use
 _LAZY = {"DCASGD": "geomx.optim", "HFA": "geomx.sync", "DiLoCo": "geomx.sync", "FSA": "geomx.sync", "DGA": "geomx.sync",
-         "ESync": "geomx.sync"}
+         "ESync": "geomx.sync", "StepDecay": "geomx.optim", "WarmupCosine": "geomx.optim"}
 
 
 def __getattr__(name):

@@ -32,7 +32,8 @@ if kv.is_master_worker:
         import torch
         kv.set_optimizer(torch.optim.SGD, lr=0.1)
     else:
-        kv.set_optimizer("SGD", lr=0.1, momentum=0.9)
+        # the servers halve the rate at every update (a worker's scheduler would not reach them)
+        kv.set_optimizer("SGD", lr=0.1, momentum=0.9, lr_schedule={{"name": "step", "step_size": 1, "gamma": 0.5}})
 else:
     kv.set_optimizer("SGD", lr=123.0)      # only the master worker's call counts (GeoMX semantics)
 tag = 0 if kv.is_master_worker else h.worker_index() + 1
@@ -60,13 +61,14 @@ h.dump(f"server-updates-{{me}}", kv.server_updates)
 """
 
 
-def reference(key, momentum: float) -> list[np.ndarray]:
-    """Single-process SGD on the mean gradient of all workers: w -= lr * (momentum buffer of the mean)."""
-    lr = 0.1
+def reference(key, momentum: float, gamma: float = 1.0) -> list[np.ndarray]:
+    """Single-process SGD on the mean gradient of all workers: w -= lr * (momentum buffer of the mean), the rate
+    times ``gamma`` after each step (torch's StepLR with step_size 1)."""
     w = kvhelp.value(0, key, KEYS[key]).astype(np.float64)
     buf = None
     out = []
     for step in range(STEPS):
+        lr = 0.1 * gamma ** step
         mean = np.mean([kvhelp.grad(SEED, i, step, key, KEYS[key]).astype(np.float64) for i in range(N)], axis=0)
         buf = mean if buf is None or momentum == 0 else momentum * buf + mean
         w = w - lr * buf
@@ -74,9 +76,9 @@ def reference(key, momentum: float) -> list[np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("how,momentum", [("class", 0.0), ("name", 0.9)],
-                         ids=["sgd-class-torch-tensors", "momentum-sgd-name-numpy"])
-def test_server_side_sgd_weights_match_single_process_reference(tmp_path, how, momentum):
+@pytest.mark.parametrize("how,momentum,gamma", [("class", 0.0, 1.0), ("name", 0.9, 0.5)],
+                         ids=["sgd-class-torch-tensors", "momentum-sgd-name-numpy-step-schedule"])
+def test_server_side_sgd_weights_match_single_process_reference(tmp_path, how, momentum, gamma):
     run_dir = check_ok(launch(tmp_path, SCRIPT, dcs=2, workers_per_dc=WORKERS_PER_DC,
                               env={"TEST_OPTIMIZER": how}))
     for me in range(N):
@@ -84,10 +86,11 @@ def test_server_side_sgd_weights_match_single_process_reference(tmp_path, how, m
         assert (run_dir / f"server-updates-{me}.json").read_text() == "true"
         for key, shape in KEYS.items():
             np.testing.assert_array_equal(got[f"{key}@start"], kvhelp.value(0, key, shape))
-            expected = reference(key, momentum)
+            expected = reference(key, momentum, gamma)
             for step in range(STEPS):
                 np.testing.assert_allclose(got[f"{key}@{step}"], expected[step], rtol=0, atol=1e-6,
                                            err_msg=f"worker {me}, key {key}, step {step}")
             np.testing.assert_array_equal(got[f"{key}@final-pull"], got[f"{key}@{STEPS - 1}"])
-    # the reference really distinguishes the two rules (and a worker's lr=123 would be far off)
+    # the reference really distinguishes the rules and the schedule (and a worker's lr=123 would be far off)
     assert np.abs(reference("w", 0.9)[-1] - reference("w", 0.0)[-1]).max() > 1e-2
+    assert np.abs(reference("w", 0.9, 0.5)[-1] - reference("w", 0.9)[-1]).max() > 1e-2

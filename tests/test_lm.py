@@ -12,6 +12,7 @@ import pytest
 
 from geomx.cli.launch import Launcher
 from geomx.cli.topology import load_topology
+from geomx.errors import ConfigError
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_lm.py"
 
@@ -168,7 +169,7 @@ def test_device_is_the_cpu_by_default_auto_picks_a_gpu_only_where_torch_sees_one
     assert loop.device(p.parse_args(["--device", "cpu"]), worker) == torch.device("cpu")
     for text, words in [(f"cuda:{gpus}", f"torch sees {gpus} GPU(s)"), ("warp-drive", "is not a device"),
                         ("meta", "run on cpu or cuda")]:
-        with pytest.raises(SystemExit) as exc:
+        with pytest.raises(ConfigError) as exc:
             loop.device(p.parse_args(["--device", text]), worker)
         assert f"--device {text}" in str(exc.value) or f"--device {text!r}" in str(exc.value)
         assert words in str(exc.value), str(exc.value)

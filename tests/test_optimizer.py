@@ -313,6 +313,55 @@ def test_a_learning_rate_schedule_on_the_workers_is_said_not_to_reach_the_server
         cluster.close()
     assert len(said) == 1, said
     assert "parameter group 0 is 0.05 on this worker" in said[0] and "(0.1)" in said[0], said
+    assert "server_lr_schedule=geomx.WarmupCosine" in said[0], said
+
+
+def test_a_server_lr_schedule_steps_the_servers_optimizer_as_a_scheduler_steps_a_local_one():
+    """DistributedOptimizer(server_lr_schedule=...) gives the global servers the schedule (MXNet's servers ran
+    the optimizer's scheduler): one worker's model after 4 steps equals local SGD under torch's StepLR."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from geomx.optim import StepDecay
+    from geomx.torch import DistributedOptimizer
+    from inproc import DEADLINE_S, HipsCluster
+
+    def model_and_sgd():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+
+    def make(kv, model, sgd):
+        return DistributedOptimizer(sgd, model, kvstore=kv, update_on_server=True,
+                                    server_lr_schedule=StepDecay(step_size=1, gamma=0.5)), model
+
+    def train(opt, model, steps):
+        for i in range(steps):
+            opt.zero_grad()
+            model(torch.full((2, 3), 1.0 + i)).pow(2).sum().backward()
+            opt.step()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    cluster = HipsCluster(dcs=("a",), per_dc=1)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            # the models made here, one after the other: torch's seed is one for all threads
+            made = [(kv, *model_and_sgd()) for kv in (cluster.master, cluster.workers["a"][0])]
+            (_, _), (opt, model) = [f.result(DEADLINE_S) for f in [pool.submit(make, *m) for m in made]]
+        distributed = train(opt, model, 4)
+    finally:
+        cluster.close()
+    def local(gamma):
+        model, sgd = model_and_sgd()
+        scheduler = torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=gamma)
+        for i in range(4):
+            sgd.zero_grad()
+            model(torch.full((2, 3), 1.0 + i)).pow(2).sum().backward()
+            sgd.step()
+            scheduler.step()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    torch.testing.assert_close(distributed, local(0.5), rtol=0, atol=1e-6)
+    assert (local(0.5) - local(1.0)).abs().max() > 1e-2     # at the constant rate it would end elsewhere
 
 
 def test_parameter_groups_the_servers_optimizer_does_not_run_are_named_at_set_up(caplog):

@@ -25,6 +25,7 @@ from geomx.compat import conflict
 from geomx.compression import CompressionPolicy
 from geomx.config import MIXEDSYNC, MODES, REDUCTIONS, NodeConfig, checkpoint_directory, round_divisor
 from geomx.errors import ConfigError
+from geomx.optim.schedules import parse_schedule
 from geomx.profiles import CENTRAL_DC
 from geomx.sync.settings import rounds_are_steps
 from geomx.transport.message import Message
@@ -50,6 +51,7 @@ class GlobalServer(KVServer):
         self.rounds_are_steps = rounds_are_steps()
         self.optimizer: tuple | None = None      # (class, kwargs)
         self.optimizer_name: str | None = None     # as the master worker named it
+        self.lr_schedule = None                     # the optimizer's (geomx.optim.schedules), if any
         self.compression: CompressionPolicy | None = None
         self.policy: UpdatePolicy | None = None
         self.directory: dict = {}                  # key -> owning global server rank
@@ -140,6 +142,7 @@ class GlobalServer(KVServer):
         self.optimizer = (resolve_optimizer(str(args.get("optimizer")), kwargs, self.po.cfg.optimizer_modules),
                           kwargs)
         self.optimizer_name = str(args.get("optimizer"))
+        self.lr_schedule = _schedule(args.get("lr_schedule"))
 
     def _reconfigure(self, msg: Message, name: str, args: dict) -> None:
         """A command after the first kv.init. MXNet's own order, init then set_optimizer, is served while no key
@@ -159,7 +162,7 @@ class GlobalServer(KVServer):
         sync = self.mode == "dist_sync"
         divisor = round_divisor(self.reduction, self.num_all_workers)
         if self.optimizer is not None:
-            return ServerOptimizer(divisor, *self.optimizer, synchronous=sync)
+            return ServerOptimizer(divisor, *self.optimizer, synchronous=sync, lr_schedule=self.lr_schedule)
         if sync:
             return RoundGradient(divisor)
         # overlap: a local server hands its DC's own gradients to its workers itself, so reads carry the others'
@@ -197,6 +200,7 @@ class GlobalServer(KVServer):
         return {"num_all_workers": self.num_all_workers, "mode": self.mode, "mixedsync": self.mixedsync,
                 "reduction": self.reduction, "hfa_k2": self.hfa_k2, "rounds_are_steps": self.rounds_are_steps,
                 "optimizer": None if self.optimizer is None else [self.optimizer_name, self.optimizer[1]],
+                "lr_schedule": self.lr_schedule.to_spec() if self.lr_schedule is not None else None,
                 "compression": self.compression.to_wire() if self.compression is not None else None,
                 "configured": self.policy is not None, "directory": dict(self.directory)}
 
@@ -216,6 +220,7 @@ class GlobalServer(KVServer):
                                                        dict(kwargs)), name
             except Refused as exc:
                 raise ConfigError(f"saved server optimizer: {exc}") from None
+            self.lr_schedule = parse_schedule(config.get("lr_schedule"))
         if config["compression"] is not None:
             self.compression = CompressionPolicy.from_wire(config["compression"])
         self.directory = dict(config["directory"])
@@ -381,3 +386,13 @@ def run_global_server(cfg: NodeConfig) -> int:
         # done aborts the process in torch's C++ ("terminate called without an active exception", signal 6)
         importer.join(timeout=_TORCH_IMPORT_DEADLINE_S)
     return 1 if server.po.aborted else 0
+
+
+def _schedule(spec):
+    """The master worker's learning-rate schedule (its spec), refused naming what is wrong."""
+    if spec is None:
+        return None
+    try:
+        return parse_schedule(spec)
+    except ConfigError as exc:
+        raise Refused(str(exc)) from None

@@ -137,10 +137,11 @@ class OptimizerState:
     the torch optimizer stepping it."""
     param: Any       # torch.nn.Parameter
     optimizer: Any   # torch.optim.Optimizer
+    updates: int = 0    # steps taken: where a learning-rate schedule is (geomx.optim.schedules)
 
     def state_dict(self) -> dict:
         return {"param": self.param.detach().numpy().copy(),
-                "optimizer": _tensors_to_arrays(self.optimizer.state_dict())}
+                "optimizer": _tensors_to_arrays(self.optimizer.state_dict()), "updates": self.updates}
 
     def load_state_dict(self, state: dict) -> None:
         import torch
@@ -152,15 +153,17 @@ class OptimizerState:
         with torch.no_grad():
             self.param.copy_(torch.from_numpy(param))
         self.optimizer.load_state_dict(_arrays_to_tensors(state["optimizer"]))
+        self.updates = int(state.get("updates", 0))     # saved before schedules: none ran, none to go on with
 
 
 class ServerOptimizer(UpdatePolicy):
     """A torch.optim optimizer per key, stepping on the round's reduced gradient (sync) or each DC's share
     (async)."""
 
-    def __init__(self, divisor: int, optimizer_class, kwargs: dict, synchronous: bool) -> None:
+    def __init__(self, divisor: int, optimizer_class, kwargs: dict, synchronous: bool, lr_schedule=None) -> None:
         super().__init__(divisor)
         self.optimizer_class, self.kwargs, self.synchronous = optimizer_class, kwargs, synchronous
+        self.lr_schedule = lr_schedule      # geomx.optim.schedules, or None: the rate set up stays
 
     def init_key(self, st):
         import torch
@@ -169,7 +172,14 @@ class ServerOptimizer(UpdatePolicy):
             raise Refused(f"key {st.key!r} is {st.dtype.name}: a server optimizer needs floating-point values")
         param = torch.nn.Parameter(torch.from_numpy(st.value.astype(np.float32 if st.dtype != np.float64
                                                                      else np.float64)))
-        st.update = OptimizerState(param, self.optimizer_class([param], **self.kwargs))
+        optimizer = self.optimizer_class([param], **self.kwargs)
+        if self.lr_schedule is not None:
+            if any("lr" not in group for group in optimizer.param_groups):
+                raise Refused(f"lr_schedule {self.lr_schedule.name!r}: optimizer {self.optimizer_class.__name__} "
+                              f"has no learning rate ('lr') to scale")
+            for group in optimizer.param_groups:    # the rate a schedule scales (a LambdaLR's base_lrs)
+                group.setdefault("initial_lr", group["lr"])
+        st.update = OptimizerState(param, optimizer)
 
     def apply(self, server, st, total, contributors):
         import torch
@@ -180,7 +190,12 @@ class ServerOptimizer(UpdatePolicy):
             # of a synchronous round all read the same weights, so they count as one sender, "*"
             opt.set_sender("*" if self.synchronous else contributors[0])
         param.grad = torch.from_numpy((total / self.divisor).astype(param.detach().numpy().dtype))
+        if self.lr_schedule is not None:
+            factor = self.lr_schedule.factor(st.update.updates)
+            for group in opt.param_groups:
+                group["lr"] = group["initial_lr"] * factor
         opt.step()
+        st.update.updates += 1
         server.set_value(st, param.detach().numpy().astype(st.dtype, copy=True), contributors)
 
 

@@ -35,6 +35,7 @@ from geomx.config import MODES, REDUCTIONS, NodeConfig, config_from_env
 from geomx.errors import ConfigError, GeomxError, KVError, PeerLostError
 from geomx.kvstore.partition import LAN_PART_BYTES, check_user_key, part_views, plan_parts, wire_part_bytes
 from geomx.lifeline import watch_launcher
+from geomx.optim.schedules import parse_schedule
 from geomx import uncaught
 from geomx.profiles import CENTRAL_DC
 from geomx.sync.settings import algorithm_rounds_are_steps, settings_from_env, sync_requested
@@ -228,10 +229,13 @@ class KVStore:
             self._send_mode()
 
     # configuration (master worker) ----------------------------------------------------------------------------
-    def set_optimizer(self, optimizer: Any, **kwargs) -> None:
+    def set_optimizer(self, optimizer: Any, *, lr_schedule=None, **kwargs) -> None:
         """Run ``optimizer`` (a torch.optim class, its name, or an instance) on the global servers. Only the
         master worker's call counts (others return at once, as in GeoMX). Before kv.init, or after it (MXNet's
-        order) as long as no key has been pushed yet."""
+        order) as long as no key has been pushed yet. ``lr_schedule``: a geomx.optim schedule
+        (``WarmupCosine``, ``StepDecay``) or its spec, which the servers apply to the optimizer's rate at each
+        key's update count (a scheduler on the workers does not reach them)."""
+        schedule = parse_schedule(lr_schedule)
         if isinstance(optimizer, str):
             name = optimizer
         elif isinstance(optimizer, type):
@@ -252,7 +256,7 @@ class KVStore:
             # __init__ does not accept
             accepted = inspect.signature(type(optimizer).__init__).parameters
             kwargs = {**{k: v for k, v in optimizer.defaults.items() if _plain(v) and k in accepted}, **kwargs}
-            return self.set_optimizer(type(optimizer), **kwargs)
+            return self.set_optimizer(type(optimizer), lr_schedule=schedule, **kwargs)
         kwargs = {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
         bad = [k for k, v in kwargs.items() if not _plain(v)]
         if bad:
@@ -260,7 +264,8 @@ class KVStore:
         if not self.is_master_worker:
             log.debug("set_optimizer on a non-master worker is ignored (GeoMX semantics)")
             return
-        for h in self._client.command(Command.SET_OPTIMIZER, optimizer=name, kwargs=kwargs):
+        spec = {"lr_schedule": schedule.to_spec()} if schedule is not None else {}
+        for h in self._client.command(Command.SET_OPTIMIZER, optimizer=name, kwargs=kwargs, **spec):
             h.wait()
         self._client.info["server_optimizer"] = True
 

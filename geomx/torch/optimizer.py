@@ -23,14 +23,15 @@ lets faster workers take more local steps per round (count the run's length in :
 started with ``GEOMX_SLOWDOWN=F`` (``geomx launch --slowdown``) makes every step take F times its compute time
 (geomx.sync.slowdown).
 
-It is a ``torch.optim.Optimizer``: its ``param_groups``, ``state`` and ``defaults`` are the wrapped
-optimizer's own objects, so an LR scheduler on it (``torch.optim.lr_scheduler.StepLR(opt, ...)``) changes the
-wrapped optimizer's learning rate (with ``update_on_server`` the servers' optimizer keeps the hyper-parameters it
-had at set-up, and the first step() after the learning rate changed here warns that the schedule does not reach
-it); ``zero_grad(set_to_none=)`` and step hooks work; ``state_dict()`` is the wrapped optimizer's
-plus a ``"geomx"`` entry with the synchronization policy's state (HFA/DiLoCo base model and outer momentum, DGA's
-gradient history, ESync's round), the step count and this worker's compression streams (codec memory,
-error-feedback residuals), and ``load_state_dict`` restores them.
+It is a ``torch.optim.Optimizer``: its ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own
+objects, so an LR scheduler on it (``torch.optim.lr_scheduler.StepLR(opt, ...)``) changes the wrapped optimizer's
+learning rate (with ``update_on_server`` the servers' optimizer keeps the hyper-parameters it had at set-up, and the
+first step() after the learning rate changed here warns that the schedule does not reach it: give the servers theirs
+instead, ``server_lr_schedule=geomx.WarmupCosine(...)`` or ``geomx.StepDecay(...)``, which they apply at each key's
+update count, as MXNet's servers ran the optimizer's scheduler); ``zero_grad(set_to_none=)`` and step hooks work;
+``state_dict()`` is the wrapped optimizer's plus a ``"geomx"`` entry with the synchronization policy's state
+(HFA/DiLoCo base model and outer momentum, DGA's gradient history, ESync's round), the step count and this worker's
+compression streams (codec memory, error-feedback residuals), and ``load_state_dict`` restores them.
 
 Tuning: gradients are pushed with priority ``-index`` (first layers first), so the tensors the next forward
 pass needs first travel first on a congested link. ``backward_passes_per_step`` k > 1 sums k backward passes
@@ -50,6 +51,7 @@ import torch
 from geomx import metrics
 from geomx.compat import check as check_combination
 from geomx.errors import ConfigError
+from geomx.optim.schedules import parse_schedule
 from geomx.sync import create as create_sync
 from geomx.sync.slowdown import Slowdown
 
@@ -87,9 +89,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]] | None = None, *,
                  kvstore=None, update_on_server: bool = False, backward_passes_per_step: int = 1, sync=None,
-                 num_samples: float | None = None) -> None:
+                 num_samples: float | None = None, server_lr_schedule=None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
+        schedule = parse_schedule(server_lr_schedule)
+        if schedule is not None and not update_on_server:
+            raise ConfigError("server_lr_schedule is the global servers' schedule, for update_on_server=True; "
+                              "on the workers use a torch.optim.lr_scheduler on the wrapped optimizer")
         # torch.optim.Optimizer.__init__ would build param_groups of its own: the wrapped optimizer's are used
         # (properties below), only the hook tables and the step patch are set up here
         for table in _HOOK_TABLES:
@@ -121,7 +127,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.slowdown = Slowdown.from_env()
         self.steps_taken = 0        # step() calls
         if update_on_server and kvstore.is_master_worker:
-            kvstore.set_optimizer(optimizer)
+            kvstore.set_optimizer(optimizer, lr_schedule=schedule)
         names = [n for n, _ in self.params]
         started = time.perf_counter()
         # a policy that slices its parameters (P3) says how finely; every process initializes the keys alike
@@ -140,6 +146,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # the servers' optimizer took these learning rates at set-up and keeps them: a change here (a scheduler)
         # never reaches it, which step() says once rather than let a schedule do nothing unnoticed
         self._servers_lrs = [g.get("lr") for g in optimizer.param_groups] if update_on_server else None
+        self._servers_schedule = schedule
         unlike = _groups_unlike_defaults(optimizer) if update_on_server else []
         if unlike:
             message = (f"with update_on_server=True the global servers run one set of hyper-parameters, the "
@@ -257,7 +264,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         was = f"{then[group]:g}" if group < len(then) else "no group of its own"
         message = (f"the learning rate of parameter group {group} is {now[group] if group < len(now) else None} on "
                    f"this worker (an LR scheduler?), but with update_on_server=True the global servers run the "
-                   f"optimizer with what it had at set-up ({was}): a schedule on the workers does not reach them")
+                   f"optimizer with what it had at set-up ({was}): a schedule on the workers does not reach them"
+                   + (" (they run server_lr_schedule)" if self._servers_schedule is not None else
+                      "; give them one with DistributedOptimizer(server_lr_schedule=geomx.WarmupCosine(...))"))
         _warn(message, stacklevel=4)
         self._servers_lrs = None        # said once
 
