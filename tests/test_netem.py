@@ -525,6 +525,34 @@ def test_binding_a_used_port_raises_config_error_naming_the_address():
             em.start()
 
 
+@pytest.mark.parametrize("emulator, scheduler_dc", [("down", CENTRAL_DC), ("refusing the route", CENTRAL_DC),
+                                                    ("down", "b")])
+def test_a_registration_unanswered_through_the_emulator_names_the_emulator_not_only_the_scheduler(
+        net, emulator, scheduler_dc):
+    """A DC's server whose GEOMX_WAN_EMULATOR is wrong (nothing listens) or whose emulator refuses its route
+    (GEOMX_EMULATOR_DCS lacks its DC) was told only that the global scheduler did not answer (is it running?).
+    A scheduler of its own DC is reached directly: the emulator is not blamed then."""
+    from geomx.bench.common import free_port
+    from geomx.cluster.postoffice import Postoffice
+    from geomx.config import NodeConfig
+    from geomx.errors import DeadlineError
+
+    address = net.emulator(dcs=["a", CENTRAL_DC]).address if emulator != "down" else f"tcp://127.0.0.1:{free_port()}"
+    po = Postoffice(NodeConfig(role="server", dc="b", emulator=address, connect_timeout=0.3))
+    po.start()
+    try:
+        with pytest.raises(DeadlineError) as failed:
+            po.join("global", ("127.0.0.1", free_port()), scheduler_dc, "worker", {})
+    finally:
+        po.van.stop(flush_timeout=0)
+    said = str(failed.value)
+    assert "no answer from the global scheduler" in said, said
+    if scheduler_dc == "b":
+        assert "GEOMX_WAN_EMULATOR" not in said, said
+    else:
+        assert f"WAN emulator at {address} (GEOMX_WAN_EMULATOR)" in said and "DC b to DC central" in said, said
+
+
 # -- the standalone process -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("env, variable", [

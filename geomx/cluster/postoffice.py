@@ -127,9 +127,16 @@ class Tier:
                                pid=os.getpid(), hostname=socket.gethostname(), token=self.token)
         deadline = self.po.cfg.connect_timeout
         if not self.po.wait_event(self._table_ready, deadline):
+            # a registration to another DC crosses the WAN emulator: a dead or refusing emulator looks the same
+            # from here as a scheduler that is not running, so both are named
+            emulator = self.po.van.emulator_for(self.scheduler_dc)
+            via = "" if emulator is None else (
+                f"; the registration went through the WAN emulator at {emulator} (GEOMX_WAN_EMULATOR): it may be "
+                f"down, or refusing the route from DC {self.po.cfg.network_dc} to DC {self.scheduler_dc} (its log "
+                f"says why, e.g. GEOMX_EMULATOR_DCS or GEOMX_EMULATOR_HOSTS)")
             raise DeadlineError(f"{self.po.cfg.label}: no answer from the {self.name} scheduler at "
                                 f"{self.scheduler_addr} within {deadline:g} s (is it running? GEOMX_CONNECT_TIMEOUT "
-                                f"sets the limit)")
+                                f"sets the limit){via}")
         if self._reject:
             raise ConfigError(f"the {self.name} scheduler at {self.scheduler_addr} refused {self.po.cfg.label}: "
                               f"{self._reject}")

@@ -118,6 +118,11 @@ class Van(ABC):
         """Cumulative traffic (geomx.metrics kind ``traffic``): node, sent, sent_messages, received,
         send_queue."""
 
+    def emulator_for(self, dst_dc: str | None) -> str | None:
+        """The WAN emulator's address where a message to a node of ``dst_dc`` goes through it, else None (a deadline
+        that waited on such a message names the emulator, not only its receiver)."""
+        return None
+
     def down_since(self, addr: str) -> float | None:
         """When this node's direct connection to ``addr`` closed (time.monotonic; its process ended), None
         while it is up or where this van cannot tell: liveness checks then rely on heartbeats alone."""

@@ -275,9 +275,12 @@ class ZmqVan(Van):
     def _same_host(self, addr: str) -> bool:
         return addr[len("tcp://"):].rpartition(":")[0] == self.host
 
+    def emulator_for(self, dst_dc: str | None) -> str | None:
+        return self._emulator if dst_dc is not None and dst_dc != self.dc else None
+
     def _socket_address(self, addr: str, dst_dc: str | None) -> str:
         """The socket a message to ``addr`` leaves on: the emulator's for another DC when one is configured."""
-        return self._emulator if self._emulator is not None and dst_dc is not None and dst_dc != self.dc else addr
+        return self.emulator_for(dst_dc) or addr
 
     def counters(self) -> dict:
         """Cumulative traffic (see geomx.metrics, kind ``traffic``)."""
