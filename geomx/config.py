@@ -5,10 +5,13 @@ process bodies, plus a few ``GEOMX_*`` ones of its own (docs/environment.md has 
 """
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 import re
+import socket
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Mapping
@@ -255,8 +258,68 @@ def env_heartbeat_timeout(env: Mapping[str, str]) -> tuple[float, bool]:
     return env_float(env, "GEOMX_HEARTBEAT_TIMEOUT", NodeConfig.heartbeat_timeout, positive=True), False
 
 
-def _addr(env: Mapping[str, str], uri: str, port: str, role: str) -> tuple[str, int]:
-    return _need(env, uri, role), env_port(env, port, role)
+# how long a role waits at start for its resolver to say whether a host name exists: a name that does not is
+# refused at once, naming the variable; a resolver slower than this only gets a warning (the deadline names the rest)
+RESOLVE_S = 2.0
+_HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+_resolved: dict[str, bool] = {}      # names looked up in this process (doctor checks many roles on one host)
+
+
+def check_host(variable: str, host: str, port_variable: str, *, resolve: bool = True) -> str:
+    """``host`` as a role dials or advertises it, refused naming ``variable`` where it could never be reached:
+    a host with a port in it (the port belongs in ``port_variable``; it had been dialled as HOST:PORT:PORT), a
+    scheme or path, a dotted address that is no IPv4 address (999.1.1.1), and, with ``resolve``, a name the
+    resolver says does not exist (within RESOLVE_S; each had waited GEOMX_CONNECT_TIMEOUT, then blamed a scheduler
+    "not running")."""
+    text = host.strip()
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(text)
+        return text
+    if "://" in text or "/" in text:
+        raise ConfigError(f"{variable}={host!r} is not a host: give the address alone (e.g. 10.0.0.5), without a "
+                          f"scheme or path")
+    if ":" in text:
+        raise ConfigError(f"{variable}={host!r} contains a port: give the host alone in {variable} and the port in "
+                          f"{port_variable}")
+    if re.fullmatch(r"[0-9.]+", text):
+        raise ConfigError(f"{variable}={host!r} is not an IPv4 address (four numbers 0-255, e.g. 10.0.0.5)")
+    if not _HOST_NAME.fullmatch(text):
+        raise ConfigError(f"{variable}={host!r} is not a host name or IP address")
+    if resolve and not _resolves(text):
+        raise ConfigError(f"{variable}={host!r} does not resolve to an address on this host (a typo? `getent hosts "
+                          f"{text}` checks it)")
+    return text
+
+
+def _resolves(name: str) -> bool:
+    """False only where the resolver says the name does not exist; True where it resolves, and where the resolver
+    fails otherwise or gives no answer within RESOLVE_S (logged: it may resolve later)."""
+    if name in _resolved:
+        return _resolved[name]
+    answer: dict[str, bool] = {}
+
+    def look_up() -> None:
+        try:
+            socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+            answer["found"] = True
+        except socket.gaierror as exc:
+            answer["found"] = exc.errno not in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME))
+            if answer["found"]:
+                log.warning("cannot resolve %r now (%s): going on, it may resolve later", name, exc)
+
+    # getaddrinfo has no timeout of its own: a daemon thread bounds it
+    looking = threading.Thread(target=look_up, name="resolve", daemon=True)
+    looking.start()
+    looking.join(RESOLVE_S)
+    if "found" not in answer:
+        log.warning("the resolver gave no answer for %r within %g s: going on, it may resolve later", name, RESOLVE_S)
+        return True
+    _resolved[name] = answer["found"]
+    return answer["found"]
+
+
+def _addr(env: Mapping[str, str], uri: str, port: str, role: str, *, resolve: bool = True) -> tuple[str, int]:
+    return check_host(uri, _need(env, uri, role), port, resolve=resolve), env_port(env, port, role)
 
 
 def role_from_env(env: Mapping[str, str]) -> str:
@@ -285,7 +348,8 @@ def role_from_env(env: Mapping[str, str]) -> str:
     raise ConfigError(f"DMLC_ROLE={local!r} is not scheduler, server or worker")
 
 
-def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
+def config_from_env(env: Mapping[str, str] | None = None, *, resolve: bool = True) -> NodeConfig:
+    """``resolve``: host names are looked up (check_host); ``geomx doctor --no-network`` leaves them."""
     env = os.environ if env is None else env
     role = role_from_env(env)
     report_unimplemented(env, role)      # GeoMX variables geomx does not implement: said once, never ignored
@@ -299,8 +363,11 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
     if mixedsync not in MIXEDSYNC:
         raise ConfigError(f"GEOMX_MIXEDSYNC={mixedsync!r} is not one of {', '.join(MIXEDSYNC)}")
     cfg = NodeConfig(role=role, dc="", topology=topology, mode=mode, mixedsync=mixedsync)
-    cfg.host = env.get("DMLC_NODE_HOST") or env.get("GEOMX_HOST") or "127.0.0.1"
+    host_variable = "DMLC_NODE_HOST" if env.get("DMLC_NODE_HOST") else "GEOMX_HOST"
+    cfg.host = check_host(host_variable, env.get(host_variable) or "127.0.0.1", "PORT", resolve=resolve)
     cfg.bind_host = env.get("GEOMX_BIND_HOST") or None
+    if cfg.bind_host is not None:
+        cfg.bind_host = check_host("GEOMX_BIND_HOST", cfg.bind_host, "PORT", resolve=resolve)
     cfg.port = env_port(env, "PORT", role, 0)
     cfg.emulator = env.get("GEOMX_WAN_EMULATOR") or None
     if cfg.emulator is not None and not is_node_address(cfg.emulator):
@@ -341,11 +408,12 @@ def config_from_env(env: Mapping[str, str] | None = None) -> NodeConfig:
     in_global_tier = role in ("global_scheduler", "global_server", "server") or (
         role == "worker" and topology == "flat")
     if role != "global_scheduler":
-        cfg.scheduler = _addr(env, "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", role)
+        cfg.scheduler = _addr(env, "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", role, resolve=resolve)
         cfg.num_workers = env_int(env, "DMLC_NUM_WORKER", role)
         cfg.num_servers = env_int(env, "DMLC_NUM_SERVER", role)
     if in_global_tier:
-        cfg.global_scheduler = _addr(env, "DMLC_PS_GLOBAL_ROOT_URI", "DMLC_PS_GLOBAL_ROOT_PORT", role)
+        cfg.global_scheduler = _addr(env, "DMLC_PS_GLOBAL_ROOT_URI", "DMLC_PS_GLOBAL_ROOT_PORT", role,
+                                     resolve=resolve)
         cfg.num_global_servers = env_int(env, "DMLC_NUM_GLOBAL_SERVER", role)
         cfg.num_global_workers = env_int(env, "DMLC_NUM_GLOBAL_WORKER", role)
     if role in ("worker", "master", "global_server"):

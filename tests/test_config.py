@@ -119,16 +119,60 @@ def test_role_missing_a_variable_is_refused_naming_the_variable(env, missing):
     (worker_env(GEOMX_HEARTBEAT_TIMEOUT="-1"), ["GEOMX_HEARTBEAT_TIMEOUT='-1'", "> 0"]),
     (worker_env(GEOMX_WAN_EMULATOR="bogus"), ["GEOMX_WAN_EMULATOR='bogus'", "tcp://HOST:PORT"]),
     (worker_env(GEOMX_WAN_EMULATOR="tcp://127.0.0.1:99999"), ["GEOMX_WAN_EMULATOR='tcp://127.0.0.1:99999'"]),
+    # found by a review (session 39): each was dialled and waited GEOMX_CONNECT_TIMEOUT, then blamed the scheduler
+    (worker_env(DMLC_PS_ROOT_URI="127.0.0.1:29002"), ["DMLC_PS_ROOT_URI='127.0.0.1:29002'", "contains a port",
+                                                     "DMLC_PS_ROOT_PORT"]),
+    (server_env(DMLC_PS_GLOBAL_ROOT_URI="999.1.1.1"), ["DMLC_PS_GLOBAL_ROOT_URI='999.1.1.1'", "not an IPv4 address"]),
+    (worker_env(DMLC_PS_ROOT_URI="tcp://10.0.0.5"), ["DMLC_PS_ROOT_URI='tcp://10.0.0.5'", "without a scheme"]),
+    (worker_env(DMLC_NODE_HOST="10.0.0.5:7000", GEOMX_INSECURE="1"), ["DMLC_NODE_HOST='10.0.0.5:7000'",
+                                                                       "contains a port", "PORT"]),
+    (worker_env(DMLC_NODE_HOST="10.0.0"), ["DMLC_NODE_HOST='10.0.0'", "not an IPv4 address"]),
 ], ids=["nan-count", "nan-port", "nan-timeout", "zero-workers", "bad-role", "bad-geomx-role", "bad-topology",
         "bad-mode", "bad-mixedsync", "two-local-servers", "global-server-not-server", "bad-global-role", "no-role",
         "zero-checkpoint-seconds", "nan-checkpoint-seconds", "s3-checkpoint-dir", "remote-file-url",
         "port-above-65535", "server-port-above-65535", "negative-heartbeat-interval", "zero-connect-timeout",
-        "negative-timeout", "negative-heartbeat-timeout", "emulator-not-an-address", "emulator-port-above-65535"])
+        "negative-timeout", "negative-heartbeat-timeout", "emulator-not-an-address", "emulator-port-above-65535",
+        "scheduler-host-with-port", "global-scheduler-bad-ipv4", "scheduler-host-with-scheme",
+        "node-host-with-port", "node-host-three-numbers"])
 def test_malformed_variable_is_refused_naming_variable_and_value(env, words):
     with pytest.raises(ConfigError) as info:
         config_from_env(env)
     for word in words:
         assert word in str(info.value)
+
+
+def test_a_host_name_that_does_not_resolve_is_refused_at_start_and_a_silent_resolver_only_delays_it(monkeypatch,
+                                                                                                    caplog):
+    """'locahost' had been dialled for GEOMX_CONNECT_TIMEOUT; a resolver that does not answer must not hold a role
+    longer than RESOLVE_S (the name may resolve once the scheduler's host is up)."""
+    import socket
+    import threading
+    import time
+
+    from geomx import config
+
+    answered, hang = {"locahost": socket.gaierror(socket.EAI_NONAME, "Name or service not known")}, threading.Event()
+
+    def getaddrinfo(name, *args, **kwargs):
+        if name == "slow-dns":
+            hang.wait(10)
+        if name in answered:
+            raise answered[name]
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.5", 0))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(config, "RESOLVE_S", 0.2)
+    monkeypatch.setattr(config, "_resolved", {})
+    with pytest.raises(ConfigError, match="DMLC_PS_ROOT_URI='locahost' does not resolve"):
+        config_from_env(worker_env(DMLC_PS_ROOT_URI="locahost"))
+    assert config_from_env(worker_env(DMLC_PS_ROOT_URI="locahost"), resolve=False).scheduler == ("locahost", 9000)
+    assert config_from_env(worker_env(DMLC_PS_ROOT_URI="sched-a.internal")).scheduler == ("sched-a.internal", 9000)
+    began = time.monotonic()
+    try:
+        assert config_from_env(worker_env(DMLC_PS_ROOT_URI="slow-dns")).scheduler == ("slow-dns", 9000)
+    finally:
+        hang.set()
+    assert time.monotonic() - began < 2 and "no answer for 'slow-dns'" in caplog.text
 
 
 def _node(env: dict, timeout: float = 30) -> subprocess.CompletedProcess:

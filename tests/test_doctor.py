@@ -100,6 +100,9 @@ CASES = [
     # found by a review (session 38): bound to every address with no secret, and the doctor said nothing
     ("no secret, listening on every address", lambda e: [(e[n].pop("GEOMX_SECRET"), e[n].update(
         GEOMX_BIND_HOST="0.0.0.0")) for n in e], "0.0.0.0"),
+    # found by a review (session 39): dialled as tcp://127.0.0.1:29002:29002, and --no-network said nothing
+    ("scheduler address with its port in it", _set("b-worker-0", DMLC_PS_ROOT_URI="127.0.0.1:29002"),
+     "DMLC_PS_ROOT_URI='127.0.0.1:29002' contains a port"),
 ]
 
 

@@ -71,16 +71,16 @@ def read_env_file(path: Path) -> dict[str, str]:
 
 # -- one role -------------------------------------------------------------------------------------------------
 
-def check_role(role: Role) -> list[Problem]:
+def check_role(role: Role, *, resolve: bool = True) -> list[Problem]:
     """The role's variables as it reads them at start-up (the first problem: the rest follow from fixing it), and
     those a training worker reads only later (the synchronization algorithm) or only with a secret (the
-    encryption)."""
+    encryption). ``resolve``: host names must resolve (not under --no-network)."""
     from geomx.sync.settings import settings_from_env
     from geomx.transport.security import ENCRYPTIONS
 
     fix = "set the variable as docs/environment.md describes"
     try:
-        role.cfg = config_from_env(role.env)
+        role.cfg = config_from_env(role.env, resolve=resolve)
     except ConfigError as exc:
         return [Problem(role.name, str(exc), fix)]
     problems = []
@@ -357,7 +357,7 @@ def diagnose(envs: Mapping[str, Mapping[str, str]], *, network: bool = True, loc
     problems: list[Problem] = []
     notes: list[str] = []
     for r in roles:
-        problems += check_role(r)
+        problems += check_role(r, resolve=network)
     for across in (check_local_tiers, check_worker_indexes, check_global_tier, check_addresses, check_secrets):
         problems += across(roles)
     if network:
