@@ -49,6 +49,7 @@ def run_scheduler(cfg: NodeConfig) -> int:
                           heartbeat_timeout=cfg.heartbeat_timeout, connect_timeout=cfg.connect_timeout,
                           measured_liveness=cfg.heartbeat_measured,
                           bind_host=cfg.bind_host, security=cfg.security, drop_rule=drop_rule, run_dir=cfg.run_dir,
+                          topology=cfg.topology,
                           metrics=metrics.open_process_writer(cfg.run_dir, cfg.role, cfg.dc))
     return scheduler.serve()
 

@@ -125,6 +125,42 @@ def test_a_whole_2dc_deployment_runs_in_one_process_over_the_in_memory_van():
         cluster.close()
 
 
+@pytest.mark.parametrize("tier, expected, member, named", [
+    ("global", {"server": 1, "worker": 2}, ("server", "a", "worker"),
+     ["1 of 1 global server(s) (registered: none)", "1 of 2 DCs' local servers (registered: DC a)"]),
+    ("dc:a", {"server": 1, "worker": 1}, ("worker", "a", "worker"),
+     ["1 of 1 server(s) (registered: none)", "if it runs, it is waiting for the global tier"]),
+], ids=["global tier names the DCs", "a DC's tier says where its server may wait"])
+def test_an_incomplete_tier_names_what_is_missing_in_the_users_words_and_who_registered(tier, expected, member, named):
+    """The global scheduler had said 'still waiting for 1 worker(s)' (a DC's local server, no DC named), and a DC's
+    scheduler 'still waiting for 1 server(s)' while that server ran, waiting for the global tier."""
+    from geomx.cluster.postoffice import Postoffice
+    from geomx.cluster.scheduler import Scheduler
+    from geomx.config import NodeConfig
+    from geomx.errors import PeerLostError
+    from geomx.profiles import CENTRAL_DC
+
+    hub = Hub()
+    sched = Scheduler(tier=tier, dc=CENTRAL_DC if tier == "global" else "a", expected=expected, port=0,
+                      connect_timeout=0.3, van="inproc", van_options={"hub": hub})
+    serving = threading.Thread(target=sched.serve, daemon=True)
+    serving.start()
+    while not sched.van.port:
+        time.sleep(0.005)
+    role, dc, tier_role = member
+    po = Postoffice(NodeConfig(role=role, dc=dc, van="inproc", van_options={"hub": hub}, connect_timeout=DEADLINE_S))
+    po.start()
+    try:
+        with pytest.raises(PeerLostError) as aborted:
+            po.join(tier, (hub.name, sched.van.port), sched.dc, tier_role, {"dc_workers": 1})
+    finally:
+        po.close()
+        serving.join(DEADLINE_S)
+        hub.close()
+    said = str(aborted.value)
+    assert f"the {tier} tier is incomplete after 0.3 s" in said and all(n in said for n in named), said
+
+
 def test_cross_dc_messages_take_the_emulated_link_and_intra_dc_ones_do_not():
     delay = 0.05
     cluster = HipsCluster(dcs=("a", "b"), per_dc=2, link=lambda src, dst: EmulatedLink(

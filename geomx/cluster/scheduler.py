@@ -67,8 +67,10 @@ class Scheduler:
                  emulator: str | None = None, heartbeat_timeout: float = 10.0, connect_timeout: float = 120.0,
                  bind_host: str | None = None, security=None, metrics=None, van: str = "zmq",
                  van_options: dict | None = None, drop_rule: DropRule | None = None,
-                 run_dir: str | None = None, measured_liveness: bool = False) -> None:
-        self.tier, self.dc, self.expected = tier, dc, dict(expected)
+                 run_dir: str | None = None, measured_liveness: bool = False, topology: str = "hips") -> None:
+        """``topology``: the global tier's workers are the DCs' local servers under hips (named as DCs while the
+        tier waits for them), training workers under flat."""
+        self.tier, self.dc, self.expected, self.topology = tier, dc, dict(expected), topology
         self.drop_rule = drop_rule          # None: every member is needed (a silent one aborts the tier)
         self.run_dir = run_dir              # where dropped members are recorded for the launcher (geomx.dropped)
         self.heartbeat_timeout, self.connect_timeout = heartbeat_timeout, connect_timeout
@@ -373,10 +375,8 @@ class Scheduler:
         with self._lock:
             if not self._members:
                 if now - self._started > self.connect_timeout:
-                    missing = {r: n - sum(e["tier_role"] == r for e in self._pending.values())
-                               for r, n in self.expected.items()}
                     self._fail(f"the {self.tier} tier is incomplete after {self.connect_timeout:g} s: still waiting "
-                               f"for " + ", ".join(f"{n} {r}(s)" for r, n in missing.items() if n > 0), None)
+                               f"for {self._missing()}", None)
                 return
             for node_id, seen in list(self._last_seen.items()):
                 if node_id in self._left or node_id in self._departed:
@@ -401,6 +401,30 @@ class Scheduler:
                     continue
                 self._fail(reason + problem, None, skip=node_id)
                 return
+
+    def _missing(self) -> str:
+        """What the tier still waits for at start-up, in the user's words, with who did register: the global
+        tier's workers (hips) are the DCs' local servers, named by DC."""
+        waiting = []
+        for role, n in self.expected.items():
+            came = [e for e in self._pending.values() if e["tier_role"] == role]
+            if len(came) >= n:
+                continue
+            if self.tier == "global" and role == "worker" and self.topology == "hips":
+                dcs = sorted(e["dc"] for e in came)
+                waiting.append(f"{n - len(came)} of {n} DCs' local servers (registered: "
+                               f"{'DC ' + ', '.join(dcs) if dcs else 'none'})")
+                continue
+            what = {("global", "server"): "global server(s)"}.get((self.tier, role), f"{role}(s)")
+            came_names = ", ".join(self._label(e) for e in came[:4]) + (f" and {len(came) - 4} more" if len(came) > 4
+                                                                        else "")
+            waiting.append(f"{n - len(came)} of {n} {what} (registered: {came_names or 'none'})")
+            if self.tier != "global" and role == "server":
+                # a tier's servers (a DC's local server, the central party's global servers) register here only
+                # once the global tier is complete: one that runs may be waiting there, unseen from here
+                waiting[-1] += (" - a server registers here only after the global tier is complete: if it runs, "
+                                "it is waiting for the global tier, whose scheduler names what is missing there")
+        return "; ".join(waiting)
 
     def _droppable_remaining(self, but: str) -> int:
         rule = self.drop_rule

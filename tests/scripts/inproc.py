@@ -48,10 +48,10 @@ class Deployment:
                           heartbeat_interval=self.heartbeat_interval, op_timeout=DEADLINE_S,
                           connect_timeout=DEADLINE_S, **fields)
 
-    def scheduler(self, tier: str, dc: str, expected: dict, drop_rule=None) -> tuple[str, int]:
+    def scheduler(self, tier: str, dc: str, expected: dict, drop_rule=None, topology: str = "hips") -> tuple[str, int]:
         """Start a tier's scheduler; its (host, port) for the members' configurations."""
         sched = Scheduler(tier=tier, dc=dc, expected=expected, port=0, heartbeat_timeout=60.0,
-                          connect_timeout=DEADLINE_S, van=self.van, drop_rule=drop_rule,
+                          connect_timeout=DEADLINE_S, van=self.van, drop_rule=drop_rule, topology=topology,
                           measured_liveness=self.measured_liveness,
                           van_options={"hub": self.hub} if self.hub else None)
         self.schedulers[tier] = sched
@@ -113,7 +113,7 @@ class FlatCluster(Deployment):
 
     def __init__(self, num_workers: int = 2, van: str = "inproc", global_server_fields: dict | None = None) -> None:
         super().__init__(van)
-        gs = self.scheduler("global", CENTRAL_DC, {"server": 1, "worker": num_workers})
+        gs = self.scheduler("global", CENTRAL_DC, {"server": 1, "worker": num_workers}, topology="flat")
         cs = self.scheduler("dc:central", CENTRAL_DC, {"server": 1, "worker": 1})
         counts = {"num_global_servers": 1, "num_global_workers": num_workers, "num_all_workers": num_workers}
         server_cfg = self.config(role="global_server", dc=CENTRAL_DC, scheduler=cs, global_scheduler=gs,
