@@ -22,6 +22,7 @@ from geomx.profiles import CENTRAL_DC
 from geomx.compression.policy import SIZE_BOUND_ENV, env_size_bound
 from geomx.transport.base import is_node_address
 from geomx.transport.security import Curve, Sealed, link_security
+from geomx.env_names import report_unknown
 from geomx.unimplemented import report_unimplemented
 
 log = logging.getLogger("geomx.config")
@@ -348,11 +349,15 @@ def role_from_env(env: Mapping[str, str]) -> str:
     raise ConfigError(f"DMLC_ROLE={local!r} is not scheduler, server or worker")
 
 
-def config_from_env(env: Mapping[str, str] | None = None, *, resolve: bool = True) -> NodeConfig:
-    """``resolve``: host names are looked up (check_host); ``geomx doctor --no-network`` leaves them."""
+def config_from_env(env: Mapping[str, str] | None = None, *, resolve: bool = True,
+                    warn_unknown: bool = True) -> NodeConfig:
+    """``resolve``: host names are looked up (check_host); ``geomx doctor --no-network`` leaves them.
+    ``warn_unknown``: log unknown GEOMX_*/DMLC_* names (geomx doctor reports them as problems instead)."""
     env = os.environ if env is None else env
     role = role_from_env(env)
     report_unimplemented(env, role)      # GeoMX variables geomx does not implement: said once, never ignored
+    if warn_unknown:
+        report_unknown(env, role)        # and misspelled ones (GEOMX_CONECT_TIMEOUT), which nothing reads
     topology = env.get("GEOMX_TOPOLOGY", "hips")
     if topology not in TOPOLOGIES:
         raise ConfigError(f"GEOMX_TOPOLOGY={topology!r} is not one of {', '.join(TOPOLOGIES)}")

@@ -103,6 +103,11 @@ CASES = [
     # found by a review (session 39): dialled as tcp://127.0.0.1:29002:29002, and --no-network said nothing
     ("scheduler address with its port in it", _set("b-worker-0", DMLC_PS_ROOT_URI="127.0.0.1:29002"),
      "DMLC_PS_ROOT_URI='127.0.0.1:29002' contains a port"),
+    # found by a review (session 39): misspelled variables were ignored in silence, "0 problems found"
+    ("misspelled geomx variable", _set("a-worker-0", GEOMX_CONECT_TIMEOUT=5),
+     "GEOMX_CONECT_TIMEOUT is not a variable geomx knows (did you mean GEOMX_CONNECT_TIMEOUT?)"),
+    ("misspelled emulator variable", _set("a-server", GEOMX_WAN_STREAM=4), "rename it to GEOMX_WAN_STREAMS"),
+    ("misspelled GeoMX variable", _set("b-scheduler", DMLC_NUM_WORKERS=3), "(did you mean DMLC_NUM_WORKER?)"),
 ]
 
 

@@ -1,8 +1,12 @@
-"""GeoMX variables geomx does not implement are reported once per process at start-up, and documented."""
+"""GeoMX variables geomx does not implement, and GEOMX_*/DMLC_* names geomx does not know (misspellings), are
+reported once per process at start-up, never ignored in silence; the known ones are documented."""
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
+
+import pytest
 
 from harness import check_ok, launch, load_json
 
@@ -67,3 +71,56 @@ def test_every_unimplemented_variable_is_documented():
     section = doc[doc.index("## GeoMX variables geomx does not implement"):]
     missing = [u.variable for u in UNIMPLEMENTED if f"`{u.variable}`" not in section]
     assert not missing, missing
+
+
+REPO = Path(__file__).resolve().parent.parent
+NAME = r"(?:GEOMX|DMLC)_[A-Z0-9_]*[A-Z0-9]"
+
+
+def test_every_geomx_or_dmlc_variable_the_code_examples_and_test_scripts_use_is_known():
+    """The known names are one list (geomx.env_names): a variable read anywhere but missing there would be
+    reported as a misspelling, so each quoted name in the package, the examples and the test scripts is in it."""
+    from geomx.env_names import KNOWN
+
+    used: dict[str, str] = {}
+    for path in [*(REPO / "geomx").rglob("*.py"), *(REPO / "examples").rglob("*.py"),
+                 *(REPO / "tests" / "scripts").rglob("*")]:
+        if path.suffix not in (".py", ".sh") or not path.is_file():
+            continue
+        pattern = rf"[\"']({NAME})[\"']" if path.suffix == ".py" else rf"\b({NAME})\b"
+        for name in re.findall(pattern, path.read_text(errors="replace")):
+            used.setdefault(name, str(path.relative_to(REPO)))
+    assert len(used) > 80, "the scan found too few names to be reading the code"
+    unknown = {name: where for name, where in used.items() if name not in KNOWN}
+    assert not unknown, f"add these to geomx/env_names.py (and docs/environment.md): {unknown}"
+
+
+def test_the_documented_variables_are_exactly_those_of_docs_environment_md():
+    from geomx.env_names import DOCUMENTED, PREFIXES
+    from geomx.unimplemented import UNIMPLEMENTED
+
+    doc = (REPO / "docs" / "environment.md").read_text()
+    in_doc = set(re.findall(rf"\b{NAME}\b(?!_\*)", doc))
+    unimplemented = {u.variable for u in UNIMPLEMENTED if u.variable.startswith(PREFIXES)}
+    assert in_doc - unimplemented == set(DOCUMENTED), (sorted(in_doc - unimplemented - DOCUMENTED),
+                                                       sorted(DOCUMENTED - in_doc))
+
+
+@pytest.mark.parametrize("name, close", [("GEOMX_CONECT_TIMEOUT", "GEOMX_CONNECT_TIMEOUT"),
+                                         ("GEOMX_WAN_STREAM", "GEOMX_WAN_STREAMS"),
+                                         ("DMLC_NUM_WORKERS", "DMLC_NUM_WORKER"), ("GEOMX_XYZZY", None)])
+def test_a_misspelled_variable_is_warned_about_once_at_start_naming_the_closest_known_one(monkeypatch, caplog, name,
+                                                                                          close):
+    """It had been ignored in silence: the role ran on the default of the variable meant."""
+    from geomx import env_names
+    from geomx.config import config_from_env
+
+    monkeypatch.setattr(env_names, "_reported", set())
+    env = {"DMLC_ROLE": "scheduler", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9000",
+           "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "GEOMX_DC": "a", "GEOMX_LAUNCHER_PID": "1", name: "5"}
+    with caplog.at_level(logging.WARNING, logger="geomx.env"):
+        config_from_env(env)
+        config_from_env(env)                   # a second read in the same process says nothing new
+    warned = [r.getMessage() for r in caplog.records if r.name == "geomx.env"]
+    assert len(warned) == 1 and warned[0].startswith(f"{name} is not a variable geomx knows"), warned
+    assert (f"did you mean {close}?" in warned[0]) if close else "did you mean" not in warned[0], warned

@@ -4,7 +4,8 @@ It reads the environment of one role (this process's) or of every role (``--env-
 ``KEY=VALUE`` lines per role), and reports each problem as one line naming the role, the variable (or host and
 port) and the fix:
 
-* each role's own variables, as the role would read them at start-up (missing, malformed, impossible counts);
+* each role's own variables, as the role would read them at start-up (missing, malformed, impossible counts), and
+  any ``GEOMX_*`` / ``DMLC_*`` name geomx does not know (a misspelling, which nothing would read);
 * across roles: the counts every member of a tier declares against its scheduler's, the DC names of a tier,
   the global tier's counts against the DCs given, two schedulers on one address, the secret held on every side;
 * on the network (unless ``--no-network``): every scheduler named is reached over TCP (and the time of that
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from geomx.config import NodeConfig, config_from_env, is_loopback
+from geomx.env_names import describe_unknown, unknown_variables
 from geomx.errors import ConfigError, GeomxError
 from geomx.transport.security import encryption_of, read_secret, seal_max_age
 
@@ -79,11 +81,14 @@ def check_role(role: Role, *, resolve: bool = True) -> list[Problem]:
     from geomx.transport.security import ENCRYPTIONS
 
     fix = "set the variable as docs/environment.md describes"
+    # a misspelled variable is read by nothing: the role would run on the default without a word
+    problems = [Problem(role.name, describe_unknown(name, close), f"rename it to {close}" if close else
+                        "remove it, or name a variable docs/environment.md lists")
+                for name, close in unknown_variables(role.env)]
     try:
-        role.cfg = config_from_env(role.env, resolve=resolve)
+        role.cfg = config_from_env(role.env, resolve=resolve, warn_unknown=False)
     except ConfigError as exc:
-        return [Problem(role.name, str(exc), fix)]
-    problems = []
+        return [*problems, Problem(role.name, str(exc), fix)]
     if role.cfg.role in ("worker", "master"):
         try:
             settings_from_env(role.env)

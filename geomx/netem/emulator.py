@@ -37,6 +37,7 @@ import zmq
 
 from geomx.config import max_frame_bytes as frame_limit_from_env
 from geomx.config import refuse_exposed_without_secret
+from geomx.env_names import report_unknown
 from geomx.errors import ConfigError
 from geomx.netem import link_matrix
 from geomx.netem import outages as outage_plan
@@ -503,6 +504,7 @@ def run_from_env(env: Mapping[str, str] | None = None) -> int:
     geomx.netem.node_links), GEOMX_WAN_DC_LINES (optional: DCs whose traffic shares a line, geomx.netem.dc_lines).
     """
     env = os.environ if env is None else env
+    report_unknown(env, "the WAN emulator")     # a misspelled GEOMX_WAN_* would be ignored in silence
     profile = profile_from_env(env)
     # a 5 ms GIL switch interval would let the receive loop delay a due delivery by up to 5 ms under load
     sys.setswitchinterval(0.0005)
