@@ -13,12 +13,13 @@ from geomx.cli.doctor import diagnose
 SECRET = "doctor test secret, 16+ chars"
 
 
-def deployment(tmp_path: Path) -> dict[str, dict[str, str]]:
-    """The environments `geomx launch` gives a 2-DC x 2-worker deployment, with a secret, by role name."""
+def deployment(tmp_path: Path, wan: str = "lan") -> dict[str, dict[str, str]]:
+    """The environments `geomx launch` gives a 2-DC x 2-worker deployment, with a secret, by role name (an emulated
+    ``wan``: the WAN emulator's too, as "wan-emulator")."""
     from geomx.cli.launch import plan
     from geomx.cli.topology import load_topology
 
-    specs = plan(load_topology(None, dcs=2, workers_per_dc=2, wan="lan"), [sys.executable, "train.py"], tmp_path,
+    specs = plan(load_topology(None, dcs=2, workers_per_dc=2, wan=wan), [sys.executable, "train.py"], tmp_path,
                  secret=SECRET)
     return {s.name: dict(s.env) for s in specs}
 
@@ -121,6 +122,60 @@ def test_each_seeded_misconfiguration_is_named_in_one_line(tmp_path, edit, named
     assert problems, "the misconfiguration went unnoticed"
     assert any(named in str(p) for p in problems), [str(p) for p in problems]
     assert all("\n" not in str(p) and " -> " in str(p) for p in problems), "one line each, with the fix"
+
+
+def _emulator_port(envs) -> str:
+    return envs["wan-emulator"]["GEOMX_EMULATOR_PORT"]
+
+
+# the documented emulator role (GEOMX_ROLE=emulator) among the roles: (case, how to break it, what the line names)
+EMULATOR_CASES = [
+    ("a DC missing from the emulator's DCs", _set("wan-emulator", GEOMX_EMULATOR_DCS="central,a"),
+     "GEOMX_EMULATOR_DCS (a, central) lacks DC b of b-scheduler, b-server, b-worker-0, b-worker-1"),
+    ("a role's host missing from the emulator's hosts", lambda e: [e[n].update(DMLC_NODE_HOST="127.0.0.2")
+                                                                   for n in e if n.startswith("b-")],
+     "GEOMX_EMULATOR_HOSTS (127.0.0.1) lacks host 127.0.0.2 of b-scheduler, b-server"),
+    ("a role sending to another port", lambda e: e["a-server"].update(
+        GEOMX_WAN_EMULATOR=f"tcp://127.0.0.1:{int(_emulator_port(e)) + 1}"), "but wan-emulator listens on"),
+    ("a role without the emulator", _drop("b-worker-1", "GEOMX_WAN_EMULATOR"),
+     "b-worker-1: GEOMX_WAN_EMULATOR is unset while wan-emulator emulates the WAN"),
+    ("the emulator's rate malformed", lambda e: (e["wan-emulator"].pop("GEOMX_WAN_PROFILE"), e["wan-emulator"].update(
+        GEOMX_WAN_RATE="fast", GEOMX_WAN_RTT="0.02")), "GEOMX_WAN_RATE='fast' is not a number"),
+    ("the emulator's link matrix naming no DC", _set("wan-emulator", GEOMX_WAN_LINKS="a->c=1e8/0.02"),
+     "GEOMX_WAN_LINKS"),
+    ("the emulator without a port", _drop("wan-emulator", "GEOMX_EMULATOR_PORT"), "GEOMX_EMULATOR_PORT is not set"),
+]
+
+
+def test_a_deployment_with_the_wan_emulator_passes_the_doctor(tmp_path):
+    """`geomx doctor` had refused the documented emulator role: "GEOMX_ROLE='emulator' is not a role"."""
+    envs = deployment(tmp_path, wan="regional")
+    assert envs["wan-emulator"]["GEOMX_ROLE"] == "emulator"
+    problems, _ = diagnose(envs, network=False)
+    assert problems == []
+
+
+@pytest.mark.parametrize("edit,named", [c[1:] for c in EMULATOR_CASES], ids=[c[0] for c in EMULATOR_CASES])
+def test_each_seeded_misconfiguration_of_the_wan_emulator_is_named_in_one_line(tmp_path, edit, named):
+    envs = deployment(tmp_path, wan="regional")
+    edit(envs)
+    problems, _ = diagnose(envs, network=False)
+    assert any(named in str(p) for p in problems), [str(p) for p in problems]
+    assert all("\n" not in str(p) and " -> " in str(p) for p in problems), "one line each, with the fix"
+
+
+def test_an_emulator_that_is_not_running_is_named_by_the_network_check(tmp_path):
+    envs = deployment(tmp_path, wan="regional")
+    socks = listening_schedulers(envs)
+    try:
+        problems, notes = diagnose(envs, timeout=0.5)
+    finally:
+        for s in socks:
+            s.close()
+    lines = [str(p) for p in problems]
+    assert len(lines) == 1 and f"the WAN emulator at 127.0.0.1:{_emulator_port(envs)} (GEOMX_WAN_EMULATOR) cannot " \
+                               f"be reached" in lines[0] and "start that WAN emulator first" in lines[0], lines
+    assert len([n for n in notes if n.startswith("scheduler")]) == 4, notes
 
 
 def test_unreachable_scheduler_is_named_with_its_address_and_variables(tmp_path):

@@ -51,6 +51,12 @@ class Role:
     name: str
     env: Mapping[str, str]
     cfg: NodeConfig | None = None
+    emulator: dict | None = None     # a WAN emulator's (GEOMX_ROLE=emulator) arguments, as it reads them
+
+
+def is_emulator(env: Mapping[str, str]) -> bool:
+    """The WAN emulator's environment: ``python -m geomx.node`` runs it instead of a role (geomx.node.main)."""
+    return env.get("GEOMX_ROLE") == "emulator"
 
 
 def read_env_file(path: Path) -> dict[str, str]:
@@ -86,6 +92,10 @@ def check_role(role: Role, *, resolve: bool = True) -> list[Problem]:
                         "remove it, or name a variable docs/environment.md lists")
                 for name, close in unknown_variables(role.env)]
     try:
+        if is_emulator(role.env):
+            from geomx.netem.emulator import emulator_options
+            role.emulator = emulator_options(role.env, resolve=resolve)
+            return problems
         role.cfg = config_from_env(role.env, resolve=resolve, warn_unknown=False)
     except ConfigError as exc:
         return [*problems, Problem(role.name, str(exc), fix)]
@@ -221,6 +231,48 @@ def check_global_tier(roles: list[Role]) -> list[Problem]:
     return problems
 
 
+def check_emulator(roles: list[Role]) -> list[Problem]:
+    """With the WAN emulator's environment among the roles: every role sends to it (GEOMX_WAN_EMULATOR names its
+    address), and it carries their traffic (each role's DC in GEOMX_EMULATOR_DCS, its host in
+    GEOMX_EMULATOR_HOSTS). Otherwise the emulator drops their messages and a registration waits out
+    GEOMX_CONNECT_TIMEOUT, or their traffic bypasses the emulated WAN."""
+    from geomx.netem.emulator import default_hosts
+
+    problems: list[Problem] = []
+    emulators = [r for r in roles if r.emulator is not None]
+    if len(emulators) != 1:
+        return problems
+    em = emulators[0]
+    address = f"tcp://{em.emulator['host']}:{em.emulator['port']}"
+    members = [r for r in roles if r.cfg is not None]
+    for r in members:
+        if r.cfg.emulator is None:
+            problems.append(Problem(r.name, f"GEOMX_WAN_EMULATOR is unset while {em.name} emulates the WAN at "
+                                            f"{address}: its messages to other DCs would not cross it",
+                                    f"set GEOMX_WAN_EMULATOR={address}"))
+        elif r.cfg.emulator != address:
+            problems.append(Problem(r.name, f"GEOMX_WAN_EMULATOR={r.cfg.emulator} but {em.name} listens on {address} "
+                                            f"(GEOMX_EMULATOR_HOST/GEOMX_EMULATOR_PORT)",
+                                    f"set GEOMX_WAN_EMULATOR={address}"))
+    for variable, allowed, of in (("GEOMX_EMULATOR_DCS", em.emulator["dcs"], lambda c: c.network_dc),
+                                  ("GEOMX_EMULATOR_HOSTS", em.emulator["hosts"] or default_hosts(em.emulator["host"]),
+                                   lambda c: c.host)):
+        if allowed is None:         # no list of DCs: every DC is routed
+            continue
+        outside: dict[str, list[str]] = {}
+        for r in members:
+            if r.cfg.emulator is not None and of(r.cfg) not in allowed:
+                outside.setdefault(of(r.cfg), []).append(r.name)
+        for value, names in outside.items():
+            what = "DC" if variable == "GEOMX_EMULATOR_DCS" else "host"
+            problems.append(Problem(em.name, f"{variable} ({', '.join(sorted(allowed))}) lacks {what} {value} of "
+                                             f"{', '.join(names)}: the emulator would drop every message "
+                                             f"{'to or from that DC' if what == 'DC' else 'to that host'}",
+                                    f"add {value} to {variable}" + (" (or correct GEOMX_DC on those roles)"
+                                                                    if what == "DC" else "")))
+    return problems
+
+
 _OWN_PORT = "give each scheduler its own port (DMLC_PS_ROOT_PORT / DMLC_PS_GLOBAL_ROOT_PORT)"
 
 
@@ -310,21 +362,25 @@ def _connect_s(host: str, port: int, timeout: float) -> float | str:
 
 def check_reachable(roles: list[Role], timeout: float, notes: list[str]) -> list[Problem]:
     problems: list[Problem] = []
-    targets: dict[tuple[str, int], tuple[str, str]] = {}
+    targets: dict[tuple[str, int], tuple[str, str, str]] = {}
     for r in roles:
         if r.cfg is None:
             continue
         if r.cfg.scheduler is not None and r.cfg.role != "scheduler":
-            targets.setdefault(r.cfg.scheduler, (r.name, "DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT"))
+            targets.setdefault(r.cfg.scheduler, (r.name, "scheduler", "DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT"))
         if r.cfg.global_scheduler is not None and r.cfg.role != "global_scheduler":
-            targets.setdefault(r.cfg.global_scheduler, (r.name, "DMLC_PS_GLOBAL_ROOT_URI/DMLC_PS_GLOBAL_ROOT_PORT"))
-    for (host, port), (name, variables) in targets.items():
+            targets.setdefault(r.cfg.global_scheduler, (r.name, "scheduler",
+                                                        "DMLC_PS_GLOBAL_ROOT_URI/DMLC_PS_GLOBAL_ROOT_PORT"))
+        if r.cfg.emulator is not None:      # a role's messages to other DCs, its registration included, go there
+            host, _, port = r.cfg.emulator.removeprefix("tcp://").rpartition(":")
+            targets.setdefault((host, int(port)), (r.name, "WAN emulator", "GEOMX_WAN_EMULATOR"))
+    for (host, port), (name, what, variables) in targets.items():
         took = _connect_s(host, port, timeout)
         if isinstance(took, str):
-            problems.append(Problem(name, f"the scheduler at {host}:{port} ({variables}) cannot be reached: {took}",
-                                    "start that scheduler first, or correct the address, or open the port"))
+            problems.append(Problem(name, f"the {what} at {host}:{port} ({variables}) cannot be reached: {took}",
+                                    f"start that {what} first, or correct the address, or open the port"))
         else:
-            notes.append(f"scheduler {host}:{port} reached; TCP connect {took * 1e3:.1f} ms (about one round trip)")
+            notes.append(f"{what} {host}:{port} reached; TCP connect {took * 1e3:.1f} ms (about one round trip)")
     return problems
 
 
@@ -363,7 +419,8 @@ def diagnose(envs: Mapping[str, Mapping[str, str]], *, network: bool = True, loc
     notes: list[str] = []
     for r in roles:
         problems += check_role(r, resolve=network)
-    for across in (check_local_tiers, check_worker_indexes, check_global_tier, check_addresses, check_secrets):
+    for across in (check_local_tiers, check_worker_indexes, check_global_tier, check_addresses, check_secrets,
+                   check_emulator):
         problems += across(roles)
     if network:
         problems += check_reachable(roles, timeout, notes)

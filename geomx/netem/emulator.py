@@ -36,7 +36,7 @@ import msgpack
 import zmq
 
 from geomx.config import max_frame_bytes as frame_limit_from_env
-from geomx.config import refuse_exposed_without_secret
+from geomx.config import check_host, refuse_exposed_without_secret
 from geomx.env_names import report_unknown
 from geomx.errors import ConfigError
 from geomx.netem import link_matrix
@@ -103,11 +103,8 @@ class WanEmulator:
         self.dc_rates = dict(dc_lines or {})
         self._dc_lines: dict[tuple[str, int], EmulatedLink] = {}     # (DC, stage) -> its line
         self.dcs = frozenset(dcs) if dcs is not None else None
-        unknown = sorted(set(self.dc_rates) - self.dcs) if self.dcs is not None else []
-        if unknown:
-            raise ConfigError(f"{dc_line_plan.ENV}: DC line(s) for {', '.join(unknown)}, which is no DC of this "
-                              f"deployment ({', '.join(sorted(self.dcs))})")
-        self.hosts = frozenset(hosts) if hosts is not None else frozenset({host, "127.0.0.1", "localhost"})
+        _check_dc_lines(self.dc_rates, self.dcs)
+        self.hosts = frozenset(hosts) if hosts is not None else default_hosts(host)
         self.refusals = RefusalLog(log)
         self._security = security   # with GEOMX_SECRET the emulator is a CurveZMQ peer like any node
         self._max_frame_bytes = max_frame_bytes
@@ -490,6 +487,47 @@ def _env_number(env: Mapping[str, str], var: str, parse_with_unit) -> float:
     raise ConfigError(f"{var}={text!r} is not a number")
 
 
+def emulator_options(env: Mapping[str, str], *, resolve: bool = True) -> dict:
+    """The WanEmulator's arguments from the environment (see run_from_env), every variable parsed and checked as the
+    emulator does, a ConfigError naming the variable: what ``geomx doctor`` checks an emulator's environment with.
+    ``resolve``: a host name in GEOMX_EMULATOR_HOST must resolve (geomx.config.check_host)."""
+    profile = profile_from_env(env)
+    host = check_host("GEOMX_EMULATOR_HOST", env.get("GEOMX_EMULATOR_HOST") or "127.0.0.1", "GEOMX_EMULATOR_PORT",
+                      resolve=resolve)
+    port_text = env.get("GEOMX_EMULATOR_PORT")
+    if not port_text:
+        raise ConfigError("GEOMX_EMULATOR_PORT is not set: the WAN emulator needs a port to listen on")
+    try:
+        port = int(port_text)
+        if not 0 <= port <= 65535:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"GEOMX_EMULATOR_PORT={port_text!r} is not a port number") from None
+    dcs, hosts = (env.get(var, "").replace(",", " ").split() or None
+                  for var in ("GEOMX_EMULATOR_DCS", "GEOMX_EMULATOR_HOSTS"))
+    security = link_security(env)
+    refuse_exposed_without_secret("the WAN emulator", (host,), security, env)
+    dc_lines = dc_line_plan.parse(env.get(dc_line_plan.ENV))
+    _check_dc_lines(dc_lines, dcs)
+    return dict(profile=profile, host=host, port=port, run_dir=env.get("GEOMX_RUN_DIR") or None,
+                security=security, dcs=dcs, hosts=hosts, links=link_matrix.from_env(env.get(link_matrix.ENV), dcs),
+                outages=outage_plan.from_env(env.get(outage_plan.ENV), dcs), tcp=tcp_path_from_env(env),
+                node_links=node_link_plan.parse(env.get(node_link_plan.ENV)), dc_lines=dc_lines,
+                max_frame_bytes=frame_limit_from_env(env))
+
+
+def default_hosts(host: str) -> frozenset[str]:
+    """The hosts an emulator on ``host`` relays to without GEOMX_EMULATOR_HOSTS."""
+    return frozenset({host, "127.0.0.1", "localhost"})
+
+
+def _check_dc_lines(dc_rates, dcs) -> None:
+    unknown = sorted(set(dc_rates) - set(dcs)) if dcs is not None else []
+    if unknown:
+        raise ConfigError(f"{dc_line_plan.ENV}: DC line(s) for {', '.join(unknown)}, which is no DC of this "
+                          f"deployment ({', '.join(sorted(dcs))})")
+
+
 def run_from_env(env: Mapping[str, str] | None = None) -> int:
     """Run an emulator configured by environment variables until SIGTERM/SIGINT; returns the exit status 0.
 
@@ -505,30 +543,11 @@ def run_from_env(env: Mapping[str, str] | None = None) -> int:
     """
     env = os.environ if env is None else env
     report_unknown(env, "the WAN emulator")     # a misspelled GEOMX_WAN_* would be ignored in silence
-    profile = profile_from_env(env)
+    options = emulator_options(env)
+    profile = options["profile"]
     # a 5 ms GIL switch interval would let the receive loop delay a due delivery by up to 5 ms under load
     sys.setswitchinterval(0.0005)
-    host = env.get("GEOMX_EMULATOR_HOST") or "127.0.0.1"
-    port_text = env.get("GEOMX_EMULATOR_PORT")
-    if not port_text:
-        raise ConfigError("GEOMX_EMULATOR_PORT is not set: the WAN emulator needs a port to listen on")
-    try:
-        port = int(port_text)
-        if not 0 <= port <= 65535:
-            raise ValueError
-    except ValueError:
-        raise ConfigError(f"GEOMX_EMULATOR_PORT={port_text!r} is not a port number") from None
-    dcs, hosts = (env.get(var, "").replace(",", " ").split() or None
-                  for var in ("GEOMX_EMULATOR_DCS", "GEOMX_EMULATOR_HOSTS"))
-    security = link_security(env)
-    refuse_exposed_without_secret("the WAN emulator", (host,), security, env)
-    emulator = WanEmulator(profile=profile, host=host, port=port, run_dir=env.get("GEOMX_RUN_DIR") or None,
-                           security=security, dcs=dcs, hosts=hosts,
-                           links=link_matrix.from_env(env.get(link_matrix.ENV), dcs),
-                           outages=outage_plan.from_env(env.get(outage_plan.ENV), dcs),
-                           tcp=tcp_path_from_env(env), node_links=node_link_plan.parse(env.get(node_link_plan.ENV)),
-                           dc_lines=dc_line_plan.parse(env.get(dc_line_plan.ENV)),
-                           max_frame_bytes=frame_limit_from_env(env))
+    emulator = WanEmulator(**options)
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
