@@ -267,20 +267,61 @@ def test_schedulers_of_two_hosts_may_share_a_port_under_curve_whose_keys_are_fre
 
 def _probe_listener(**serve_options) -> int:
     """A `--probe-listen` on this machine, in a thread: its port."""
+    return _serving(seconds=10, **serve_options)[0]
+
+
+def _trickle(port: int, every_s: float, until: float) -> float | None:
+    """A stranger's connection to a probe listener that sends one echo every ``every_s`` until ``until``
+    (time.monotonic): when the listener cut it off, None if it never did."""
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as conn:
+        while time.monotonic() < until:
+            try:
+                conn.sendall(b"E\x00")
+                if conn.recv(1) != b"\x00":
+                    return time.monotonic()
+            except OSError:
+                return time.monotonic()
+            time.sleep(every_s)
+    return None
+
+
+def _serving(**serve_options):
+    """A probe listener in a thread: its port, and the thread, which returns what serve returned in ``result``."""
     import threading
 
     from geomx.cli import link_probe
 
-    ready, address = threading.Event(), {}
-
-    def on_ready(addr):
-        address["port"] = addr[1]
-        ready.set()
-
-    threading.Thread(target=link_probe.serve, args=("127.0.0.1", 0), daemon=True,
-                     kwargs={"seconds": 10, "on_ready": on_ready, **serve_options}).start()
+    ready, result = threading.Event(), {}
+    thread = threading.Thread(target=lambda: result.setdefault("answered", link_probe.serve(
+        "127.0.0.1", 0, on_ready=lambda addr: (result.setdefault("port", addr[1]), ready.set()), **serve_options)),
+        daemon=True)
+    thread.start()
     assert ready.wait(5)
-    return address["port"]
+    return result["port"], thread, result
+
+
+def test_a_trickling_client_cannot_keep_the_probe_listener_past_its_deadline():
+    """A stranger that sends a byte every 0.1 s (each read well within any per-read timeout) kept the listener
+    serving for ever: it now stops at its --probe-for deadline, mid-connection."""
+    start = time.monotonic()
+    port, thread, result = _serving(seconds=0.6)
+    cut = _trickle(port, 0.1, until=start + 3)
+    thread.join(2)
+    assert not thread.is_alive() and result["answered"] == 0
+    assert cut is not None and 0.5 < cut - start < 2.0, cut - start
+
+
+def test_the_probe_listener_cuts_a_trickling_connection_at_its_bound_and_then_answers_a_real_probe():
+    from geomx.cli import link_probe
+
+    port, thread, result = _serving(seconds=1.0, connection_s=0.25)
+    start = time.monotonic()
+    cut = _trickle(port, 0.05, until=start + 2)
+    assert cut is not None and 0.2 < cut - start < 0.8, cut - start     # the listener itself serves on
+    probed = link_probe.probe("127.0.0.1", port, nbytes=2_000_000, timeout=2)
+    assert probed.rtt_s < 0.1 and probed.nbytes > 0, probed
+    thread.join(2)
+    assert not thread.is_alive() and result["answered"] == 1
 
 
 def test_doctor_probe_reads_the_listeners_clock_and_names_clocks_too_far_apart_for_sealed_messages(capsys, monkeypatch):

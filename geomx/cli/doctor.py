@@ -441,7 +441,8 @@ def add_doctor_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=CONNECT_TIMEOUT_S, help="seconds per connection attempt")
     p.add_argument("--probe-listen", metavar="[HOST:]PORT",
                    help="answer --probe measurements on this address (default host 0.0.0.0) for --probe-for seconds")
-    p.add_argument("--probe-for", type=float, default=120.0, metavar="S", help="how long --probe-listen answers")
+    p.add_argument("--probe-for", type=float, default=120.0, metavar="S",
+                   help="how long --probe-listen answers (each connection at most 60 s)")
     p.add_argument("--probe", metavar="HOST:PORT",
                    help="measure RTT and one TCP stream's rate to a --probe-listen on another host (a DC's, the "
                         "central party's)")

@@ -12,6 +12,10 @@ listener answers with the receive time, from the read that completes the first e
 last, as a big-endian double, and the bytes received in that time as an 8-byte integer), or ``T`` (the listener
 answers its wall-clock time, a big-endian double: the client takes the exchange with the shortest round trip and
 reads the offset against the middle of it, as NTP does).
+
+The listener answers one connection at a time, each for at most ``CONNECTION_S`` in all, and stops at the end
+of its ``--probe-for`` even mid-connection: a peer that trickles bytes cannot keep it, or hold it from others,
+for longer.
 """
 from __future__ import annotations
 
@@ -27,6 +31,9 @@ _ECHOES = 10
 _CLOCK_READINGS = 5
 _CHUNK = 1 << 20
 IO_TIMEOUT_S = 30.0
+# the listener answers one connection at a time, and each for at most this long in all (a probe of 12 MB at
+# 10 Mbit/s takes about 10 s): a timeout per read let a peer sending a byte every few seconds hold it for ever
+CONNECTION_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -59,7 +66,7 @@ def parse_endpoint(text: str, *, what: str, default_host: str | None = None) -> 
     return host, int(port)
 
 
-def _receive_exactly(conn: socket.socket, n: int) -> bytes:
+def _receive_exactly(conn: socket.socket | _Bounded, n: int) -> bytes:
     out = bytearray()
     while len(out) < n:
         chunk = conn.recv(n - len(out))
@@ -69,30 +76,52 @@ def _receive_exactly(conn: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
-def serve(host: str, port: int, *, seconds: float, on_ready=None, clock=time.time) -> int:
-    """Answer probes on ``host:port`` for ``seconds``; returns the number of probes answered. ``clock``: the
-    wall clock the listener reports (a test shifts it)."""
+def serve(host: str, port: int, *, seconds: float, on_ready=None, clock=time.time,
+          connection_s: float = CONNECTION_S) -> int:
+    """Answer probes on ``host:port`` for ``seconds``, even mid-connection, and each connection for at most
+    ``connection_s``; returns the number of probes answered. ``clock``: the wall clock the listener reports (a
+    test shifts it)."""
     answered = 0
     with socket.create_server((host, port), reuse_port=False) as server:
-        server.settimeout(0.5)
         if on_ready is not None:
             on_ready(server.getsockname())
         end = time.monotonic() + seconds
-        while time.monotonic() < end:
+        while (left := end - time.monotonic()) > 0:
+            server.settimeout(min(0.5, left))
             try:
                 conn, _ = server.accept()
             except TimeoutError:
                 continue
             with conn:
-                conn.settimeout(IO_TIMEOUT_S)
                 try:
-                    answered += _answer(conn, clock)
+                    answered += _answer(_Bounded(conn, min(end, time.monotonic() + connection_s)), clock)
                 except (OSError, ConnectionError, struct.error):
                     continue        # a broken probe (or a stranger's junk) ends its connection only
     return answered
 
 
-def _answer(conn: socket.socket, clock) -> int:
+class _Bounded:
+    """A connection whose reads and writes all end by one deadline (time.monotonic): TimeoutError past it."""
+
+    def __init__(self, conn: socket.socket, deadline: float) -> None:
+        self._conn, self._deadline = conn, deadline
+
+    def _arm(self) -> None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the connection's time is up")
+        self._conn.settimeout(left)
+
+    def recv(self, n: int) -> bytes:
+        self._arm()
+        return self._conn.recv(n)
+
+    def sendall(self, data: bytes) -> None:
+        self._arm()       # sendall's timeout bounds the whole call, not each send in it
+        self._conn.sendall(data)
+
+
+def _answer(conn: _Bounded, clock) -> int:
     answered = 0
     while True:
         op = conn.recv(1)
