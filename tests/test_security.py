@@ -1,6 +1,7 @@
 """With GEOMX_SECRET set, only holders of the secret can talk to a node: CurveZMQ on every link
 (GEOMX_ENCRYPTION=curve) here, and a whole `--secure` launch with the default, AES-GCM on every message (whose
 attacks are in test_sealing); without a secret, the launcher's per-run token."""
+import contextlib
 import time
 
 import numpy as np
@@ -219,6 +220,105 @@ def test_the_launcher_authenticates_by_default_and_insecure_says_so(tmp_path):
     with pytest.raises(ConfigError, match="the WAN emulator would listen on 10.0.0.5 without GEOMX_SECRET"):
         run_from_env({"GEOMX_EMULATOR_HOST": "10.0.0.5", "GEOMX_EMULATOR_PORT": "9001", "GEOMX_WAN_PROFILE": "regional",
                       "GEOMX_AUTH_TOKEN": "t" * 20})
+
+
+# -- another secret or encryption is named, not left to look like a scheduler that is not running -------------
+
+@pytest.mark.parametrize("env, used", [
+    ({"GEOMX_SECRET": SECRET, "GEOMX_ENCRYPTION": "curve"}, "This side used CurveZMQ with GEOMX_SECRET "
+                                                            "(GEOMX_ENCRYPTION=curve)"),
+    ({"GEOMX_SECRET": SECRET}, "This side used AES-GCM with GEOMX_SECRET (GEOMX_ENCRYPTION=aes-gcm)"),
+    ({"GEOMX_AUTH_TOKEN": "per-run token of the launcher 0123"}, "This side used the PLAIN token of GEOMX_AUTH_TOKEN"),
+    ({}, "Or does it run with GEOMX_SECRET or GEOMX_AUTH_TOKEN? This side has neither"),
+], ids=["curve", "aes-gcm", "token", "none"])
+def test_a_member_whose_scheduler_never_answers_names_a_secret_or_encryption_mismatch_and_its_own(env, used):
+    """A handshake under another secret or GEOMX_ENCRYPTION fails on the scheduler's side only: the member heard
+    nothing and said 'is it running?' alone. Its time-out now names the mismatch and what this side used."""
+    from geomx.cluster.postoffice import Postoffice
+    from geomx.config import config_from_env
+    from geomx.errors import DeadlineError
+
+    cfg = config_from_env({"DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "1",
+                           "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1", "GEOMX_DC": "a",
+                           "DMLC_NUM_ALL_WORKER": "1", "GEOMX_CONNECT_TIMEOUT": "0.05", **env})
+    po = Postoffice(cfg)        # not started: its registration is queued and never answered
+    with pytest.raises(DeadlineError) as timed_out:
+        po.join("dc:a", ("127.0.0.1", 1), "a", "worker", {})
+    message = str(timed_out.value)
+    assert "no answer from the dc:a scheduler at tcp://127.0.0.1:1 within 0.05 s (is it running?" in message
+    assert used in message and "GEOMX_CONNECT_TIMEOUT sets the limit" in message, message
+    if env:
+        assert "another GEOMX_SECRET, GEOMX_ENCRYPTION or GEOMX_AUTH_TOKEN" in message, message
+
+
+@contextlib.contextmanager
+def _listening(where: str, security):
+    """A node's van, or the WAN emulator, listening on the loopback with ``security``: its address."""
+    if where == "node":
+        with listening_van(security) as (server, _):
+            yield server.address
+        return
+    from geomx.netem.emulator import WanEmulator
+    from geomx.profiles import get_profile
+
+    emulator = WanEmulator(profile=get_profile("regional"), security=security)
+    emulator.start()
+    try:
+        yield emulator.address
+    finally:
+        emulator.stop()
+
+
+MISMATCH = "the peer uses another security mechanism (GEOMX_ENCRYPTION differs, or only one side has GEOMX_SECRET or " \
+           "GEOMX_AUTH_TOKEN)"
+
+
+@pytest.mark.parametrize("where, listener, peer, sides, reason", [
+    ("node", "curve", "curve-other", "listener", "its CurveZMQ handshake does not decrypt (the peer holds another "
+                                                 "GEOMX_SECRET); this side runs CurveZMQ with GEOMX_SECRET"),
+    ("emulator", "curve", "curve-other", "listener", "its CurveZMQ handshake does not decrypt"),
+    ("node", "aes-gcm", "curve", "either", MISMATCH),
+    ("node", "curve", None, "either", MISMATCH),
+    ("node", "aes-gcm", "aes-gcm-other", "connector", "the peer refused this side's credentials (status 400: "
+                                                      "another GEOMX_SECRET, or another GEOMX_AUTH_TOKEN); this side "
+                                                      "runs AES-GCM"),
+], ids=["curve-another-secret", "emulator", "aes-gcm-against-curve", "curve-against-none", "aes-gcm-another-secret"])
+def test_a_handshake_refused_for_another_secret_or_encryption_is_logged_naming_why(caplog, where, listener, peer,
+                                                                                    sides, reason):
+    """Before, neither side logged a CurveZMQ handshake under another secret, nor another GEOMX_ENCRYPTION (only
+    the ZAP handler's PLAIN refusals were logged, by the listener). A CurveZMQ hello under another secret is
+    found by the listener, at every retry; another mechanism by whichever side reads the other's greeting first
+    (the connecting side retries until that is itself); a wrong token by the listener's ZAP handler, whose
+    refusal the connecting side hears."""
+    import logging
+
+    from geomx.transport.security import Sealed
+
+    make = {"curve": lambda: Curve(SECRET), "curve-other": lambda: Curve("another secret of enough length"),
+            "aes-gcm": lambda: Sealed(SECRET), "aes-gcm-other": lambda: Sealed("another secret of enough length")}
+    with caplog.at_level(logging.WARNING, logger="geomx.security"), _listening(where, make[listener]()) as address:
+        starts = {"listener": [f"refused a connection on {address}: "],
+                  "connector": [f"the handshake with {address} failed: "]}
+        starts["either"] = starts["listener"] + starts["connector"]
+
+        def found() -> list[str]:
+            return [line for line in (r.getMessage() for r in caplog.records)
+                    if any(line.startswith(start + reason) for start in starts[sides])]
+
+        # a context of its own, as in another process: one ZAP handler per context admits one PLAIN token
+        ctx = zmq.Context()
+        member = ZmqVan(node_id="member", dc="a", on_message=lambda m: None, context=ctx,
+                        security=make[peer]() if peer is not None else None)
+        member.start()
+        try:
+            member.send(address, Message("register"))
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not found():
+                time.sleep(0.02)
+        finally:
+            member.stop()
+            assert _terminates(ctx)
+    assert found(), [r.getMessage() for r in caplog.records]
 
 
 # -- a stopped node leaves nothing running --------------------------------------------------------------------

@@ -24,6 +24,7 @@ from geomx.config import NodeConfig
 from geomx.errors import ConfigError, DeadlineError, PeerLostError, ProtocolError
 from geomx.transport.message import Message
 from geomx.transport.refusals import RefusalLog
+from geomx.transport.security import mismatch_hint
 from geomx.cluster.protocol import CONTROL_OPS, Field, Op
 from geomx.transport.base import STALL_S, Van, is_node_address
 from geomx.transport.van import new_node_id
@@ -135,8 +136,9 @@ class Tier:
                 f"down, or refusing the route from DC {self.po.cfg.network_dc} to DC {self.scheduler_dc} (its log "
                 f"says why, e.g. GEOMX_EMULATOR_DCS or GEOMX_EMULATOR_HOSTS)")
             raise DeadlineError(f"{self.po.cfg.label}: no answer from the {self.name} scheduler at "
-                                f"{self.scheduler_addr} within {deadline:g} s (is it running? GEOMX_CONNECT_TIMEOUT "
-                                f"sets the limit){via}")
+                                f"{self.scheduler_addr} within {deadline:g} s (is it running? "
+                                f"{mismatch_hint(self.po.cfg.security, 'the scheduler')} GEOMX_CONNECT_TIMEOUT sets "
+                                f"the limit){via}")
         if self._reject:
             raise ConfigError(f"the {self.name} scheduler at {self.scheduler_addr} refused {self.po.cfg.label}: "
                               f"{self._reject}")

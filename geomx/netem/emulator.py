@@ -45,7 +45,7 @@ from geomx.netem import node_links as node_link_plan
 from geomx.netem import dc_lines as dc_line_plan
 from geomx.netem.link import DC_EGRESS, DC_INGRESS, NODE_EGRESS, NODE_INGRESS, EmulatedLink, LinkEngine
 from geomx.netem.tcp_model import TcpPath, tcp_path_from_env
-from geomx.transport.security import Curve, Plain, Sealed, link_security
+from geomx.transport.security import Curve, HandshakeLog, Plain, Sealed, link_security
 from geomx.profiles import WanProfile, custom_profile, get_profile, parse_duration, parse_rate
 from geomx.transport import parking
 from geomx.transport.message import payload_nbytes
@@ -126,6 +126,7 @@ class WanEmulator:
         self._releases: dict[str, list[bytes]] = {}     # receiver -> releases due, sent after each pump
         self._links_lock = threading.Lock()
         self._router: zmq.Socket | None = None
+        self._handshakes: HandshakeLog | None = None
         self._engine: LinkEngine | None = None
         self._forward_sockets: dict[str, zmq.Socket] = {}   # owned by the delivery thread
         self._threads: list[threading.Thread] = []
@@ -153,12 +154,15 @@ class WanEmulator:
         router.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)    # geomx.config.max_frame_bytes
         if self._security is not None:
             self._security.server(router)
+        handshakes = self._handshakes = HandshakeLog(self._security)    # logs connections refused at the handshake
+        handshakes.listen(router)
         try:
             if self._port:
                 router.bind(self.address)
             else:
                 self._port = router.bind_to_random_port(f"tcp://{self.host}")
         except zmq.ZMQError as exc:
+            handshakes.close(router)
             router.close()
             if self._security is not None:
                 self._security.release(self._ctx)
@@ -269,9 +273,11 @@ class WanEmulator:
     # -- threads -----------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        router = self._router
+        router, handshakes = self._router, self._handshakes
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
+        if handshakes.socket is not None:
+            poller.register(handshakes.socket, zmq.POLLIN)
         wake = 0.0
         try:
             while self._running:
@@ -281,7 +287,10 @@ class WanEmulator:
                     self._send_releases()
                 left = min(wake - time.monotonic(), _POLL_S)
                 # zmq's poll counts whole milliseconds: under one, take what has arrived, then sleep the rest
-                if poller.poll(int(left * 1000) if left >= 0.001 else 0):
+                ready = poller.poll(int(left * 1000) if left >= 0.001 else 0)
+                if ready:
+                    if len(ready) > 1 or ready[0][0] is not router:
+                        handshakes.read()
                     for _ in range(_BATCH):
                         try:
                             frames = router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
@@ -294,6 +303,7 @@ class WanEmulator:
                 elif 0 < left < 0.001:
                     time.sleep(left)
         finally:
+            handshakes.close(router)
             router.close(linger=0)
             self._close_forward_sockets()
             if self._security is not None:

@@ -12,6 +12,8 @@ peer's kernel still accepts the TCP reconnection, its ZeroMQ never greets). Only
 peer in another DC behind the WAN emulator is reached through the emulator's socket, which stays up.
 The same answers tell a busy peer from a frozen one (``answering``): a probed connection that is up belongs to a
 process that runs, even while it is too busy to send heartbeats of its own.
+A handshake that fails (another secret, mechanism or token: geomx.transport.security.HandshakeLog) is handed to
+``on_handshake_failed``; the connection is retried as ZeroMQ decides.
 
 ZeroMQ sockets are not thread-safe: the van's sending side creates each monitor socket (a PAIR) next to the
 DEALER it watches and hands it over under a lock; from then on only the watch thread touches it.
@@ -22,13 +24,16 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from geomx.transport.security import HANDSHAKE_FAILED
+
 log = logging.getLogger("geomx.van")
 
-_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
 _POLL_MS = 100
 PROBE_INTERVAL_S = 0.25         # a ZMTP heartbeat this often on a probing van's connections
 PROBE_TIMEOUT_S = 1.25          # no answer this long: ZeroMQ closes the connection (a frozen or unreachable peer)
@@ -41,7 +46,10 @@ def heartbeat(sock: zmq.Socket) -> None:
 
 
 class ConnectionWatch:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, on_handshake_failed: Callable[[str, dict], None] | None = None) -> None:
+        """``on_handshake_failed(addr, event)``: a connection's handshake failed (``HANDSHAKE_FAILED``), on the
+        watch thread."""
+        self._on_handshake_failed = on_handshake_failed
         self._lock = threading.Lock()
         self._handed_over: list[tuple[zmq.Socket, str]] = []
         self._down: dict[str, float] = {}           # peer address -> when its connection went down (monotonic)
@@ -59,8 +67,8 @@ class ConnectionWatch:
             self._thread.join(timeout)
 
     def watch(self, sock: zmq.Socket, addr: str, *, probed: bool = False) -> None:
-        """Watch the connection of ``sock`` (a DEALER connected to ``addr``, heartbeated by ZeroMQ if ``probed``);
-        call on the thread that owns it."""
+        """Watch the connection of ``sock`` (a DEALER to ``addr``, heartbeated by ZeroMQ if ``probed``); call on
+        the thread that owns it, before it connects (so that no event of its first handshake is missed)."""
         if probed:
             self._probed.add(addr)
         # a name of our own: pyzmq's default names the endpoint after the socket's file descriptor, which a new
@@ -115,6 +123,9 @@ class ConnectionWatch:
             self._down.pop(addr, None)
             if addr in self._probed:
                 self._answering.add(addr)
+        elif event["event"] & HANDSHAKE_FAILED:
+            if self._on_handshake_failed is not None:
+                self._on_handshake_failed(addr, event)
         elif event["event"] == zmq.EVENT_MONITOR_STOPPED:      # its DEALER was closed
             poller.unregister(monitor)
             del monitors[monitor]

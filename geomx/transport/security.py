@@ -17,19 +17,29 @@ Without a secret, ``geomx launch`` still authenticates every connection on its h
 clear once per connection, which on one host's loopback only root can read; it costs a handshake per
 connection and nothing per message. Across hosts, use ``GEOMX_SECRET``.
 
-Either way, a refused connection is logged once per peer address (rate-limited), naming the address.
+Either way, a refused connection is logged, rate-limited. The listening side's ZAP handler logs a wrong PLAIN
+token (under AES-GCM: another secret) with the peer's address, once per address, and the connecting side logs
+that its credentials were refused. A handshake that fails before the ZAP handler is asked is seen only by
+ZeroMQ's socket monitors (:class:`HandshakeLog`): a CurveZMQ hello under another secret by the listening side,
+which names its own address, not the peer's; another mechanism (GEOMX_ENCRYPTION, or a secret or token on one
+side only) by whichever side reads the other's greeting first, at the latest by the connecting side, which
+retries until it does. ZeroMQ tells the application nothing, so a member that waits for its scheduler also
+names a mismatch among the likely causes when it gives up (:func:`mismatch_hint`).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import secrets
 import threading
 import time
 
 import zmq
 import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 from geomx.errors import ConfigError
 
@@ -66,6 +76,8 @@ def _keypair(secret: str, purpose: str) -> tuple[bytes, bytes]:
 
 class Curve:
     """The key pairs of one deployment; apply them to sockets with :meth:`server` and :meth:`client`."""
+
+    label = "CurveZMQ with GEOMX_SECRET (GEOMX_ENCRYPTION=curve)"
 
     def __init__(self, secret: str, *, max_age_s: float | None = None) -> None:
         # max_age_s (Sealed's replay limit across restarts) has nothing to bound here: every CurveZMQ connection
@@ -107,6 +119,7 @@ class Plain:
     """A per-run token that every connection presents (ZeroMQ PLAIN): authentication without encryption."""
 
     USER = "geomx"
+    label = "the PLAIN token of GEOMX_AUTH_TOKEN"
 
     def __init__(self, token: str) -> None:
         if len(token) < _MIN_SECRET_CHARS:
@@ -133,6 +146,8 @@ class Plain:
 class Sealed:
     """AES-256-GCM on every frame of every message, keyed by the secret (geomx.transport.sealing); connections
     admitted by a PLAIN token derived from the secret."""
+
+    label = "AES-GCM with GEOMX_SECRET (GEOMX_ENCRYPTION=aes-gcm)"
 
     def __init__(self, secret: str, *, max_age_s: float | None = None) -> None:
         _check_secret(secret)
@@ -211,6 +226,101 @@ def link_security(env=None) -> Sealed | Curve | Plain | None:
         return secret_security(secret, env.get("GEOMX_ENCRYPTION"), max_age_s=seal_max_age(env))
     token = env.get("GEOMX_AUTH_TOKEN")
     return Plain(token) if token else None
+
+
+NO_SECURITY = "no security (neither GEOMX_SECRET nor GEOMX_AUTH_TOKEN)"
+
+
+def label_of(security) -> str:
+    """What protects links, as messages name it: the protection and the variables that chose it."""
+    return NO_SECURITY if security is None else security.label
+
+
+def mismatch_hint(security, peer: str) -> str:
+    """Why ``peer`` may never answer beyond not running, for a message that says so: a handshake under another
+    secret, mechanism or token fails, and ZeroMQ retries it without a word to the application."""
+    if security is None:
+        return (f"Or does it run with GEOMX_SECRET or GEOMX_AUTH_TOKEN? This side has neither, so {peer} refuses "
+                f"its connections (its log, or a warning above, says so).")
+    return (f"Or does it hold another secret or encryption? This side used {security.label}; a handshake under "
+            f"another GEOMX_SECRET, GEOMX_ENCRYPTION or GEOMX_AUTH_TOKEN fails without an answer, and {peer}'s "
+            f"log (or a warning above) names it.")
+
+
+_HANDSHAKE_ERRORS = {
+    zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        "the peer uses another security mechanism (GEOMX_ENCRYPTION differs, or only one side has GEOMX_SECRET "
+        "or GEOMX_AUTH_TOKEN)",
+    zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "its CurveZMQ handshake does not decrypt (the peer holds another "
+                                           "GEOMX_SECRET)",
+}
+# what a socket monitor reports of a failed handshake; a connection closed mid-handshake (a port scan, the doctor's
+# reachability check, or the peer that saw the mismatch first) says nothing and is left out
+HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
+
+def handshake_failure(event: dict) -> str | None:
+    """Why a handshake failed, from a socket monitor's event (see ``HANDSHAKE_FAILED``); None for another event."""
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return _HANDSHAKE_ERRORS.get(event["value"], f"ZMTP protocol error {event['value']:#x}")
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"the peer refused this side's credentials (status {event['value']}: another GEOMX_SECRET, or "
+                f"another GEOMX_AUTH_TOKEN)")
+    return None
+
+
+class HandshakeLog:
+    """Logs the handshakes that fail where ZeroMQ tells no one else, rate-limited per address.
+
+    Another mechanism (GEOMX_ENCRYPTION, or a secret or token on one side only) is found by whichever side reads
+    the other's greeting first; the other side sees only a closed connection, and the connecting side retries
+    until it is the one that finds it. A CurveZMQ hello under another secret is found by the listening side
+    only, at every retry. So both sides log: :meth:`listen` watches a listening socket (its ZAP handler logs its
+    own refusals, with the peer's address; ZeroMQ's monitor names only the listening address) and
+    :meth:`connecting` takes the events of a connection this side made (geomx.transport.connection_watch)."""
+
+    def __init__(self, security) -> None:
+        self._label = label_of(security)
+        self._refusals = _refusal_log()
+        self.socket: zmq.Socket | None = None
+
+    def listen(self, sock: zmq.Socket) -> None:
+        """Watch ``sock``, before it binds (a peer of another mechanism may not try twice). Poll :attr:`socket`
+        on the thread that reads ``sock``, call :meth:`read` when it is readable, and :meth:`close` before
+        closing ``sock``."""
+        try:
+            # a name of our own, as in connection_watch: pyzmq's default reuses a closed socket's descriptor
+            self.socket = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                                                  addr=f"inproc://geomx-handshakes-{secrets.token_hex(8)}")
+        except zmq.ZMQError as exc:     # logging is a courtesy: the socket works the same without it
+            log.debug("handshake failures will not be logged: %s", exc)
+
+    def read(self) -> None:
+        while self.socket is not None:
+            try:
+                event = recv_monitor_message(self.socket, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            reason = handshake_failure(event)
+            if reason is not None:
+                endpoint = event["endpoint"].decode("utf-8", "replace")
+                self._refusals.note(f"connections to {endpoint}", "refused a connection on %s: %s; this side runs %s",
+                                    endpoint, reason, self._label)
+
+    def connecting(self, addr: str, event: dict) -> None:
+        """A monitor event of this side's connection to ``addr``."""
+        reason = handshake_failure(event)
+        if reason is not None:
+            self._refusals.note(addr, "the handshake with %s failed: %s; this side runs %s", addr, reason,
+                                self._label)
+
+    def close(self, sock: zmq.Socket) -> None:
+        """Stop watching ``sock`` (the listening socket, still open)."""
+        if self.socket is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            self.socket.close(linger=0)
+            self.socket = None
 
 
 def _ensure_authenticator(ctx: zmq.Context, configure) -> None:

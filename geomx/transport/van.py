@@ -46,7 +46,7 @@ from geomx.transport.message import Message, build_message, decode_header, encod
 from geomx.transport.outbox import SEND_PIPE_MESSAGES, STUCK_S, Outbox, Queued, send_queue_bytes
 from geomx.transport.parking import MARKER_BYTES, PARK, RELEASE, Parking, marker, new_id, read_marker
 from geomx.transport.refusals import RefusalLog
-from geomx.transport.security import Curve, Plain, Sealed
+from geomx.transport.security import Curve, HandshakeLog, Plain, Sealed
 
 log = logging.getLogger("geomx.van")
 
@@ -169,9 +169,11 @@ class ZmqVan(Van):
         self._running = False
         self._stopped = False
         self._router: zmq.Socket | None = None
+        self._handshakes = HandshakeLog(security)       # logs handshakes refused on either side of a connection
         self._threads: list[threading.Thread] = []
         self._receive_thread: threading.Thread | None = None
-        self._watch = ConnectionWatch(public_name(node_id))   # peers whose connection closed (a process ended)
+        # peers whose connection closed (a process ended)
+        self._watch = ConnectionWatch(public_name(node_id), on_handshake_failed=self._handshakes.connecting)
         self._probe = liveness_probe
         self.sent_bytes: dict[str, int] = defaultdict(int)      # by destination DC, as handed to ZeroMQ
         self.sent_messages: dict[str, int] = defaultdict(int)
@@ -207,12 +209,14 @@ class ZmqVan(Van):
         router.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
         if self._security is not None:
             self._security.server(router)
+        self._handshakes.listen(router)
         try:
             if self._port:
                 router.bind(tcp_address(self._bind_host, self._port))
             else:
                 self._port = router.bind_to_random_port(f"tcp://{self._bind_host}")
         except zmq.ZMQError as exc:
+            self._handshakes.close(router)
             router.close()
             if self._security is not None:
                 self._security.release(self._ctx)
@@ -311,13 +315,18 @@ class ZmqVan(Van):
     # -- threads -----------------------------------------------------------------------------------------
 
     def _receive_loop(self) -> None:
-        sock = self._router
+        sock, handshakes = self._router, self._handshakes
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        if handshakes.socket is not None:
+            poller.register(handshakes.socket, zmq.POLLIN)
         try:
             while self._running:
-                if not poller.poll(_POLL_MS):
+                ready = poller.poll(_POLL_MS)
+                if not ready:
                     continue
+                if len(ready) > 1 or ready[0][0] is not sock:
+                    handshakes.read()
                 while self._running:            # drain what is there before polling again
                     try:
                         peer = sock.recv(zmq.NOBLOCK, copy=False)
@@ -332,6 +341,7 @@ class ZmqVan(Van):
                         log.error("%s dropped a message from peer %r it could not handle: %s",
                                   public_name(self.node_id), bytes(peer.bytes[:32]), exc, exc_info=True)
         finally:
+            handshakes.close(sock)
             sock.close(linger=0)
             if self._security is not None:
                 self._security.release(self._ctx)
@@ -538,6 +548,7 @@ class ZmqVan(Van):
             self._security.client(sock)
         if probe:
             heartbeat(sock)
-        sock.connect(addr)
+        # watched before it connects: a handshake that fails at once (another mechanism) is not tried again
         self._watch.watch(sock, addr, probed=probe)
+        sock.connect(addr)
         return sock
