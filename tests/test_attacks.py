@@ -19,6 +19,7 @@ from geomx.netem.emulator import WanEmulator
 from geomx.profiles import custom_profile
 from geomx.transport.message import Message, encode
 from geomx.transport.refusals import RefusalLog
+from geomx.transport.ids import new_node_id
 from geomx.transport.van import ZmqVan, public_name
 from harness import Inbox
 
@@ -72,6 +73,115 @@ def test_node_ids_are_random_and_their_public_names_hide_the_random_part():
     other, _ = _tier()
     assert po.node_id != other.node_id and public_name(po.node_id) == public_name(other.node_id) == "worker-a"
     assert len(po.node_id) - len("worker-a-") == 24
+
+
+def test_public_names_hide_the_random_part_of_ids_identities_and_claimed_ids():
+    node_id = new_node_id("global_server-central")         # 22 characters before the random part
+    assert public_name(node_id) == public_name(node_id.encode()) == "global_server-central"
+    assert public_name(b"\x00k\x8b\x45\x67") == "\\x00k\\x8bEg"      # ZeroMQ's own identity for a peer without one
+    assert public_name(3) == "3" and public_name("scheduler-dc:a") == "scheduler-dc:a"
+    assert public_name("x" * 1000) == "x" * 64 + "..."        # a stranger's claim is shown cut short
+
+
+def _random_parts(*ids: str) -> list[str]:
+    return [i.rpartition("-")[2] for i in ids]
+
+
+def test_refusal_and_error_lines_show_the_public_part_of_node_ids_only(caplog):
+    """Node ids are capabilities that logs never show (docs/architecture.md), but a worker logged "reply to
+    request 316 from 'server-a-b74c1acb6115d0e8b0928797' dropped", as did other refusal lines and error texts.
+    Each place, driven in-process with ids as the deployment makes them."""
+    import logging
+
+    from geomx.cluster.client import KVClient
+    from geomx.cluster.protocol import Op
+    from geomx.cluster.scheduler import Scheduler
+    from geomx.errors import ProtocolError
+    from geomx.transport.inproc import Hub, InProcVan
+    from geomx.transport.security import Sealed
+
+    po, tier = _tier()
+    server, stranger = new_node_id("server-a"), new_node_id("worker-a")
+    hub = Hub()
+    sched = Scheduler(tier="dc:a", dc="a", expected={"worker": 1, "server": 1}, port=0, van="inproc",
+                      van_options={"hub": hub})
+    van = InProcVan(node_id=stranger, dc="a", on_message=lambda m: 1 / 0, hub=hub)
+    errors = []
+    with caplog.at_level(logging.INFO, logger="geomx"):
+        table = {"tier": "dc:a", "auth": tier.token}
+        po._dispatch(Message("table", src="s", fields={**table, "members": [{**_entry(server), "weight": 0}]}))
+        po._dispatch(Message("table", src="s", fields={**table, "members": [
+            _entry(po.node_id), _entry(server, role="server", addr="tcp://127.0.0.1:6")]}))
+        KVClient(po, tier).handle_reply(Message("reply", src=server, fields={"req": 316}))
+        po._dispatch(Message("push", src=stranger))
+        po._dispatch(Message("abort", src=stranger, fields={"tier": "dc:a", "auth": "guess"}))
+        po.refusals.period_s = 0.01                       # a suppressed count names its peer too
+        for _ in range(po.refusals.burst + 1):
+            po._dispatch(Message("push", src=stranger))
+        time.sleep(0.02)
+        po._dispatch(Message("push", src=stranger))
+        sched._on_message(Message(Op.PUSH, src=stranger))
+        sched._on_message(Message(Op.HEARTBEAT, src=stranger))
+        van.deliver(Message("hello", src=server))          # a handler's failure
+        seal, opener = Sealed("a deployment secret 0123").sealing(server), Sealed("a deployment secret 0123")
+        envelope, frame = seal.seal([b"header"], "tcp://127.0.0.1:5")
+        receiver = opener.sealing(stranger)
+        receiver.letter(envelope, 5).accept()
+        outsider = Sealed("another secret of enough length").sealing(stranger)
+        for attempt in (lambda: receiver.letter(envelope, 5),                          # replayed
+                        lambda: outsider.letter(envelope, 5).open(0, frame),           # another secret
+                        lambda: Message("push", src=server)["key"]):                   # a field missing
+            with pytest.raises(ProtocolError) as refused:
+                attempt()
+            errors.append(str(refused.value))
+    hub.close()
+    po.metrics is not None and po.metrics.close()
+    text = "\n".join([r.getMessage() for r in caplog.records] + errors)
+    for line in ("reply to request 316 from 'server-a' dropped", "member entry {'id': 'server-a', ",
+                 "data message 'push' from 'worker-a' dropped", "control message 'abort' (tier 'dc:a') from 'worker-a'",
+                 "similar refusals from worker-a suppressed", "dc:a scheduler: unexpected 'push' from 'worker-a'",
+                 "'hb' from 'worker-a' refused", "worker-a failed to handle 'hello' from server-a",
+                 "a replayed message from 'server-a'", "message claiming to be from 'server-a' does not authenticate",
+                 "message 'push' from 'server-a' lacks field 'key'"):
+        assert line in text, (line, text)
+    for random in _random_parts(po.node_id, server, stranger, sched.van.node_id):
+        assert random not in text, text
+
+
+def test_a_peers_zeromq_identity_is_logged_by_its_public_part_only(caplog):
+    """A DEALER's identity is its node's id: the van and the WAN emulator logged its first 32 bytes, most of the
+    random part, with a malformed message."""
+    import logging
+
+    sender = new_node_id("local_server-a")
+    receiver = ZmqVan(node_id=new_node_id("worker-a"), dc="a", on_message=lambda m: None)
+    emulator = WanEmulator(profile=custom_profile(1e9, 0.002), dcs=["a", "b"])
+    receiver.start()
+    emulator.start()
+    ctx = zmq.Context()
+    socks = []
+    try:
+        with caplog.at_level(logging.WARNING):
+            for address in (receiver.address, emulator.address):
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.IDENTITY, sender.encode())
+                sock.connect(address)
+                sock.send_multipart([b"not a header", b"junk"])
+                socks.append(sock)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and min(receiver.dropped_messages, emulator.dropped_messages) < 1:
+                time.sleep(0.02)
+    finally:
+        for sock in socks:
+            sock.close()
+        ctx.term()
+        receiver.stop()
+        emulator.stop()
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "malformed message from peer 'local_server-a'" in text and \
+        "WAN emulator dropped a message from 'local_server-a'" in text, text
+    assert not any(random in text for random in _random_parts(sender, receiver.node_id)), text
 
 
 # -- a flood is bounded in memory and in log lines ----------------------------------------------------------

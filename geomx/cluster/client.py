@@ -25,6 +25,7 @@ from geomx.cluster.protocol import Field, Op
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
 from geomx.compression import CompressionPolicy
 from geomx.errors import ConfigError, DeadlineError, GeomxError, KVError, PeerLostError
+from geomx.transport.ids import public_name
 from geomx.transport.message import Message
 
 log = logging.getLogger("geomx.client")
@@ -300,7 +301,7 @@ class KVClient:
                 entry = None
         if entry is None:
             self.po.refusals.note(msg.src, "%s: reply to request %r from %r dropped: no such request to that "
-                                  "sender", self.po.cfg.label, req, msg.src)
+                                  "sender", self.po.cfg.label, req, public_name(msg.src))
             return
         handle, convert, out = entry
         if msg.get(Field.ERROR):

@@ -23,6 +23,7 @@ from geomx.cluster.postoffice import NodeInfo, Postoffice
 from geomx.cluster.protocol import Field, Op
 from geomx.cluster.stuck_rounds import StuckRounds
 from geomx.errors import ConfigError, GeomxError
+from geomx.transport.ids import public_name
 from geomx.transport.message import WIRE_DTYPES, Message
 
 log = logging.getLogger("geomx.kvserver")
@@ -281,7 +282,7 @@ class KVServer:
         self.round_weights[member.id] = member.weight
         self.refilled.add(replaces)
         log.warning("%s: %s takes the place of %s; it counts in rounds from its first init", self.po.cfg.label,
-                    member.label, replaces)
+                    member.label, public_name(replaces))
 
     def start_joiner(self, member: NodeInfo) -> None:
         """``member``'s first init: it takes part in every round after those already under way (on any key), and
@@ -401,7 +402,7 @@ class KVServer:
                 return
         if client is None:
             self.po.refusals.note(msg.src, "%s: %r from unknown sender %r dropped (not a member of any tier this "
-                                  "server serves)", self.po.cfg.label, msg.op, msg.src)
+                                  "server serves)", self.po.cfg.label, msg.op, public_name(msg.src))
             return
         if msg.op == Op.INIT and msg.src in self.joining:
             try:
@@ -425,7 +426,7 @@ class KVServer:
     def reply(self, request: Message, *, error: str | None = None, tensors=(), **fields) -> None:
         client = self.clients.get(request.src)
         if client is None:      # its tier dropped it while the request was held (drop_client)
-            log.info("%s: reply to dropped member %r not sent", self.po.cfg.label, request.src)
+            log.info("%s: reply to dropped member %r not sent", self.po.cfg.label, public_name(request.src))
             return
         out = {Field.REQ: request.get(Field.REQ), **fields}
         if error:

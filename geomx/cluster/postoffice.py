@@ -27,7 +27,7 @@ from geomx.transport.refusals import RefusalLog
 from geomx.transport.security import mismatch_hint
 from geomx.cluster.protocol import CONTROL_OPS, Field, Op
 from geomx.transport.base import STALL_S, Van, is_node_address
-from geomx.transport.van import new_node_id
+from geomx.transport.ids import new_node_id, public_name
 
 _METRICS_PERIOD_S = 1.0
 
@@ -47,6 +47,11 @@ def describe_node(kind: str, rank, dc: str, addr: str, pid) -> str:
     if kind in ("worker", "server"):
         name += f" of DC {dc}"
     return f"{name} ({addr}, pid {pid})"
+
+
+def _shown(entry):
+    """A member table entry as an error may show it: its id's public part only."""
+    return {**entry, "id": public_name(entry["id"])} if isinstance(entry, dict) and "id" in entry else entry
 
 
 @dataclass(frozen=True)
@@ -78,15 +83,15 @@ class NodeInfo:
     def from_wire(cls, d: dict) -> NodeInfo:
         """A member table entry, checked: ValueError names what is malformed."""
         if not isinstance(d, dict):
-            raise ValueError(f"member entry {d!r} is not a map")
+            raise ValueError(f"member entry {_shown(d)!r} is not a map")
         info = cls(**{k: d.get(k) for k in ("id", "kind", "tier_role", "dc", "rank", "addr", "pid")},
                    weight=d.get("weight", 1))
         if not all(isinstance(v, str) and v for v in (info.id, info.kind, info.dc)):
-            raise ValueError(f"member entry {d!r} lacks an id, kind or DC")
+            raise ValueError(f"member entry {_shown(d)!r} lacks an id, kind or DC")
         if info.tier_role not in TIER_ROLES or not isinstance(info.rank, int) or not is_node_address(info.addr):
-            raise ValueError(f"member entry {d!r} has a bad tier role, rank or address")
+            raise ValueError(f"member entry {_shown(d)!r} has a bad tier role, rank or address")
         if not isinstance(info.weight, int) or isinstance(info.weight, bool) or info.weight < 1:
-            raise ValueError(f"member entry {d!r} has a bad weight")
+            raise ValueError(f"member entry {_shown(d)!r} has a bad weight")
         return info
 
 
@@ -205,7 +210,7 @@ class Tier:
         elif msg.op == Op.MEMBER_JOINED:
             joined = NodeInfo.from_wire(msg[Field.MEMBER])
             if any(m.id == joined.id for m in self.members):
-                raise ValueError(f"member_joined names {joined.id!r}, already a member of the tier")
+                raise ValueError(f"member_joined names {public_name(joined.id)!r}, already a member of the tier")
             self.members.append(joined)
             self.po.on_member_joined(self, joined, str(msg[Field.REPLACES]))
 
@@ -355,7 +360,7 @@ class Postoffice:
             self.on_data(msg)
         else:
             self.refusals.note(msg.src, "%s: data message %r from %r dropped: this role serves no data",
-                               self.cfg.label, msg.op, msg.src)
+                               self.cfg.label, msg.op, public_name(msg.src))
 
     def _control(self, msg: Message) -> None:
         """Control ops count only from the scheduler of the tier they name (see ``Tier.token``)."""
@@ -363,7 +368,7 @@ class Postoffice:
         tier = self.tiers.get(name) if isinstance(name, str) else None
         if tier is None or msg.op not in FROM_SCHEDULER or not tier.from_scheduler(msg):
             self.refusals.note(msg.src, "%s: control message %r (tier %r) from %r refused: not from the scheduler "
-                               "of one of its tiers", self.cfg.label, msg.op, name, msg.src)
+                               "of one of its tiers", self.cfg.label, msg.op, name, public_name(msg.src))
             return
         if msg.op == Op.ABORT:
             self.abort(str(msg.get(Field.REASON, "aborted by a peer")), tell_schedulers=True,

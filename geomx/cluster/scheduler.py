@@ -28,7 +28,7 @@ from geomx.transport.message import Message
 from geomx.transport.refusals import RefusalLog
 from geomx.cluster.protocol import Field, Op
 from geomx.transport.base import Van
-from geomx.transport.van import new_node_id
+from geomx.transport.ids import new_node_id, public_name
 
 log = logging.getLogger("geomx.scheduler")
 
@@ -147,23 +147,23 @@ class Scheduler:
                        Op.BYE: self._bye, Op.ABORT: self._remote_abort}.get(msg.op)
             if handler is None:
                 self.refusals.note(msg.src, "%s scheduler: unexpected %r from %r dropped", self.tier, msg.op,
-                                   msg.src)
+                                   public_name(msg.src))
                 return
             if handler != self._register and msg.src not in self._members and msg.src not in self._pending:
                 # members' ops count only from the ids this scheduler admitted (ids are unguessable)
                 self.refusals.note(msg.src, "%s scheduler: %r from %r refused: not a member of the tier",
-                                   self.tier, msg.op, msg.src)
+                                   self.tier, msg.op, public_name(msg.src))
                 return
             if msg.src in self._departed:
                 # a dropped worker that runs again (it was frozen) hears abort from us; its own abort, heartbeats
                 # and barriers no longer concern the tier
-                log.info("%s scheduler: %r from dropped member %r ignored", self.tier, msg.op, msg.src)
+                log.info("%s scheduler: %r from dropped member %r ignored", self.tier, msg.op, public_name(msg.src))
                 return
             try:
                 handler(msg)
             except Exception as exc:
-                self.refusals.note(msg.src, "%s scheduler: bad %r from %r dropped: %s", self.tier, msg.op, msg.src,
-                                   exc)
+                self.refusals.note(msg.src, "%s scheduler: bad %r from %r dropped: %s", self.tier, msg.op,
+                                   public_name(msg.src), exc)
 
     def _register(self, msg: Message) -> None:
         entry = {"id": msg.src, "kind": msg[Field.KIND], "tier_role": msg[Field.TIER_ROLE], "dc": msg[Field.DC],
@@ -174,10 +174,11 @@ class Scheduler:
                 or not isinstance(msg.src, str) or not isinstance(entry["dc"], str) \
                 or not isinstance(entry["declared"], dict):
             self.refusals.note(msg.src, "%s scheduler: malformed registration from %r (address %r) dropped",
-                               self.tier, msg.src, entry["addr"])
+                               self.tier, public_name(msg.src), entry["addr"])
             return
         if msg.src in self._pending or msg.src in self._members:
-            self.refusals.note(msg.src, "%s scheduler: second registration from %r dropped", self.tier, msg.src)
+            self.refusals.note(msg.src, "%s scheduler: second registration from %r dropped", self.tier,
+                               public_name(msg.src))
             return
         if msg.get(Field.TIER) != self.tier:
             # answered under the tier name the member used, so that it stops at once naming the cause

@@ -50,6 +50,7 @@ from geomx.profiles import WanProfile, custom_profile, get_profile, parse_durati
 from geomx.transport import parking
 from geomx.transport.message import payload_nbytes
 from geomx.transport.refusals import RefusalLog
+from geomx.transport.ids import public_name
 from geomx.transport.van import is_tcp_address
 import contextlib
 
@@ -314,8 +315,8 @@ class WanEmulator:
             self._route(frames)
         except Exception as exc:    # malformed input is dropped, never fatal
             self.dropped_messages += 1
-            peer = bytes(frames[0].bytes[:32])
-            self.refusals.note(peer, "WAN emulator dropped a message from %r: %s", peer, exc)
+            peer = bytes(frames[0].bytes)      # a node's ZeroMQ identity is its id: logs show its public part
+            self.refusals.note(peer, "WAN emulator dropped a message from %r: %s", public_name(peer), exc)
 
     def _route(self, frames: list) -> None:
         if len(frames) < 2:

@@ -27,6 +27,7 @@ from typing import ClassVar
 import numpy as np
 
 from geomx.errors import ConfigError
+from geomx.transport.ids import public_name
 from geomx.transport.message import Message
 
 log = logging.getLogger("geomx.van")
@@ -141,7 +142,7 @@ class Van(ABC):
         try:
             self._on_message(msg)
         except Exception:  # a handler bug must not kill the node's receive loop
-            log.exception("%s failed to handle %r from %s", self.node_id, msg.op, msg.src)
+            log.exception("%s failed to handle %r from %s", public_name(self.node_id), msg.op, public_name(msg.src))
         finally:
             self.handling_since = None
             end = time.monotonic()
@@ -156,7 +157,7 @@ class Van(ABC):
         try:
             targets = self.receive_into(header) or ()
         except Exception:
-            log.exception("%s: receive_into failed; receiving into fresh buffers", self.node_id)
+            log.exception("%s: receive_into failed; receiving into fresh buffers", public_name(self.node_id))
             return ()
         return [t if isinstance(t, np.ndarray) and t.flags.c_contiguous and t.flags.writeable and t.nbytes
                 and (t.dtype, t.shape) == spec else None for t, spec in zip(targets, header["t"], strict=False)]

@@ -23,6 +23,7 @@ import numpy as np
 
 from geomx.errors import ConfigError, ProtocolError
 from geomx.transport.base import Van, register_van
+from geomx.transport.ids import public_name
 from geomx.transport.message import Message, build_message, decode_header, encode, payload_nbytes
 
 log = logging.getLogger("geomx.van")
@@ -101,10 +102,11 @@ class InProcVan(Van):
         # liveness_probe: nothing in memory freezes apart from its own process
         super().__init__(node_id=node_id, dc=dc, on_message=on_message)
         if emulator is not None:
-            raise ConfigError(f"{node_id}: the in-memory van cannot use the WAN emulator at {emulator}; give its "
-                              f"Hub a link model instead")
+            raise ConfigError(f"{public_name(node_id)}: the in-memory van cannot use the WAN emulator at {emulator}; "
+                              f"give its Hub a link model instead")
         if security is not None:
-            raise ConfigError(f"{node_id}: the in-memory van has no sockets to secure (GEOMX_SECRET is for 'zmq')")
+            raise ConfigError(f"{public_name(node_id)}: the in-memory van has no sockets to secure (GEOMX_SECRET is "
+                              f"for 'zmq')")
         self.hub = hub or DEFAULT
         self._address: str | None = None
         self._inbox: list = []
@@ -120,7 +122,7 @@ class InProcVan(Van):
     @property
     def address(self) -> str:
         if self._address is None:
-            raise ConfigError(f"{self.node_id}: an in-memory van has an address once started")
+            raise ConfigError(f"{public_name(self.node_id)}: an in-memory van has an address once started")
         return self._address
 
     @property
@@ -139,7 +141,8 @@ class InProcVan(Van):
     def start(self) -> None:
         self._running = True
         self._address = self.hub.attach(self)
-        self._thread = threading.Thread(target=self._receive_loop, name=f"van-recv-{self.node_id}", daemon=True)
+        self._thread = threading.Thread(target=self._receive_loop, name=f"van-recv-{public_name(self.node_id)}",
+                                        daemon=True)
         self._thread.start()
 
     def send(self, addr: str, msg: Message, *, dst_dc: str | None = None) -> None:
@@ -150,8 +153,8 @@ class InProcVan(Van):
         if not self.hub.route(self.dc, dst_dc, addr, frames, msg.priority):
             self.dropped_messages += 1
             # as a socket would: a peer that left (a scheduler that stopped) just never reads it
-            log.info("%s cannot send %r to %r: no such node in hub %s; message dropped", self.node_id, msg.op,
-                     addr, self.hub.name)
+            log.info("%s cannot send %r to %r: no such node in hub %s; message dropped", public_name(self.node_id),
+                     msg.op, addr, self.hub.name)
             return
         self.sent_bytes[dst_dc or self.dc] += payload_nbytes(frames)
         self.sent_messages[dst_dc or self.dc] += 1
@@ -174,8 +177,8 @@ class InProcVan(Van):
             self._thread.join(timeout=flush_timeout + 1.0)
 
     def counters(self) -> dict:
-        return {"node": self.node_id, "sent": dict(self.sent_bytes), "sent_messages": dict(self.sent_messages),
-                "received": self.received_bytes, "send_queue": 0}
+        return {"node": public_name(self.node_id), "sent": dict(self.sent_bytes),
+                "sent_messages": dict(self.sent_messages), "received": self.received_bytes, "send_queue": 0}
 
     def _receive_loop(self) -> None:
         while True:
@@ -191,7 +194,7 @@ class InProcVan(Van):
                 msg = self._decode(frames)
             except ProtocolError as exc:
                 self.dropped_messages += 1
-                log.warning("%s dropped a malformed message: %s", self.node_id, exc)
+                log.warning("%s dropped a malformed message: %s", public_name(self.node_id), exc)
                 continue
             self.deliver(msg)
 

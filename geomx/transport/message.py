@@ -17,6 +17,7 @@ import numpy as np
 import zmq
 
 from geomx.errors import ProtocolError
+from geomx.transport.ids import public_name
 
 # dtypes allowed on the wire; anything else is refused by name
 WIRE_DTYPES = {"float32", "float64", "float16", "int8", "uint8", "int16", "uint16", "int32", "int64", "bool"}
@@ -41,7 +42,7 @@ class Message:
         try:
             return self.fields[name]
         except KeyError:
-            raise ProtocolError(f"message {self.op!r} from {self.src!r} lacks field {name!r}") from None
+            raise ProtocolError(f"message {self.op!r} from {public_name(self.src)!r} lacks field {name!r}") from None
 
 
 def encode(msg: Message) -> list:

@@ -11,6 +11,8 @@ import logging
 import threading
 import time
 
+from geomx.transport.ids import public_name
+
 BURST = 10               # lines a peer gets before its warnings are throttled
 PERIOD_S = 10.0          # then at most one line per period, with the count of what was suppressed
 MAX_PEERS = 256          # peers tracked one by one; the rest share the bucket named OTHERS
@@ -35,10 +37,11 @@ class RefusalLog:
         with self._lock:
             self.total += 1
             name = peer if isinstance(peer, str) else repr(peer)
+            shown = public_name(peer)       # a peer is named by its id, which logs never show
             state = self._peers.get(name)
             if state is None:
                 if len(self._peers) >= self.max_peers:
-                    name = OTHERS
+                    name = shown = OTHERS
                     state = self._peers.get(name)
                 if state is None:
                     state = self._peers[name] = [now, 0, 0]    # [last line's time, lines, suppressed since]
@@ -54,5 +57,5 @@ class RefusalLog:
             self.lines += 1
         if suppressed:
             fmt += " (%d similar refusals from %s suppressed in the last %.0f s)"
-            args = (*args, suppressed, name, self.period_s)
+            args = (*args, suppressed, shown, self.period_s)
         self.logger.warning(fmt, *args)

@@ -42,6 +42,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from geomx.errors import ProtocolError
+from geomx.transport.ids import public_name
 from geomx.transport.message import frame_buffer
 
 TAG_BYTES = 16
@@ -106,7 +107,7 @@ class Letter:
         the plaintext's size, see ``Van.receive_into``) filled in place, or a fresh writable buffer."""
         data = frame_buffer(frame)
         if data.nbytes < TAG_BYTES:
-            raise ProtocolError(f"sealed frame {index} from {self.sender!r} is shorter than its tag")
+            raise ProtocolError(f"sealed frame {index} from {public_name(self.sender)!r} is shorter than its tag")
         nonce, aad = _nonce(self.counter, index), _aad(self._envelope, self._port, index)
         try:
             if index == 0:
@@ -121,13 +122,13 @@ class Letter:
                 out[:] = np.frombuffer(self._aead.decrypt(nonce, data, aad), np.uint8)
             return out.data if into is None else into     # a writable buffer, or the array received into
         except InvalidTag:
-            raise ProtocolError(f"frame {index} of a message claiming to be from {self.sender!r} does not "
+            raise ProtocolError(f"frame {index} of a message claiming to be from {public_name(self.sender)!r} does not "
                                 f"authenticate (wrong secret, tampered, or meant for another node)") from None
 
     def accept(self) -> None:
         """The whole message opened: remember its counter so that it is never accepted again."""
         if not self._window.fresh(self.counter):
-            raise ProtocolError(f"a replayed message from {self.sender!r} (counter {self.counter})")
+            raise ProtocolError(f"a replayed message from {public_name(self.sender)!r} (counter {self.counter})")
         self._window.record(self.counter)
         self._remember()
 
@@ -148,7 +149,7 @@ class MessageSeal:
         self._salt = secrets.token_bytes(8)
         sender = node_id.encode()
         if len(sender) > _MAX_ID:
-            raise ProtocolError(f"node id {node_id!r} is longer than {_MAX_ID} bytes")
+            raise ProtocolError(f"the node id of {public_name(node_id)!r} has {len(sender)} bytes, more than {_MAX_ID}")
         self._sender = sender
         self._aead = self._key(sender, self._salt)
         self._counter = itertools.count(1)
@@ -188,7 +189,7 @@ class MessageSeal:
         before_start = self._born - sealed_ms / 1000
         if before_start > self._max_age_s:      # a later time than the sender wrote would not open
             raise ProtocolError(
-                f"a message from {sender.decode('utf-8', 'replace')!r} sealed {before_start:.0f} s before this node "
+                f"a message from {public_name(sender)!r} sealed {before_start:.0f} s before this node "
                 f"started: a recording of an earlier process played again, or the two hosts' clocks differ by more "
                 f"than GEOMX_SEAL_MAX_AGE_S={self._max_age_s:g} s")
         # a sender process is cached only once one of its messages authenticated (Letter.accept): envelopes
@@ -196,7 +197,7 @@ class MessageSeal:
         peer = self._peers.get((sender, salt)) or (self._key(sender, salt), _ReplayWindow())
         name = sender.decode("utf-8", "replace")
         if not peer[1].fresh(counter):
-            raise ProtocolError(f"a replayed message from {name!r} (counter {counter})")
+            raise ProtocolError(f"a replayed message from {public_name(name)!r} (counter {counter})")
         return Letter(peer[0], peer[1], envelope, counter, name, port,
                       remember=lambda: self._remember((sender, salt), peer))
 

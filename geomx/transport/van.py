@@ -29,7 +29,6 @@ import ctypes
 import itertools
 import logging
 import os
-import secrets
 import threading
 import time
 from collections import defaultdict
@@ -42,6 +41,7 @@ import zmq
 from geomx.errors import ConfigError, PeerLostError, ProtocolError
 from geomx.transport.base import STALL_S, Van, register_van
 from geomx.transport.connection_watch import ConnectionWatch, heartbeat
+from geomx.transport.ids import new_node_id, public_name
 from geomx.transport.message import Message, build_message, decode_header, encode, payload_nbytes
 from geomx.transport.outbox import SEND_PIPE_MESSAGES, STUCK_S, Outbox, Queued, send_queue_bytes
 from geomx.transport.parking import MARKER_BYTES, PARK, RELEASE, Parking, marker, new_id, read_marker
@@ -87,22 +87,6 @@ def keep_freed_buffers() -> None:
 # connection, so a flood fills the sender's buffers (TCP back-pressure), not this process's memory. Senders
 # never block on it: their own queues absorb a burst.
 RECEIVE_QUEUE_PER_PEER = 256
-
-
-_ID_HEX = 24
-
-
-def new_node_id(prefix: str) -> str:
-    """An id nobody can guess (96 random bits): the sender checks of every receiver rest on it."""
-    return f"{prefix}-{secrets.token_hex(_ID_HEX // 2)}"
-
-
-def public_name(node_id: str) -> str:
-    """What logs, thread names and metrics files may show of an id: without the random part of a
-    :func:`new_node_id`, which must stay unknown outside the deployment (a metrics file or a thread name is
-    readable by more users than the processes are)."""
-    head, _, tail = node_id.rpartition("-")
-    return head if head and len(tail) == _ID_HEX and all(c in "0123456789abcdef" for c in tail) else node_id
 
 
 __all__ = ["RECEIVE_QUEUE_PER_PEER", "STALL_S", "Van", "ZmqVan", "is_tcp_address", "keep_freed_buffers", "new_node_id",
@@ -422,14 +406,15 @@ class ZmqVan(Van):
                 msg.private = all(t is None for t in targets)     # nothing received into a caller's array
                 if letter is not None:
                     if msg.src != letter.sender:
-                        raise ProtocolError(f"a message sealed by {letter.sender!r} claims to be from {msg.src!r}")
+                        raise ProtocolError(f"a message sealed by {public_name(letter.sender)!r} claims to be "
+                                            f"from {public_name(msg.src)!r}")
                     letter.accept()
             except ProtocolError as exc:
                 msg, error = None, exc
         if msg is None:
             self.dropped_messages += 1
-            self.refusals.note(bytes(peer.bytes[:32]), "%s dropped a malformed message from peer %r: %s",
-                               public_name(self.node_id), bytes(peer.bytes[:32]), error)
+            self.refusals.note(bytes(peer.bytes), "%s dropped a malformed message from peer %r: %s",
+                               public_name(self.node_id), public_name(peer.bytes), error)
         return msg
 
     def _send_loop(self) -> None:
@@ -495,7 +480,7 @@ class ZmqVan(Van):
             return False
         except zmq.ZMQError as exc:   # e.g. a peer announced a malformed address: drop, keep sending
             self.dropped_messages += 1
-            log.warning("%s cannot send to %r: %s; message dropped", self.node_id, sock_addr, exc)
+            log.warning("%s cannot send to %r: %s; message dropped", public_name(self.node_id), sock_addr, exc)
             return True
         self._count_sent(item, item.wire[1:] if sock_addr != item.addr else item.wire)
         return True
@@ -528,7 +513,8 @@ class ZmqVan(Van):
             return False
         except zmq.ZMQError as exc:
             self.dropped_messages += 1
-            log.warning("%s cannot park a message at %r: %s; message dropped", self.node_id, item.addr, exc)
+            log.warning("%s cannot park a message at %r: %s; message dropped", public_name(self.node_id), item.addr,
+                        exc)
         return True
 
     def _socket_for(self, addr: str, *, probe: bool) -> zmq.Socket:
