@@ -322,8 +322,8 @@ class ZmqVan(Van):
                         # one bad message must not leave the node deaf: its peers would take it for dead
                         self._drop_rest(sock)
                         self.dropped_messages += 1
-                        log.error("%s dropped a message from peer %r it could not handle: %s",
-                                  public_name(self.node_id), bytes(peer.bytes[:32]), exc, exc_info=True)
+                        log.error("%s dropped a message from peer %s it could not handle: %s",
+                                  public_name(self.node_id), public_name(peer.bytes), exc, exc_info=True)
         finally:
             handshakes.close(sock)
             sock.close(linger=0)
