@@ -245,6 +245,18 @@ def test_doctor_probe_names_a_malformed_endpoint_and_an_unreachable_listener(cap
     assert main(["doctor", "--probe", f"127.0.0.1:{port}"]) == 2
     err = capsys.readouterr().err
     assert f"cannot reach the probe listener at 127.0.0.1:{port}" in err, err
+    # something else listens there and hangs up: a traceback, or an exit with no word (128 + SIGPIPE), before
+    import threading
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        hang_up = threading.Thread(target=lambda: other.accept()[0].close(), daemon=True)
+        hang_up.start()
+        assert main(["doctor", "--probe", f"127.0.0.1:{other.getsockname()[1]}"]) == 2
+        hang_up.join(5)
+    err = capsys.readouterr().err
+    assert "closed the connection during the probe: is it geomx doctor --probe-listen" in err, err
 
 
 def test_doctor_probe_measures_rtt_and_rate_against_a_listener_on_this_machine():

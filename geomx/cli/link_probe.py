@@ -159,6 +159,16 @@ def probe(host: str, port: int, *, nbytes: int, timeout: float = IO_TIMEOUT_S) -
     except OSError as exc:
         raise GeomxError(f"cannot reach the probe listener at {host}:{port}: {exc.strerror or exc} (is "
                          f"geomx doctor --probe-listen running there, and the port open?)") from None
+    try:
+        return _measure(conn, nbytes)
+    except OSError as exc:      # closed, reset or silent: whatever answers there is no probe listener
+        what = "timed out" if isinstance(exc, TimeoutError) else "closed the connection" if isinstance(
+            exc, ConnectionError) else (exc.strerror or str(exc))
+        raise GeomxError(f"the peer at {host}:{port} {what} during the probe: is it geomx doctor --probe-listen "
+                         f"(the same geomx version)?") from None
+
+
+def _measure(conn: socket.socket, nbytes: int) -> ProbeResult:
     with conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         rtts = []
