@@ -222,6 +222,24 @@ def test_the_launcher_authenticates_by_default_and_insecure_says_so(tmp_path):
                       "GEOMX_AUTH_TOKEN": "t" * 20})
 
 
+
+def test_a_one_host_launch_on_an_outside_address_advertises_it_everywhere_and_is_sealed(tmp_path):
+    """TOML `host` put the schedulers and the emulator on that address while every other role advertised
+    127.0.0.1: the emulator refused their routes and the run failed (found by a review). Every role now
+    advertises it, and the launcher seals the links (--secure) as for a deployment across hosts."""
+    from geomx.cli.launch import Launcher, one_host_sites, plan
+    from geomx.cli.topology import load_topology
+
+    topo = load_topology(workers_per_dc=1, wan="regional")
+    topo.host = "10.0.0.5"
+    specs = plan(topo, ["x"], tmp_path, secret=SECRET, sites=one_host_sites(topo, list(range(20000, 20020))))
+    assert {s.env.get("DMLC_NODE_HOST") for s in specs if s.name != "wan-emulator"} == {"10.0.0.5"}
+    assert next(s for s in specs if s.name == "wan-emulator").env["GEOMX_EMULATOR_HOSTS"] == "10.0.0.5"
+    assert Launcher(topo, ["x"], run_dir=tmp_path).secret is not None
+    assert Launcher(topo, ["x"], run_dir=tmp_path, insecure=True).secret is None
+    assert all("DMLC_NODE_HOST" not in s.env for s in plan(load_topology(workers_per_dc=1), ["x"], tmp_path))
+
+
 # -- another secret or encryption is named, not left to look like a scheduler that is not running -------------
 
 @pytest.mark.parametrize("env, used", [

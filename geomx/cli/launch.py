@@ -27,7 +27,7 @@ from geomx.cli.checkpoint_owner import claim as claim_checkpoint_dir
 from geomx.cli.inject import Injector, parse_faults
 from geomx.cli.rejoins import Rejoins
 from geomx.cli.topology import Topology
-from geomx.config import checkpoint_path, env_heartbeat_timeout, env_int
+from geomx.config import checkpoint_path, env_heartbeat_timeout, env_int, is_loopback
 from geomx.dropped import ABORTED_FILE, DropLog
 from geomx.dropped import FILE as DROPPED_FILE
 from geomx.errors import ConfigError
@@ -98,6 +98,9 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
     site's listening roles run (default: one_host_sites)."""
     sites = sites or one_host_sites(topo, ports)
     h = sites.hosts[CENTRAL_DC]
+    # on one host every role advertises that host (TOML `host`), as its schedulers bind it: peers and the
+    # emulator dial it (the emulator relays only to its hosts)
+    one_host = {"DMLC_NODE_HOST": h} if set(sites.hosts.values()) == {h} and h != "127.0.0.1" else {}
     # -P: a role imports the geomx installed (or on PYTHONPATH), never a geomx/ folder in the working directory,
     # which `python -m` would otherwise put first (another checkout's, another version's)
     node = [sys.executable, "-P", "-m", "geomx.node"]
@@ -115,7 +118,7 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
     security = {"GEOMX_SECRET": secret} if secret else {"GEOMX_AUTH_TOKEN": auth_token} if auth_token else {}
     base = {**security, "PYTHONUNBUFFERED": "1", "GEOMX_RUN_DIR": str(run_dir),
             "GEOMX_TOPOLOGY": topo.topology, "GEOMX_MODE": topo.mode, "GEOMX_MIXEDSYNC": topo.mixedsync,
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **topo.env}
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **one_host, **topo.env}
     specs: list[RoleSpec] = []
     if topo.profile.emulated:
         base["GEOMX_WAN_EMULATOR"] = f"tcp://{h}:{p_emu}"
@@ -243,7 +246,8 @@ class Launcher:
         if secure and insecure:
             raise ConfigError("--secure and --insecure contradict each other")
         backend = backend or LocalBackend()
-        secure = secure or (backend.across_hosts and not insecure)
+        # across hosts, or on an address others can reach (TOML `host`), the links need the shared secret
+        secure = secure or ((backend.across_hosts or not is_loopback(topo.host)) and not insecure)
         if resume is not None:
             directory, step = resume_directory(Path(resume), Path(run_dir), topo.num_all_workers, resume_step)
             # every role resumes at the same step: the workers' checkpoints and the global servers' (a server
