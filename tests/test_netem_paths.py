@@ -201,11 +201,11 @@ def test_the_node_link_variable_round_trips_and_names_bad_entries():
 
 
 def test_the_dc_line_variable_round_trips_and_names_bad_entries_and_unknown_dcs():
-    lines = {"a": 1e9, "b": 2.5e8}
+    lines = {"a": (1e9, 1e9), "b": (5e7, 2.5e8)}
     assert dc_lines.parse(dc_lines.to_env(lines)) == lines
-    assert dc_lines.parse("a=1gbit, b=100mbit") == {"a": 1e9, "b": 1e8}
+    assert dc_lines.parse("a=1gbit, b=100mbit/1gbit") == {"a": (1e9, 1e9), "b": (1e8, 1e9)}
     for text, named in [("a", "is not DC=RATE"), ("=1gbit", "is not DC=RATE"), ("a=fast", "a=fast"),
-                        ("a=0", "must be > 0")]:
+                        ("a=0", "must be > 0"), ("a=1gbit/0", "must be > 0"), ("a=1/2/3gbit", "is not DC=RATE")]:
         with pytest.raises(ConfigError, match=named) as exc:
             dc_lines.parse(text)
         assert dc_lines.ENV in str(exc.value)
@@ -217,7 +217,7 @@ def test_through_the_emulator_a_dcs_messages_to_every_other_dc_cross_its_line():
     """DC a with a line of its own: its messages to b and to the central party both cross it (one egress line,
     two pair links), and what it receives crosses its ingress line; DC b has none."""
     got, cv, inbox = inboxes("a", "b", "c")
-    em = WanEmulator(profile=custom_profile(1e9, 0.002), dc_lines={"a": 5e8})
+    em = WanEmulator(profile=custom_profile(1e9, 0.002), dc_lines={"a": (5e8, 4e8)})     # up, down
     em.start()
     a = ZmqVan(node_id="a", dc="a", on_message=inbox("a"), emulator=em.address)
     b = ZmqVan(node_id="b", dc="b", on_message=inbox("b"), emulator=em.address)
@@ -234,6 +234,7 @@ def test_through_the_emulator_a_dcs_messages_to_every_other_dc_cross_its_line():
         stats = em.stats()
         lines = stats["dc_lines"]
         assert set(lines) == {"DC a out", "DC a in"} and lines["DC a out"]["rate_bps"] == 5e8
+        assert lines["DC a in"]["rate_bps"] == 4e8
         assert lines["DC a out"]["messages"] == 2 and lines["DC a in"]["messages"] == 1
         assert lines["DC a out"]["bytes"] == stats["links"]["a->b"]["bytes"] + stats["links"]["a->central"]["bytes"]
         assert lines["DC a in"]["bytes"] == stats["links"]["b->a"]["bytes"]
@@ -249,7 +250,13 @@ def test_wan_dc_lines_give_the_emulator_each_dcs_line_at_its_links_rate(tmp_path
 
     topo = load_topology(None, dcs=2, wan="regional", wan_dc_lines=True, wan_links=["b=100mbit/50ms"])
     emulator = next(s for s in plan(topo, ["x"], tmp_path, ports=list(range(21000, 21005))) if s.kind == "emulator")
-    assert dc_lines.parse(emulator.env[dc_lines.ENV]) == {"a": 1e9, "b": 1e8}
+    assert dc_lines.parse(emulator.env[dc_lines.ENV]) == {"a": (1e9, 1e9), "b": (1e8, 1e8)}
+    # an asymmetric profile keeps its downlink (the line had been its uplink's rate both ways: found by a review)
+    volunteer = load_topology(None, dcs=2, wan="volunteer", wan_dc_lines=True)
+    specs = plan(volunteer, ["x"], tmp_path, ports=list(range(21000, 21005)))
+    emulator = next(s for s in specs if s.kind == "emulator")
+    up, down = volunteer.profile.rate_for("a", "central"), volunteer.profile.rate_for("central", "a")
+    assert up < down and dc_lines.parse(emulator.env[dc_lines.ENV]) == {"a": (up, down), "b": (up, down)}
     plain = plan(load_topology(None, dcs=2, wan="regional"), ["x"], tmp_path, ports=list(range(21000, 21005)))
     assert dc_lines.ENV not in next(s for s in plain if s.kind == "emulator").env
     with pytest.raises(ConfigError, match="--wan-dc-lines.*needs an emulated WAN"):

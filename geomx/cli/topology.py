@@ -56,12 +56,16 @@ class Topology:
     global_server_dcs: list[str] = field(default_factory=list)
     dc_lines: bool = False          # each DC's traffic to every other shares one line, at its link's rate
 
-    def dc_line_rates(self) -> dict[str, float]:
-        """Each DC's line (``dc_lines``): the rate of its link to the central party (an override included)."""
+    def dc_line_rates(self) -> dict[str, tuple[float, float]]:
+        """Each DC's line (``dc_lines``): up at the rate of its link to the central party, down at the central
+        party's link to it (overrides included), so an asymmetric profile keeps its downlink."""
         if not self.dc_lines:
             return {}
-        return {dc: (self.wan_links[(dc, CENTRAL_DC)].rate_bps if (dc, CENTRAL_DC) in self.wan_links
-                     else self.profile.rate_for(dc, CENTRAL_DC)) for dc in self.dc_names}
+        return {dc: (self._link_rate(dc, CENTRAL_DC), self._link_rate(CENTRAL_DC, dc)) for dc in self.dc_names}
+
+    def _link_rate(self, src: str, dst: str) -> float:
+        spec = self.wan_links.get((src, dst))
+        return spec.rate_bps if spec is not None else self.profile.rate_for(src, dst)
 
     @property
     def fixed_ports(self) -> int:

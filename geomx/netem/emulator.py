@@ -101,7 +101,8 @@ class WanEmulator:
         self.tcp = tcp or TcpPath()
         self.node_rates = dict(node_links or {})
         self._node_links: dict[tuple[str, int], EmulatedLink] = {}   # (address, stage) -> its line
-        self.dc_rates = dict(dc_lines or {})
+        # DC -> (uplink, downlink) bit/s; a single rate is a line as fast both ways
+        self.dc_rates = {dc: rate if isinstance(rate, tuple) else (rate, rate) for dc, rate in (dc_lines or {}).items()}
         self._dc_lines: dict[tuple[str, int], EmulatedLink] = {}     # (DC, stage) -> its line
         self.dcs = frozenset(dcs) if dcs is not None else None
         _check_dc_lines(self.dc_rates, self.dcs)
@@ -249,18 +250,19 @@ class WanEmulator:
     def node_link(self, addr: str, stage: int) -> EmulatedLink | None:
         """The line of the node at ``addr`` in one direction (``NODE_INGRESS`` or ``NODE_EGRESS``), created on
         first use; None where the node has none."""
-        return self._line(self._node_links, self.node_rates, addr, stage, _node_line_name)
+        return self._line(self._node_links, self.node_rates.get(addr), addr, stage, _node_line_name)
 
     def dc_line(self, dc: str, stage: int) -> EmulatedLink | None:
         """DC ``dc``'s own line in one direction (``DC_INGRESS`` or ``DC_EGRESS``), created on first use; None
         where the DC has none."""
-        return self._line(self._dc_lines, self.dc_rates, dc, stage, _dc_line_name)
+        rates = self.dc_rates.get(dc)
+        return self._line(self._dc_lines, None if rates is None else rates[0 if stage == DC_EGRESS else 1], dc,
+                          stage, _dc_line_name)
 
-    def _line(self, lines: dict, rates: dict[str, float], owner: str, stage: int,
+    def _line(self, lines: dict, rate: float | None, owner: str, stage: int,
               name_of: Callable[[str, int], str]) -> EmulatedLink | None:
-        """A line without delay of its own (a node's, a DC's), in tandem with the pair links. Every message asks
-        for its ends' lines: the name is made only when a line is."""
-        rate = rates.get(owner)
+        """A line of ``rate`` without delay of its own (a node's, a DC's), in tandem with the pair links; None
+        without a rate. Every message asks for its ends' lines: the name is made only when a line is."""
         if rate is None:
             return None
         with self._links_lock:

@@ -7,26 +7,37 @@ from geomx.errors import ConfigError
 from geomx.profiles import parse_rate
 
 
-def parse_rated(text: str | None, var: str, form: str, name_ok: Callable[[str], bool]) -> dict[str, float]:
+def parse_rated(text: str | None, var: str, form: str, name_ok: Callable[[str], bool], *,
+                two_way: bool = False) -> dict:
     """``"NAME=RATE,..."`` -> {NAME: bit/s}; an entry whose name fails ``name_ok``, or whose rate is not a rate
-    > 0, is refused naming ``var``, the entry and ``form`` (what an entry should look like)."""
-    rates: dict[str, float] = {}
+    > 0, is refused naming ``var``, the entry and ``form`` (what an entry should look like). ``two_way``:
+    ``NAME=UP[/DOWN]`` -> {NAME: (up, down)}, down as fast as up where not given."""
+    rates: dict = {}
     for entry in (text or "").replace(" ", "").split(","):
         if not entry:
             continue
         name, sep, rate_text = entry.rpartition("=")
         if not sep or not name or not rate_text or not name_ok(name):
             raise ConfigError(f"{var}: entry {entry!r} is not {form}")
-        try:
-            rate = parse_rate(rate_text)
-        except ConfigError as exc:
-            raise ConfigError(f"{var}: entry {entry!r}: {exc}") from None
-        if not rate > 0:
-            raise ConfigError(f"{var}: entry {entry!r}: the rate must be > 0")
-        rates[name] = rate
+        texts = rate_text.split("/") if two_way else [rate_text]
+        if len(texts) > 2:
+            raise ConfigError(f"{var}: entry {entry!r} is not {form}")
+        both = []
+        for part in texts:
+            try:
+                rate = parse_rate(part)
+            except ConfigError as exc:
+                raise ConfigError(f"{var}: entry {entry!r}: {exc}") from None
+            if not rate > 0:
+                raise ConfigError(f"{var}: entry {entry!r}: the rate must be > 0")
+            both.append(rate)
+        rates[name] = (both[0], both[-1]) if two_way else both[0]
     return rates
 
 
-def rated_env(rates: dict[str, float]) -> str:
-    """The inverse of :func:`parse_rated`, every digit kept."""
-    return ",".join(f"{name}={rate!r}bit" for name, rate in sorted(rates.items()))
+def rated_env(rates: dict) -> str:
+    """The inverse of :func:`parse_rated`, every digit kept (``(up, down)`` pairs as ``UP/DOWN``)."""
+    def text(rate) -> str:
+        return "/".join(f"{r!r}bit" for r in rate) if isinstance(rate, tuple) else f"{rate!r}bit"
+
+    return ",".join(f"{name}={text(rate)}" for name, rate in sorted(rates.items()))
