@@ -6,6 +6,7 @@ asymmetric profiles (``volunteer``): "up" is DC -> central party, "down" is cent
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from geomx.errors import ConfigError
@@ -65,10 +66,11 @@ def get_profile(name: str) -> WanProfile:
 
 def custom_profile(rate_bps: float, rtt_s: float, jitter_s: float = 0.0) -> WanProfile:
     """A symmetric profile from explicit numbers (``--wan-rate`` / ``--wan-rtt``)."""
-    if rate_bps <= 0:
-        raise ConfigError(f"WAN rate must be > 0 bit/s, got {rate_bps}")
-    if rtt_s < 0 or jitter_s < 0:
-        raise ConfigError(f"WAN RTT and jitter must be >= 0, got rtt={rtt_s} jitter={jitter_s}")
+    # `not x > 0` rather than `x <= 0`: NaN passes the latter, and a NaN rate hung the emulator
+    if not (math.isfinite(rate_bps) and rate_bps > 0):
+        raise ConfigError(f"WAN rate must be a finite number > 0 bit/s, got {rate_bps}")
+    if not (math.isfinite(rtt_s) and rtt_s >= 0 and math.isfinite(jitter_s) and jitter_s >= 0):
+        raise ConfigError(f"WAN RTT and jitter must be finite numbers >= 0, got rtt={rtt_s} jitter={jitter_s}")
     return WanProfile("custom", rate_bps, rate_bps, rtt_s, jitter_s,
                       f"{rate_bps / MBIT:g} Mbit/s, {rtt_s * 1000:g} ms RTT")
 
@@ -84,19 +86,26 @@ def parse_rate(text: str) -> float:
     else:
         scale = 1.0
     try:
-        return float(t) * scale
+        rate = float(t) * scale
     except ValueError:
         raise ConfigError(f"cannot read a rate from {text!r}; write e.g. 100mbit or 1gbit") from None
+    if not (math.isfinite(rate) and rate > 0):
+        raise ConfigError(f"rate {text!r} must be a finite number > 0, e.g. 100mbit")
+    return rate
 
 
 def parse_duration(text: str) -> float:
-    """'80ms', '0.08s', '80' (milliseconds) -> seconds."""
+    """'80ms', '0.08s', '80' (milliseconds) -> seconds: a finite number >= 0."""
     t = text.strip().lower()
     try:
         if t.endswith("ms"):
-            return float(t[:-2]) / 1000.0
-        if t.endswith("s"):
-            return float(t[:-1])
-        return float(t) / 1000.0
+            seconds = float(t[:-2]) / 1000.0
+        elif t.endswith("s"):
+            seconds = float(t[:-1])
+        else:
+            seconds = float(t) / 1000.0
     except ValueError:
         raise ConfigError(f"cannot read a duration from {text!r}; write e.g. 80ms") from None
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ConfigError(f"duration {text!r} must be a finite number >= 0, e.g. 80ms")
+    return seconds

@@ -257,6 +257,38 @@ def test_malformed_custom_wan_numbers_are_refused(call, word):
         call(geomx.profiles)
 
 
+@pytest.mark.parametrize("flags, named", [
+    ({"wan_rate": "nan", "wan_rtt": "20ms"}, "--wan-rate: rate 'nan'"),
+    ({"wan_rate": "inf", "wan_rtt": "20ms"}, "--wan-rate: rate 'inf'"),
+    ({"wan_rate": "-5mbit", "wan_rtt": "20ms"}, "--wan-rate: rate '-5mbit'"),
+    ({"wan_rate": "1gbit", "wan_rtt": "nan"}, "--wan-rtt: duration 'nan'"),
+    ({"wan_rate": "1gbit", "wan_rtt": "infms"}, "--wan-rtt: duration 'infms'"),
+    ({"wan_links": ["b=nan/250ms"]}, "--wan-link 'b=nan/250ms': rate 'nan'"),
+    ({"wan_links": ["b=50mbit/nan"]}, "--wan-link 'b=50mbit/nan': duration 'nan'"),
+    ({"wan_links": ["b=50mbit/250ms/nanms"]}, "--wan-link 'b=50mbit/250ms/nanms': duration 'nanms'"),
+    ({"global_server_link": "inf"}, r"--global-server-link\): rate 'inf'"),
+], ids=["rate-nan", "rate-inf", "rate-negative", "rtt-nan", "rtt-inf", "link-rate-nan", "link-rtt-nan",
+        "link-jitter-nan", "global-server-link-inf"])
+def test_a_nan_infinite_or_negative_wan_number_is_refused_at_parse_time_naming_its_flag(flags, named):
+    """NaN passed the old `<= 0` checks; the emulator then died converting it and the run hung for 120 s."""
+    from geomx.cli.topology import load_topology
+
+    with pytest.raises(ConfigError, match=f"{named} must be a finite number"):
+        load_topology(None, dcs=2, workers_per_dc=1, **flags)
+
+
+def test_a_nan_wan_number_in_a_topology_file_is_refused_naming_its_key(tmp_path):
+    from geomx.cli.topology import load_topology
+
+    path = tmp_path / "topo.toml"
+    path.write_text('wan = { rate = nan, rtt = "20ms" }\n')
+    with pytest.raises(ConfigError, match=f"wan.rate in {path}: rate 'nan' must be a finite number > 0"):
+        load_topology(str(path))
+    path.write_text('wan = { rate = "1gbit", rtt = "20ms", jitter = inf }\n')
+    with pytest.raises(ConfigError, match="wan.jitter in .*: duration 'inf' must be a finite number >= 0"):
+        load_topology(str(path))
+
+
 def _geomx(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-m", "geomx.cli.main", *args], env=node_env(), capture_output=True, text=True,
                           timeout=timeout, cwd=str(REPO))

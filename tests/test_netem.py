@@ -563,6 +563,9 @@ def test_a_registration_unanswered_through_the_emulator_names_the_emulator_not_o
     ({"GEOMX_WAN_RATE": "1e8", "GEOMX_WAN_RTT": "soon", "GEOMX_EMULATOR_PORT": "5000"}, "GEOMX_WAN_RTT"),
     ({"GEOMX_WAN_RATE": "1e8", "GEOMX_WAN_RTT": "0.04", "GEOMX_WAN_JITTER": "x", "GEOMX_EMULATOR_PORT": "1"},
      "GEOMX_WAN_JITTER"),
+    # a bad port: were the number taken, the port's error would fail the test instead of an emulator running
+    ({"GEOMX_WAN_RATE": "nan", "GEOMX_WAN_RTT": "0.04", "GEOMX_EMULATOR_PORT": "http"}, "GEOMX_WAN_RATE"),
+    ({"GEOMX_WAN_RATE": "1e8", "GEOMX_WAN_RTT": "inf", "GEOMX_EMULATOR_PORT": "http"}, "GEOMX_WAN_RTT"),
     ({"GEOMX_WAN_PROFILE": "regional"}, "GEOMX_EMULATOR_PORT"),
     ({"GEOMX_WAN_PROFILE": "regional", "GEOMX_EMULATOR_PORT": "http"}, "GEOMX_EMULATOR_PORT"),
 ])

@@ -205,7 +205,8 @@ def test_the_dc_line_variable_round_trips_and_names_bad_entries_and_unknown_dcs(
     assert dc_lines.parse(dc_lines.to_env(lines)) == lines
     assert dc_lines.parse("a=1gbit, b=100mbit/1gbit") == {"a": (1e9, 1e9), "b": (1e8, 1e9)}
     for text, named in [("a", "is not DC=RATE"), ("=1gbit", "is not DC=RATE"), ("a=fast", "a=fast"),
-                        ("a=0", "must be > 0"), ("a=1gbit/0", "must be > 0"), ("a=1/2/3gbit", "is not DC=RATE")]:
+                        ("a=0", "must be a finite number > 0"), ("a=1gbit/0", "must be a finite number > 0"),
+                        ("a=1/2/3gbit", "is not DC=RATE")]:
         with pytest.raises(ConfigError, match=named) as exc:
             dc_lines.parse(text)
         assert dc_lines.ENV in str(exc.value)

@@ -118,16 +118,25 @@ def dc_name(i: int) -> str:
     return letters[i] if i < 26 else f"dc{i}"
 
 
-def _wan_from(value) -> WanProfile:
+def _wan_from(value, where: str = "") -> WanProfile:
     if isinstance(value, str):
         return get_profile(value)
     if isinstance(value, dict):
         unknown = set(value) - {"rate", "rtt", "jitter"}
         if unknown or "rate" not in value or "rtt" not in value:
             raise ConfigError(f"wan table needs 'rate' and 'rtt' (and optionally 'jitter'), got {sorted(value)}")
-        return custom_profile(parse_rate(str(value["rate"])), parse_duration(str(value["rtt"])),
-                              parse_duration(str(value.get("jitter", "0ms"))))
+        return custom_profile(_read(parse_rate, value["rate"], f"wan.rate{where}"),
+                              _read(parse_duration, value["rtt"], f"wan.rtt{where}"),
+                              _read(parse_duration, value.get("jitter", "0ms"), f"wan.jitter{where}"))
     raise ConfigError(f"wan must be a profile name or a table, got {value!r}")
+
+
+def _read(parse, value, what: str):
+    """``parse(str(value))``, its error naming the flag or key ``what`` the value came from."""
+    try:
+        return parse(str(value))
+    except ConfigError as exc:
+        raise ConfigError(f"{what}: {exc}") from None
 
 
 def load_topology(path: str | None = None, **flags) -> Topology:
@@ -167,9 +176,10 @@ def load_topology(path: str | None = None, **flags) -> Topology:
     if "wan_rate" in data or "wan_rtt" in data:
         if "wan_rate" not in data or "wan_rtt" not in data:
             raise ConfigError("--wan-rate and --wan-rtt go together")
-        topo.profile = custom_profile(parse_rate(str(data["wan_rate"])), parse_duration(str(data["wan_rtt"])))
+        topo.profile = custom_profile(_read(parse_rate, data["wan_rate"], "--wan-rate"),
+                                      _read(parse_duration, data["wan_rtt"], "--wan-rtt"))
     elif "wan" in data:
-        topo.profile = _wan_from(data["wan"])
+        topo.profile = _wan_from(data["wan"], where)
     topo.host = _text(data.get("host", topo.host), "host", where)
     env = data.get("env") or {}
     if not isinstance(env, dict):
@@ -180,7 +190,8 @@ def load_topology(path: str | None = None, **flags) -> Topology:
     if data.get("wan_links"):
         if not topo.profile.emulated:
             raise ConfigError(f"wan_links{where} need an emulated WAN (--wan {topo.profile.name} has none)")
-        topo.wan_links = parse_link_overrides(data["wan_links"], topo.dc_names, where)
+        topo.wan_links = parse_link_overrides(data["wan_links"], topo.dc_names, where,
+                                              "--wan-link" if flags.get("wan_links") is not None else "wan_links")
     if any(data.get(k) is not None for k in ("wan_loss", "wan_streams", "wan_window", "wan_slow_start")):
         if not topo.profile.emulated:
             raise ConfigError(f"wan_loss/wan_streams/wan_window/wan_slow_start{where} need an emulated WAN (--wan "
@@ -194,12 +205,8 @@ def load_topology(path: str | None = None, **flags) -> Topology:
         if not topo.profile.emulated:
             raise ConfigError(f"global_server_link{where} (--global-server-link) needs an emulated WAN (--wan "
                               f"{topo.profile.name} has none)")
-        try:
-            topo.global_server_link_bps = parse_rate(str(data["global_server_link"]))
-        except ConfigError as exc:
-            raise ConfigError(f"global_server_link{where} (--global-server-link): {exc}") from None
-        if not topo.global_server_link_bps > 0:
-            raise ConfigError(f"global_server_link{where} (--global-server-link) must be > 0 bit/s")
+        topo.global_server_link_bps = _read(parse_rate, data["global_server_link"],
+                                            f"global_server_link{where} (--global-server-link)")
     if data.get("wan_dc_lines"):
         if not topo.profile.emulated:
             raise ConfigError(f"wan_dc_lines{where} (--wan-dc-lines) needs an emulated WAN (--wan {topo.profile.name} "

@@ -9,8 +9,8 @@ from geomx.profiles import parse_rate
 
 def parse_rated(text: str | None, var: str, form: str, name_ok: Callable[[str], bool], *,
                 two_way: bool = False) -> dict:
-    """``"NAME=RATE,..."`` -> {NAME: bit/s}; an entry whose name fails ``name_ok``, or whose rate is not a rate
-    > 0, is refused naming ``var``, the entry and ``form`` (what an entry should look like). ``two_way``:
+    """``"NAME=RATE,..."`` -> {NAME: bit/s}; an entry whose name fails ``name_ok``, or whose rate parse_rate
+    refuses, is refused naming ``var``, the entry and ``form`` (what an entry should look like). ``two_way``:
     ``NAME=UP[/DOWN]`` -> {NAME: (up, down)}, down as fast as up where not given."""
     rates: dict = {}
     for entry in (text or "").replace(" ", "").split(","):
@@ -26,10 +26,8 @@ def parse_rated(text: str | None, var: str, form: str, name_ok: Callable[[str], 
         for part in texts:
             try:
                 rate = parse_rate(part)
-            except ConfigError as exc:
+            except ConfigError as exc:     # not a finite number > 0, or not a rate
                 raise ConfigError(f"{var}: entry {entry!r}: {exc}") from None
-            if not rate > 0:
-                raise ConfigError(f"{var}: entry {entry!r}: the rate must be > 0")
             both.append(rate)
         rates[name] = (both[0], both[-1]) if two_way else both[0]
     return rates

@@ -39,9 +39,10 @@ class LinkSpec:
         return deployment if self.loss is None else replace(deployment, loss=self.loss)
 
 
-def parse_link_overrides(entries, dcs: list[str], where: str = "") -> dict[tuple[str, str], LinkSpec]:
+def parse_link_overrides(entries, dcs: list[str], where: str = "",
+                         what: str = "WAN link") -> dict[tuple[str, str], LinkSpec]:
     """``["b=50mbit/250ms", "a->central=1gbit/20ms"]`` (or a table of them) -> {(src, dst): LinkSpec};
-    ``dcs``: the deployment's DCs, the central party not included."""
+    ``dcs``: the deployment's DCs, the central party not included; ``what``: the flag or key errors name."""
     entries = assignments(entries, "wan_links", "LINK=RATE/RTT", where)
     known = [*dcs, CENTRAL_DC]
     out: dict[tuple[str, str], LinkSpec] = {}
@@ -51,26 +52,22 @@ def parse_link_overrides(entries, dcs: list[str], where: str = "") -> dict[tuple
         rate_text, slash, rest = value.partition("/")
         rtt_text, *extra = rest.split("/")
         if not sep or not slash or not link or len(extra) > 2:
-            raise ConfigError(f"WAN link {text!r}{where}: write SRC->DST=RATE/RTT[/LOSS][/JITTER] or "
+            raise ConfigError(f"{what} {text!r}{where}: write SRC->DST=RATE/RTT[/LOSS][/JITTER] or "
                               f"DC=RATE/RTT[/LOSS][/JITTER], e.g. b=50mbit/250ms or b=50mbit/250ms/0.1%/5ms")
         src, arrow, dst = link.partition("->")
         pairs = [(src, dst)] if arrow else [(link, CENTRAL_DC), (CENTRAL_DC, link)]
         for a, b in pairs:
             if a not in known or b not in known:
-                raise ConfigError(f"WAN link {text!r}{where}: link {a}->{b} names a DC outside this deployment "
+                raise ConfigError(f"{what} {text!r}{where}: link {a}->{b} names a DC outside this deployment "
                                   f"({', '.join(known)})")
             if a == b:
-                raise ConfigError(f"WAN link {text!r}{where}: link {a}->{b} joins a DC to itself")
+                raise ConfigError(f"{what} {text!r}{where}: link {a}->{b} joins a DC to itself")
         try:        # the units of every other WAN setting: a bare rate is bit/s, a bare RTT milliseconds
             spec = LinkSpec(parse_rate(rate_text), parse_duration(rtt_text), **_loss_and_jitter(extra))
         except ConfigError as exc:
-            raise ConfigError(f"WAN link {text!r}{where}: {exc}") from None
-        if spec.rate_bps <= 0 or spec.rtt_s < 0:
-            raise ConfigError(f"WAN link {text!r}{where}: rate must be > 0 and RTT >= 0")
+            raise ConfigError(f"{what} {text!r}{where}: {exc}") from None
         if spec.loss is not None and not 0.0 <= spec.loss < 1.0:
-            raise ConfigError(f"WAN link {text!r}{where}: loss must be a fraction in [0, 1), got {spec.loss!r}")
-        if spec.jitter_s is not None and spec.jitter_s < 0:
-            raise ConfigError(f"WAN link {text!r}{where}: jitter must be >= 0, got {spec.jitter_s!r} s")
+            raise ConfigError(f"{what} {text!r}{where}: loss must be a fraction in [0, 1), got {spec.loss!r}")
         out.update({pair: spec for pair in pairs})
     return out
 
