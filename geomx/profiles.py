@@ -7,6 +7,7 @@ asymmetric profiles (``volunteer``): "up" is DC -> central party, "down" is cent
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from geomx.errors import ConfigError
@@ -75,8 +76,25 @@ def custom_profile(rate_bps: float, rtt_s: float, jitter_s: float = 0.0) -> WanP
                       f"{rate_bps / MBIT:g} Mbit/s, {rtt_s * 1000:g} ms RTT")
 
 
+# a capital B is bytes ("100MB/s", "100MBps"); rates here are bits per second, and reading megabytes as megabits
+# ran the link 8 times too slow without a word
+_BYTE_RATE = re.compile(r"(?P<number>.*?)\s*(?P<prefix>[kKmMgG]?)B(?:ps|/s)?")
+# below this a rate is surely a missing unit (--wan-rate 100 is 100 bit/s: the run crawls), never a WAN
+MIN_RATE_BPS = 1e3
+
+
 def parse_rate(text: str) -> float:
-    """'100mbit', '1gbit', '500kbit', '1e8' -> bits per second."""
+    """'100mbit', '1gbit', '500kbit', '100Mbps', '1e8' (bit/s) -> bits per second, at least 1 kbit/s. Byte units
+    (a capital B: '100MB/s') are refused, naming the rate in bits."""
+    byte = _BYTE_RATE.fullmatch(text.strip())
+    if byte:
+        try:
+            bits = float(byte["number"]) * 8 * {"": 1.0, "k": 1e3, "m": MBIT, "g": GBIT}[byte["prefix"].lower()]
+            instead = f"write {_in_bits(bits)}" if math.isfinite(bits) and bits > 0 else "write e.g. 100mbit"
+        except ValueError:
+            instead = "write e.g. 100mbit"
+        raise ConfigError(f"rate {text!r} is in bytes per second (a capital B), but rates are in bits per second: "
+                          f"{instead}")
     t = text.strip().lower().replace("/s", "").replace("bps", "bit")
     for suffix, mult in (("gbit", GBIT), ("mbit", MBIT), ("kbit", 1e3), ("bit", 1.0), ("g", GBIT), ("m", MBIT),
                          ("k", 1e3)):
@@ -91,7 +109,18 @@ def parse_rate(text: str) -> float:
         raise ConfigError(f"cannot read a rate from {text!r}; write e.g. 100mbit or 1gbit") from None
     if not (math.isfinite(rate) and rate > 0):
         raise ConfigError(f"rate {text!r} must be a finite number > 0, e.g. 100mbit")
+    if rate < MIN_RATE_BPS:
+        raise ConfigError(f"rate {text!r} is {rate:g} bit/s, below 1 kbit/s: surely a unit slip (a bare number "
+                          f"is bit/s); give the unit, e.g. 100mbit")
     return rate
+
+
+def _in_bits(bps: float) -> str:
+    """1e8 -> '100mbit'."""
+    for unit, scale in (("gbit", GBIT), ("mbit", MBIT), ("kbit", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:g}{unit}"
+    return f"{bps:g}bit"
 
 
 def parse_duration(text: str) -> float:

@@ -277,6 +277,24 @@ def test_a_nan_infinite_or_negative_wan_number_is_refused_at_parse_time_naming_i
         load_topology(None, dcs=2, workers_per_dc=1, **flags)
 
 
+def test_rates_are_bits_per_second_and_byte_units_or_rates_below_one_kbit_are_refused_naming_the_flag():
+    """--wan-rate 100MBps had been read as 100 megabits (8x too slow), --wan-rate 100 as 100 bit/s (a crawl)."""
+    from geomx.cli.topology import load_topology
+    from geomx.profiles import parse_rate
+
+    assert {t: parse_rate(t) for t in ("100mbit", "100Mbit/s", "100Mbps", "100m", "1e8", "1kbit")} == {
+        "100mbit": 1e8, "100Mbit/s": 1e8, "100Mbps": 1e8, "100m": 1e8, "1e8": 1e8, "1kbit": 1e3}
+    for rate, said in [("100MBps", "'100MBps' is in bytes per second .*: write 800mbit"),
+                       ("100MB/s", "'100MB/s' is in bytes per second .*: write 800mbit"),
+                       ("1GB/s", "'1GB/s' is in bytes per second .*: write 8gbit"),
+                       ("100", "'100' is 100 bit/s, below 1 kbit/s: surely a unit slip .*e.g. 100mbit"),
+                       ("0.5kbit", "'0.5kbit' is 500 bit/s, below 1 kbit/s")]:
+        with pytest.raises(ConfigError, match=f"--wan-rate: rate {said}"):
+            load_topology(None, wan_rate=rate, wan_rtt="20")
+    with pytest.raises(ConfigError, match="--wan-link 'b=12MB/20ms': rate '12MB' is in bytes per second"):
+        load_topology(None, wan_links=["b=12MB/20ms"])
+
+
 def test_a_nan_wan_number_in_a_topology_file_is_refused_naming_its_key(tmp_path):
     from geomx.cli.topology import load_topology
 
