@@ -574,6 +574,33 @@ def test_run_from_env_names_the_missing_or_invalid_variable(env, variable):
         run_from_env(env)
 
 
+def test_the_emulators_variables_read_bare_numbers_as_documented_and_refuse_ambiguous_ones(tmp_path):
+    """A bare GEOMX_WAN_RATE is bit/s and a bare GEOMX_WAN_RTT seconds (a bare --wan-rtt is milliseconds), so
+    GEOMX_WAN_RTT=40 had run a 40 s RTT; a bare RTT in GEOMX_WAN_LINKS is refused rather than read either way. What
+    the launcher writes carries its units and reads back exactly."""
+    from geomx.cli.launch import plan
+    from geomx.cli.topology import load_topology
+    from geomx.netem import link_matrix
+    from geomx.netem.emulator import profile_from_env
+
+    for rtt, seconds in [("0.04", 0.04), ("40ms", 0.04), ("0.04s", 0.04), ("10", 10.0)]:
+        assert profile_from_env({"GEOMX_WAN_RATE": "1e8", "GEOMX_WAN_RTT": rtt}).rtt_s == seconds
+    assert profile_from_env({"GEOMX_WAN_RATE": "100mbit", "GEOMX_WAN_RTT": "0.04"}).uplink_bps == 1e8
+    for env, said in [({"GEOMX_WAN_RTT": "40"}, r"GEOMX_WAN_RTT='40' reads as 40 seconds.*\(40ms, or 40s"),
+                      ({"GEOMX_WAN_JITTER": "50"}, "GEOMX_WAN_JITTER='50' reads as 50 seconds"),
+                      ({"GEOMX_WAN_RATE": "100"}, "GEOMX_WAN_RATE: rate '100' is 100 bit/s, below 1 kbit/s")]:
+        with pytest.raises(ConfigError, match=said):
+            profile_from_env({"GEOMX_WAN_RATE": "1e8", "GEOMX_WAN_RTT": "0.04", **env})
+    topo = load_topology(None, wan_rate="123456789", wan_rtt="37.5ms", wan_links=["b=50mbit/7"])
+    emulator_env = next(s.env for s in plan(topo, ["x"], tmp_path) if s.kind == "emulator")
+    assert profile_from_env(emulator_env) == topo.profile
+    assert link_matrix.from_env(emulator_env[link_matrix.ENV], ["central", "a", "b"]) == topo.wan_links
+    for text, said in [("b->central=1e8bit/40", "its RTT '40' needs its unit"),
+                       ("b->central=1e8bit/0.04s/0.001/0.005", "two losses.*a jitter needs its unit")]:
+        with pytest.raises(ConfigError, match=f"GEOMX_WAN_LINKS: .*{said}"):
+            link_matrix.from_env(text, ["central", "a", "b"])
+
+
 def test_python_m_geomx_netem_forwards_until_sigterm_and_writes_final_stats(net, tmp_path):
     env = {**os.environ, "PYTHONPATH": REPO, "GEOMX_WAN_RATE": "100mbit", "GEOMX_WAN_RTT": "0.01",
            "GEOMX_EMULATOR_PORT": "0", "GEOMX_RUN_DIR": str(tmp_path)}

@@ -139,8 +139,8 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
             **({node_links.ENV: node_links.to_env(node_lines)} if node_lines else {}),
             **({dc_lines.ENV: dc_lines.to_env(topo.dc_line_rates())} if topo.dc_lines else {}),
             **({"GEOMX_WAN_PROFILE": p.name} if p.name != "custom" else
-               {"GEOMX_WAN_RATE": str(p.uplink_bps), "GEOMX_WAN_RTT": str(p.rtt_s),
-                "GEOMX_WAN_JITTER": str(p.jitter_s)})}, pinned=True))
+               {"GEOMX_WAN_RATE": f"{p.uplink_bps!r}bit", "GEOMX_WAN_RTT": f"{p.rtt_s!r}s",     # units written out
+                "GEOMX_WAN_JITTER": f"{p.jitter_s!r}s"})}, pinned=True))
     glob = {"DMLC_PS_GLOBAL_ROOT_URI": h, "DMLC_PS_GLOBAL_ROOT_PORT": str(p_global),
             "DMLC_NUM_GLOBAL_SERVER": str(G), "DMLC_NUM_GLOBAL_WORKER": str(global_workers)}
     central = {"DMLC_PS_ROOT_URI": h, "DMLC_PS_ROOT_PORT": str(p_central), "DMLC_NUM_SERVER": str(G),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -464,7 +465,8 @@ def _dc_line_name(dc: str, stage: int) -> str:
 # -- standalone process ------------------------------------------------------------------------------------
 
 def profile_from_env(env: Mapping[str, str]) -> WanProfile:
-    """GEOMX_WAN_PROFILE, or GEOMX_WAN_RATE (bit/s) + GEOMX_WAN_RTT (s) + optional GEOMX_WAN_JITTER (s)."""
+    """GEOMX_WAN_PROFILE, or GEOMX_WAN_RATE (bit/s, or with its unit) + GEOMX_WAN_RTT (seconds, or with its unit)
+    + optional GEOMX_WAN_JITTER (likewise)."""
     name = env.get("GEOMX_WAN_PROFILE")
     if name:
         try:
@@ -476,28 +478,41 @@ def profile_from_env(env: Mapping[str, str]) -> WanProfile:
         return profile
     if not env.get("GEOMX_WAN_RATE") or not env.get("GEOMX_WAN_RTT"):
         raise ConfigError("the WAN emulator needs GEOMX_WAN_PROFILE, or GEOMX_WAN_RATE (bit/s) and GEOMX_WAN_RTT (s)")
-    rate = _env_number(env, "GEOMX_WAN_RATE", parse_rate)
-    rtt = _env_number(env, "GEOMX_WAN_RTT", parse_duration)
-    jitter = _env_number(env, "GEOMX_WAN_JITTER", parse_duration) if env.get("GEOMX_WAN_JITTER") else 0.0
+    try:
+        rate = parse_rate(env["GEOMX_WAN_RATE"])
+    except ConfigError as exc:
+        raise ConfigError(f"GEOMX_WAN_RATE: {exc}") from None
+    rtt = _env_seconds(env, "GEOMX_WAN_RTT")
+    jitter = _env_seconds(env, "GEOMX_WAN_JITTER") if env.get("GEOMX_WAN_JITTER") else 0.0
     try:
         return custom_profile(rate, rtt, jitter)
     except ConfigError as exc:
         raise ConfigError(f"GEOMX_WAN_RATE/GEOMX_WAN_RTT/GEOMX_WAN_JITTER: {exc}") from None
 
 
-def _env_number(env: Mapping[str, str], var: str, parse_with_unit) -> float:
-    """A plain number (bit/s or seconds), or a value with a unit such as '100mbit' or '80ms'."""
+# a bare GEOMX_WAN_RTT or GEOMX_WAN_JITTER is seconds (a bare --wan-rtt is milliseconds): one above this is surely
+# milliseconds meant, GEOMX_WAN_RTT=40 read as a 40 s RTT
+MAX_BARE_SECONDS = 10.0
+
+
+def _env_seconds(env: Mapping[str, str], var: str) -> float:
+    """A plain number of seconds (at most MAX_BARE_SECONDS), or a duration with its unit such as '80ms'."""
     text = env[var].strip()
     try:
-        return float(text)
+        seconds = float(text)
     except ValueError:
-        pass
-    if text[-1:].isalpha():
-        try:
-            return parse_with_unit(text)
-        except ConfigError:
-            pass
-    raise ConfigError(f"{var}={text!r} is not a number")
+        if text.lower().endswith("s"):
+            try:
+                return parse_duration(text)
+            except ConfigError as exc:
+                raise ConfigError(f"{var}: {exc}") from None
+        raise ConfigError(f"{var}={text!r} is not a duration: seconds (0.04) or with its unit (40ms)") from None
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ConfigError(f"{var}={text!r} must be a finite number of seconds >= 0")
+    if seconds > MAX_BARE_SECONDS:
+        raise ConfigError(f"{var}={text!r} reads as {seconds:g} seconds, surely a unit slip: write the unit "
+                          f"({text}ms, or {text}s if seconds are meant)")
+    return seconds
 
 
 def emulator_options(env: Mapping[str, str], *, resolve: bool = True) -> dict:
@@ -544,7 +559,8 @@ def _check_dc_lines(dc_rates, dcs) -> None:
 def run_from_env(env: Mapping[str, str] | None = None) -> int:
     """Run an emulator configured by environment variables until SIGTERM/SIGINT; returns the exit status 0.
 
-    GEOMX_WAN_PROFILE or GEOMX_WAN_RATE + GEOMX_WAN_RTT [+ GEOMX_WAN_JITTER]; GEOMX_EMULATOR_HOST (default
+    GEOMX_WAN_PROFILE or GEOMX_WAN_RATE (bit/s) + GEOMX_WAN_RTT [+ GEOMX_WAN_JITTER] (seconds; units may be
+    written: 100mbit, 40ms); GEOMX_EMULATOR_HOST (default
     127.0.0.1), GEOMX_EMULATOR_PORT (required), GEOMX_RUN_DIR (optional: where wan_links.json goes),
     GEOMX_EMULATOR_DCS (optional: the DCs, comma-separated, central included; routes naming others are
     dropped), GEOMX_EMULATOR_HOSTS (optional: the hosts it may relay to; default its own host and loopback),

@@ -11,10 +11,10 @@ The profile gives every link the same rate and RTT (up and down may differ). Ove
 From flags (``geomx launch --wan-link b=50mbit/250ms``, repeatable), a topology file
 (``wan_links = {b = "50mbit/250ms", "a->central" = "1gbit/20ms"}``), or the emulator's environment
 (``GEOMX_WAN_LINKS``, written by the launcher with explicit units: ``b->central=50000000.0bit/0.25s,...``). Units
-are those of every other WAN setting: a bare rate is bit/s, a bare RTT milliseconds, a loss a fraction or a
-percentage. A later entry for the same link wins. Streams and window are the deployment's, for every link, and so
-is the loss of a link that names none (geomx.netem.tcp_model); the jitter of one that names none is the
-profile's.
+are those of the flags: a bare rate is bit/s, a bare RTT milliseconds, a loss a fraction or a percentage, a jitter
+carries its unit; in ``GEOMX_WAN_LINKS`` the RTT must carry its unit too (a bare ``GEOMX_WAN_RTT`` is seconds). A
+later entry for the same link wins. Streams and window are the deployment's, for every link, and so is the loss of
+a link that names none (geomx.netem.tcp_model); the jitter of one that names none is the profile's.
 """
 from __future__ import annotations
 
@@ -39,10 +39,12 @@ class LinkSpec:
         return deployment if self.loss is None else replace(deployment, loss=self.loss)
 
 
-def parse_link_overrides(entries, dcs: list[str], where: str = "",
-                         what: str = "WAN link") -> dict[tuple[str, str], LinkSpec]:
+def parse_link_overrides(entries, dcs: list[str], where: str = "", what: str = "WAN link",
+                         bare_rtt_ms: bool = True) -> dict[tuple[str, str], LinkSpec]:
     """``["b=50mbit/250ms", "a->central=1gbit/20ms"]`` (or a table of them) -> {(src, dst): LinkSpec};
-    ``dcs``: the deployment's DCs, the central party not included; ``what``: the flag or key errors name."""
+    ``dcs``: the deployment's DCs, the central party not included; ``what``: the flag or key errors name;
+    ``bare_rtt_ms``: a bare RTT is milliseconds (as --wan-rtt), else refused (the emulator's variable, among
+    variables whose bare durations are seconds)."""
     entries = assignments(entries, "wan_links", "LINK=RATE/RTT", where)
     known = [*dcs, CENTRAL_DC]
     out: dict[tuple[str, str], LinkSpec] = {}
@@ -62,6 +64,8 @@ def parse_link_overrides(entries, dcs: list[str], where: str = "",
                                   f"({', '.join(known)})")
             if a == b:
                 raise ConfigError(f"{what} {text!r}{where}: link {a}->{b} joins a DC to itself")
+        if not bare_rtt_ms and not _has_time_unit(rtt_text):
+            raise ConfigError(f"{what} {text!r}{where}: its RTT {rtt_text!r} needs its unit (ms or s)")
         try:        # the units of every other WAN setting: a bare rate is bit/s, a bare RTT milliseconds
             spec = LinkSpec(parse_rate(rate_text), parse_duration(rtt_text), **_loss_and_jitter(extra))
         except ConfigError as exc:
@@ -119,7 +123,7 @@ def from_env(text: str | None, dcs: list[str] | None) -> dict[tuple[str, str], L
         return {}
     names = [d for d in (dcs or _named(text)) if d != CENTRAL_DC]
     try:
-        return parse_link_overrides(text.split(","), names)
+        return parse_link_overrides(text.split(","), names, bare_rtt_ms=False)
     except ConfigError as exc:
         raise ConfigError(f"{ENV}: {exc}") from None
 
