@@ -341,6 +341,8 @@ BAD_TOPOLOGIES = [
     ('workers_per_dc = [2, "x"]\n', ["workers_per_dc", "'x'"]),
     ("global_servers = 1.5\n", ["global_servers", "1.5"]),
     ('env = "x"\n', ["env"]),
+    ('wan_links = { b = "50mbit/250ms", "b->central" = "10mbit/20ms" }\n',
+     ["wan_links in", "link b->central is given twice, by 'b=50mbit/250ms' and by 'b->central=10mbit/20ms'"]),
 ]
 
 
@@ -348,7 +350,7 @@ BAD_TOPOLOGIES = [
     "dcs-vs-list", "zero-dcs", "zero-workers", "zero-global-servers", "bad-mode", "bad-topology", "bad-mixedsync",
     "mixedsync-overlap-in-dist-sync", "mixedsync-overlap-flat", "bad-wan-name",
     "wan-not-name-or-table", "wan-table-without-rtt", "wan-bad-rate", "unknown-key", "invalid-toml",
-    "non-numeric-dcs", "non-numeric-workers", "fractional-global-servers", "env-not-a-table"])
+    "non-numeric-dcs", "non-numeric-workers", "fractional-global-servers", "env-not-a-table", "link-given-twice"])
 def test_bad_topology_file_raises_config_error_naming_the_problem(tmp_path, text, words):
     from geomx.cli.topology import load_topology
 

@@ -669,7 +669,11 @@ def test_a_link_matrix_gives_named_links_their_own_rate_and_rtt_and_names_bad_en
                            (["a->central=fast/10ms"], "cannot read a rate from 'fast'"),
                            (["b=50mbit"], "write SRC->DST=RATE/RTT"),
                            (["b=50mbit/80ms/lots"], "its loss='lots' is not a loss fraction"),
-                           (["b=50mbit/80ms/100%"], "loss must be a fraction in \\[0, 1\\)")]:
+                           (["b=50mbit/80ms/100%"], "loss must be a fraction in \\[0, 1\\)"),
+                           # the second had silently replaced the first
+                           (["b=50mbit/250ms", "b=10mbit/10ms"],
+                            "--wan-link: link b->central is given twice, by 'b=50mbit/250ms' and by 'b=10mbit/10ms'"),
+                           (["b=50mbit/250ms", "central->b=10mbit/10ms"], "link central->b is given twice")]:
         with pytest.raises(ConfigError, match=named):
             load_topology(dcs=2, wan="regional", wan_links=entries)
     with pytest.raises(ConfigError, match="wan_links need an emulated WAN"):

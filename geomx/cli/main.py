@@ -78,9 +78,9 @@ def _add_topology_flags(p: argparse.ArgumentParser) -> None:
                    help="each DC's traffic to every other DC shares one line (its link's rate, each direction), as "
                         "a real DC's uplink does; without it every DC pair has a link of its own")
     p.add_argument("--wan-link", action="append", metavar="LINK=RATE/RTT[/LOSS][/JITTER]",
-                   help="one link's own rate and RTT, and loss and jitter (repeatable): b=50mbit/250ms (both "
-                        "directions between DC b and the central party), a->central=1gbit/20ms (one direction), "
-                        "b=50mbit/250ms/0.1%%/5ms (a jitter carries its unit)")
+                   help="one link's own rate and RTT, and loss and jitter (repeatable, each link once): "
+                        "b=50mbit/250ms (both directions between DC b and the central party), a->central=1gbit/20ms "
+                        "(one direction), b=50mbit/250ms/0.1%%/5ms (a jitter carries its unit)")
     p.add_argument("--slowdown", action="append", metavar="DC[:RANK]=FACTOR",
                    help="make these workers compute FACTOR times slower (repeatable), e.g. b=3 or a:1=2")
 

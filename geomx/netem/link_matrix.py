@@ -13,8 +13,9 @@ From flags (``geomx launch --wan-link b=50mbit/250ms``, repeatable), a topology 
 (``GEOMX_WAN_LINKS``, written by the launcher with explicit units: ``b->central=50000000.0bit/0.25s,...``). Units
 are those of the flags: a bare rate is bit/s, a bare RTT milliseconds, a loss a fraction or a percentage, a jitter
 carries its unit; in ``GEOMX_WAN_LINKS`` the RTT must carry its unit too (a bare ``GEOMX_WAN_RTT`` is seconds). A
-later entry for the same link wins. Streams and window are the deployment's, for every link, and so is the loss of
-a link that names none (geomx.netem.tcp_model); the jitter of one that names none is the profile's.
+link given twice (``b=...`` and ``b->central=...`` both name b->central) is refused, naming both entries. Streams
+and window are the deployment's, for every link, and so is the loss of a link that names none
+(geomx.netem.tcp_model); the jitter of one that names none is the profile's.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ def parse_link_overrides(entries, dcs: list[str], where: str = "", what: str = "
     entries = assignments(entries, "wan_links", "LINK=RATE/RTT", where)
     known = [*dcs, CENTRAL_DC]
     out: dict[tuple[str, str], LinkSpec] = {}
+    given: dict[tuple[str, str], str] = {}      # link -> the entry that set it
     for entry in entries:
         text = str(entry).strip()
         link, sep, value = text.partition("=")
@@ -64,6 +66,10 @@ def parse_link_overrides(entries, dcs: list[str], where: str = "", what: str = "
                                   f"({', '.join(known)})")
             if a == b:
                 raise ConfigError(f"{what} {text!r}{where}: link {a}->{b} joins a DC to itself")
+            if (a, b) in given:     # one of them would be dropped without a word
+                raise ConfigError(f"{what}{where}: link {a}->{b} is given twice, by {given[(a, b)]!r} and by "
+                                  f"{text!r}; give each link once")
+            given[(a, b)] = text
         if not bare_rtt_ms and not _has_time_unit(rtt_text):
             raise ConfigError(f"{what} {text!r}{where}: its RTT {rtt_text!r} needs its unit (ms or s)")
         try:        # the units of every other WAN setting: a bare rate is bit/s, a bare RTT milliseconds
