@@ -295,6 +295,35 @@ def test_rates_are_bits_per_second_and_byte_units_or_rates_below_one_kbit_are_re
         load_topology(None, wan_links=["b=12MB/20ms"])
 
 
+@pytest.mark.parametrize("flags, said", [
+    ({"wan": "transpacific", "wan_rate": "1gbit", "wan_rtt": "1ms"},
+     "--wan transpacific and --wan-rate 1gbit --wan-rtt 1ms contradict each other"),
+    ({"wan": "lan", "wan_rate": "1gbit", "wan_rtt": "20ms"},
+     "--wan lan and --wan-rate 1gbit --wan-rtt 20ms contradict"),
+    ({"wan": "regional", "wan_rtt": "20ms"}, "--wan regional and --wan-rtt 20ms contradict"),
+    ({"wan_rate": "1gbit", "wan_rtt": "20ms", "wan_loss": "profile"},
+     "--wan-loss profile takes a WAN profile's own loss, but --wan-rate/--wan-rtt make a custom WAN, which has none"),
+], ids=["profile-and-custom", "lan-and-custom", "profile-and-rtt", "profile-loss-of-a-custom-wan"])
+def test_contradictory_wan_flags_are_refused_naming_both(flags, said):
+    """Each had been resolved without a word: --wan ignored, lan turned into an emulated WAN, a loss of 0."""
+    from geomx.cli.topology import load_topology
+
+    with pytest.raises(ConfigError, match=said):
+        load_topology(None, **flags)
+
+
+def test_a_files_wan_gives_way_to_wan_flags_but_its_custom_wan_has_no_profile_loss(tmp_path):
+    from geomx.cli.topology import load_topology
+
+    path = tmp_path / "topo.toml"
+    path.write_text('wan = "transpacific"\n')
+    topo = load_topology(str(path), wan_rate="1gbit", wan_rtt="2ms")       # flags override the file, as documented
+    assert (topo.profile.name, topo.profile.uplink_bps, topo.profile.rtt_s) == ("custom", 1e9, 0.002)
+    path.write_text('wan = { rate = "1gbit", rtt = "20ms" }\nwan_loss = "profile"\n')
+    with pytest.raises(ConfigError, match=f"wan_loss in {path} profile takes .* but the wan table in {path} makes"):
+        load_topology(str(path))
+
+
 def test_a_nan_wan_number_in_a_topology_file_is_refused_naming_its_key(tmp_path):
     from geomx.cli.topology import load_topology
 

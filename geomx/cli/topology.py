@@ -173,6 +173,12 @@ def load_topology(path: str | None = None, **flags) -> Topology:
     topo.mode = _text(data.get("mode", topo.mode), "mode", where)
     topo.mixedsync = _text(data.get("mixedsync", topo.mixedsync), "mixedsync", where)
     topo.topology = _text(data.get("topology", topo.topology), "topology", where)
+    custom = [f"--{k.replace('_', '-')} {flags[k]}" for k in ("wan_rate", "wan_rtt") if flags.get(k) is not None]
+    if flags.get("wan") is not None and custom:
+        # alternatives (README's synopsis): one of them had been dropped without a word (a file's wan is another
+        # matter: flags override the file)
+        raise ConfigError(f"--wan {flags['wan']} and {' '.join(custom)} contradict each other: --wan names a WAN "
+                          f"profile, --wan-rate with --wan-rtt a custom WAN; give one of them")
     if "wan_rate" in data or "wan_rtt" in data:
         if "wan_rate" not in data or "wan_rtt" not in data:
             raise ConfigError("--wan-rate and --wan-rtt go together")
@@ -198,6 +204,11 @@ def load_topology(path: str | None = None, **flags) -> Topology:
                               f"{topo.profile.name} has none)")
         loss = data.get("wan_loss")
         if isinstance(loss, str) and loss.strip().lower() == "profile":
+            if topo.profile.name == "custom":       # it has no loss figure: 0 would be taken without a word
+                by = "--wan-loss" if flags.get("wan_loss") is not None else f"wan_loss{where}"
+                custom_by = "--wan-rate/--wan-rtt make" if "wan_rate" in data else f"the wan table{where} makes"
+                raise ConfigError(f"{by} profile takes a WAN profile's own loss, but {custom_by} a custom WAN, "
+                                  f"which has none: give the loss as a number, e.g. 0.01%")
             loss = topo.profile.loss        # the loss such a path typically sees (geomx.profiles)
         topo.tcp = tcp_path(loss=loss, streams=data.get("wan_streams"),
                             window=data.get("wan_window"), slow_start=data.get("wan_slow_start"), where=where)
