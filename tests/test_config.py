@@ -412,6 +412,59 @@ def test_good_topology_file_is_read_and_flags_override_it(tmp_path):
     assert (topo.dcs, topo.workers_per_dc, topo.profile.name) == (2, [4, 4], "lan")
 
 
+def test_the_launcher_refuses_wan_variables_it_inherits_or_a_files_env_sets_naming_the_flag_to_use(tmp_path,
+                                                                                                   monkeypatch):
+    """GEOMX_WAN_PROFILE=transpacific in the shell had won over --wan-rate/--wan-rtt in the emulator, and [env]
+    GEOMX_WAN_STREAMS = 8 had reached it while the launcher described (and sized its parts for) one stream."""
+    from geomx.cli.launch import Launcher
+    from geomx.cli.topology import load_topology
+
+    path = tmp_path / "topo.toml"
+    for table, said in [("GEOMX_WAN_STREAMS = 8", "GEOMX_WAN_STREAMS='8' \\(give --wan-streams or the TOML key "
+                                                   "wan_streams instead\\)"),
+                        ('GEOMX_MODE = "dist_async"', "GEOMX_MODE='dist_async' \\(give --mode or the TOML key mode")]:
+        path.write_text(f"[env]\n{table}\n")
+        with pytest.raises(ConfigError, match=f"the \\[env\\] table in {path} sets variables geomx launch sets "
+                                              f"itself: {said}"):
+            load_topology(str(path))
+    topo = load_topology(None, wan_rate="1gbit", wan_rtt="2ms")
+    monkeypatch.setenv("GEOMX_WAN_PROFILE", "transpacific")
+    monkeypatch.setenv("GEOMX_WAN_LINKS", "a->central=1mbit/500ms")
+    with pytest.raises(ConfigError, match="the environment geomx launch inherits sets variables geomx launch sets "
+                                          "itself: GEOMX_WAN_PROFILE='transpacific' \\(give --wan .*; "
+                                          "GEOMX_WAN_LINKS='a->central=1mbit/500ms' \\(give --wan-link"):
+        Launcher(topo, ["python", "train.py"], run_dir=tmp_path / "run")
+    monkeypatch.delenv("GEOMX_WAN_PROFILE")
+    monkeypatch.delenv("GEOMX_WAN_LINKS")
+    topo.env["GEOMX_EMULATOR_PORT"] = "9"       # a caller's own (geomx bench's rows add variables this way)
+    with pytest.raises(ConfigError, match="the topology's env sets .*GEOMX_EMULATOR_PORT='9' \\(--wan decides it"):
+        Launcher(topo, ["python", "train.py"], run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_emulator_runs_exactly_the_wan_the_flags_say_whatever_the_roles_inherit(tmp_path, monkeypatch):
+    """A role's environment is the launcher's with the plan's written over it (LocalBackend): the plan writes every
+    WAN variable, empty where unused, so nothing inherited takes effect."""
+    from geomx.cli.launch import plan
+    from geomx.cli.topology import load_topology
+    from geomx.netem import link_matrix
+    from geomx.netem.emulator import profile_from_env
+    from geomx.netem.tcp_model import tcp_path_from_env
+
+    stray = {"GEOMX_WAN_PROFILE": "transpacific", "GEOMX_WAN_STREAMS": "8", "GEOMX_WAN_LOSS": "0.1",
+             "GEOMX_WAN_LINKS": "a->central=1mbit/500ms", "GEOMX_WAN_EMULATOR": "tcp://10.0.0.9:9",
+             "GEOMX_ROLE": "emulator"}
+    topo = load_topology(None, dcs=2, workers_per_dc=1, wan_rate="1gbit", wan_rtt="2ms", wan_loss="0.01%")
+    specs = plan(topo, ["python", "train.py"], tmp_path)
+    (emulator,) = [{**stray, **s.env} for s in specs if s.kind == "emulator"]
+    assert profile_from_env(emulator) == topo.profile and tcp_path_from_env(emulator) == topo.tcp
+    assert link_matrix.from_env(emulator[link_matrix.ENV], None) == {}
+    lan = plan(load_topology(None, dcs=2, workers_per_dc=1, wan="lan"), ["python", "train.py"], tmp_path)
+    for spec in lan:
+        env = {**stray, **spec.env}
+        assert not env["GEOMX_WAN_EMULATOR"] and not env["GEOMX_ROLE"], spec.name
+
+
 def test_sync_given_by_flag_keeps_the_files_sync_options_that_its_algorithm_takes(tmp_path):
     """A file's sync table with --sync on the command line: the flag names the algorithm, the file's options
     still apply where the algorithm takes them (before, the table was replaced whole: K1 fell back to 1)."""

@@ -259,7 +259,7 @@ def test_wan_dc_lines_give_the_emulator_each_dcs_line_at_its_links_rate(tmp_path
     up, down = volunteer.profile.rate_for("a", "central"), volunteer.profile.rate_for("central", "a")
     assert up < down and dc_lines.parse(emulator.env[dc_lines.ENV]) == {"a": (up, down), "b": (up, down)}
     plain = plan(load_topology(None, dcs=2, wan="regional"), ["x"], tmp_path, ports=list(range(21000, 21005)))
-    assert dc_lines.ENV not in next(s for s in plain if s.kind == "emulator").env
+    assert not next(s for s in plain if s.kind == "emulator").env[dc_lines.ENV]      # written empty: unset
     with pytest.raises(ConfigError, match="--wan-dc-lines.*needs an emulated WAN"):
         load_topology(None, wan="lan", wan_dc_lines=True)
 
@@ -316,7 +316,7 @@ def test_global_server_link_gives_each_global_server_a_fixed_port_and_the_emulat
     assert emulator.env["GEOMX_WAN_SLOW_START"] == "1"
     plain = plan(load_topology(None, dcs=3, global_servers=2, wan="regional"), ["x"], tmp_path,
                  ports=list(range(21000, 21006)))
-    assert node_links.ENV not in next(s for s in plain if s.kind == "emulator").env
+    assert not next(s for s in plain if s.kind == "emulator").env[node_links.ENV]    # written empty: unset
     assert all("PORT" not in s.env for s in plain if s.name.startswith("global-server-"))
     with pytest.raises(ConfigError, match="binds 8 fixed ports.*6 were given"):
         plan(topo, ["x"], tmp_path, ports=list(range(21000, 21006)))

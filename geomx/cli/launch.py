@@ -26,7 +26,7 @@ from geomx.cli.backends import Backend, LocalBackend, RoleHandle, Sites
 from geomx.cli.checkpoint_owner import claim as claim_checkpoint_dir
 from geomx.cli.inject import Injector, parse_faults
 from geomx.cli.rejoins import Rejoins
-from geomx.cli.topology import Topology
+from geomx.cli.topology import ENV_TABLE_VARIABLES, LAUNCHER_VARIABLES, Topology, refuse_launcher_variables
 from geomx.config import checkpoint_path, env_heartbeat_timeout, env_int, is_loopback
 from geomx.dropped import ABORTED_FILE, DropLog
 from geomx.dropped import FILE as DROPPED_FILE
@@ -118,7 +118,10 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
     security = {"GEOMX_SECRET": secret} if secret else {"GEOMX_AUTH_TOKEN": auth_token} if auth_token else {}
     base = {**security, "PYTHONUNBUFFERED": "1", "GEOMX_RUN_DIR": str(run_dir),
             "GEOMX_TOPOLOGY": topo.topology, "GEOMX_MODE": topo.mode, "GEOMX_MIXEDSYNC": topo.mixedsync,
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **one_host, **topo.env}
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **one_host, **topo.env,
+            # every WAN and emulator variable written, empty where unused (every reader takes that as unset):
+            # none from the launcher's environment can reach a role in place of what its flags say
+            **dict.fromkeys(LAUNCHER_VARIABLES, "")}
     specs: list[RoleSpec] = []
     if topo.profile.emulated:
         base["GEOMX_WAN_EMULATOR"] = f"tcp://{h}:{p_emu}"
@@ -245,6 +248,9 @@ class Launcher:
                  restart_failed: int = 0, rejoin_after: float | None = None) -> None:
         if secure and insecure:
             raise ConfigError("--secure and --insecure contradict each other")
+        # before anything starts (the roles' environment is written over them too, plan)
+        refuse_launcher_variables(os.environ, "the environment geomx launch inherits")
+        refuse_launcher_variables(topo.env, "the topology's env", ENV_TABLE_VARIABLES)
         backend = backend or LocalBackend()
         # across hosts, or on an address others can reach (TOML `host`), the links need the shared secret
         secure = secure or ((backend.across_hosts or not is_loopback(topo.host)) and not insecure)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import string
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from geomx.compat import check as check_combination
@@ -34,6 +35,47 @@ from geomx.sync.slowdown import parse_factor
 SYNC_FLAGS = {"k1": "--hfa-k1", "k2": "--hfa-k2", "overlap": "--hfa-overlap", "overlap_keep": "--hfa-overlap-keep",
               "dc_sync": "--hfa-dc-sync", "dc_overlap": "--hfa-dc-overlap", "delay": "--dga-delay",
               "steps": "--esync-steps", "slice": "--p3-slice"}
+
+
+# What the launcher writes itself for the WAN emulator and every role, and where it takes each from. One inherited
+# from the launcher's environment, or set in a topology file's [env] table, had reached the emulator behind the
+# launcher's back: it announced one WAN and the emulator ran another (GEOMX_WAN_PROFILE over --wan-rate)
+_STARTS_THE_EMULATOR = "--wan decides it: the launcher starts the WAN emulator and points every role at it"
+LAUNCHER_VARIABLES = {
+    "GEOMX_WAN_PROFILE": "give --wan or the TOML key wan instead",
+    "GEOMX_WAN_RATE": "give --wan-rate or the TOML key wan = { rate = ... } instead",
+    "GEOMX_WAN_RTT": "give --wan-rtt or the TOML key wan = { rtt = ... } instead",
+    "GEOMX_WAN_JITTER": "give the TOML key wan = { jitter = ... } instead",
+    "GEOMX_WAN_LINKS": "give --wan-link or the TOML key wan_links instead",
+    "GEOMX_WAN_LOSS": "give --wan-loss or the TOML key wan_loss instead",
+    "GEOMX_WAN_STREAMS": "give --wan-streams or the TOML key wan_streams instead",
+    "GEOMX_WAN_WINDOW": "give --wan-window or the TOML key wan_window instead",
+    "GEOMX_WAN_SLOW_START": "give --wan-slow-start or the TOML key wan_slow_start instead",
+    "GEOMX_WAN_NODE_LINKS": "give --global-server-link or the TOML key global_server_link instead",
+    "GEOMX_WAN_DC_LINES": "give --wan-dc-lines or the TOML key wan_dc_lines instead",
+    "GEOMX_WAN_OUTAGES": "give --inject partition:DC@T+D or slow:DC@T+D=RATE instead",
+    "GEOMX_WAN_EMULATOR": _STARTS_THE_EMULATOR,
+    "GEOMX_WAN_BYPASS": _STARTS_THE_EMULATOR,
+    "GEOMX_EMULATOR_HOST": _STARTS_THE_EMULATOR,
+    "GEOMX_EMULATOR_PORT": _STARTS_THE_EMULATOR,
+    "GEOMX_EMULATOR_DCS": _STARTS_THE_EMULATOR,
+    "GEOMX_EMULATOR_HOSTS": _STARTS_THE_EMULATOR,
+    "GEOMX_ROLE": "the launcher gives each role its own",
+}
+# a topology file's [env] table also overrides what the launcher writes for every role from these
+ENV_TABLE_VARIABLES = {**LAUNCHER_VARIABLES, "GEOMX_MODE": "give --mode or the TOML key mode instead",
+                       "GEOMX_MIXEDSYNC": "give --mixedsync or the TOML key mixedsync instead",
+                       "GEOMX_TOPOLOGY": "give --topology or the TOML key topology instead"}
+
+
+def refuse_launcher_variables(env: Mapping[str, str], source: str,
+                              variables: Mapping[str, str] = LAUNCHER_VARIABLES) -> None:
+    """Refuse ``env`` (described by ``source``) setting a variable the launcher sets itself, naming each one and the
+    flag or topology key to use instead."""
+    stray = [var for var in variables if env.get(var)]
+    if stray:
+        raise ConfigError(f"{source} sets variables geomx launch sets itself: "
+                          + "; ".join(f"{var}={env[var]!r} ({variables[var]})" for var in stray))
 
 
 @dataclass
@@ -191,6 +233,7 @@ def load_topology(path: str | None = None, **flags) -> Topology:
     if not isinstance(env, dict):
         raise ConfigError(f"env{where} must be a table of variables, got {env!r}")
     topo.env = {str(k): str(v) for k, v in env.items()}
+    refuse_launcher_variables(topo.env, f"the [env] table{where}", ENV_TABLE_VARIABLES)
     topo.validate()
     topo.slowdown = parse_slowdown(data.get("slowdown"), topo.dc_names, topo.workers_per_dc, where)
     if data.get("wan_links"):
