@@ -1,5 +1,6 @@
 """Fault injection (geomx launch --inject): faults land at their times on the named process groups, are undone
 after their duration, and a deployment survives a short freeze."""
+import re
 import subprocess
 import time
 
@@ -59,6 +60,14 @@ def test_bad_fault_specs_and_unknown_roles_are_refused_naming_them_and_random_is
         parse_faults(["partition:b@3+2=10mbit"])
     with pytest.raises(ConfigError, match="fast"):
         parse_faults(["slow:b@3+2=fast"])
+    # refused before anything starts: the emulator had exited on them once the whole deployment was up
+    for spec, said in [("slow:b@3+2=0", "rate '0' must be a finite number > 0"),
+                       ("slow:b@3+2=-5mbit", "rate '-5mbit' must be a finite number > 0"),
+                       ("slow:b@3+2=nan", "rate 'nan' must be a finite number > 0"),
+                       ("slow:b@3+2=100", "rate '100' is 100 bit/s, below 1 kbit/s"),
+                       ("partition:b@3+0", "it must start at >= 0 s and end after it starts")]:
+        with pytest.raises(ConfigError, match=f"--inject '{re.escape(spec)}': {said}"):
+            parse_faults([spec])
     assert Injector(parse_faults(["partition:b@3+2", "slow:a@1+2=8kbit"])).wan_outages() == {
         "b": [(3.0, 5.0)], "a": [(1.0, 3.0, 8000.0)]}
     with pytest.raises(ConfigError, match="no DC 'c' in this deployment; DCs: a, b, central"):

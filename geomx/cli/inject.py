@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from geomx.errors import ConfigError
+from geomx.netem import outages
 from geomx.profiles import parse_rate
 
 _SPEC = re.compile(r"^(?P<action>[a-z]+):(?P<role>[A-Za-z0-9_.-]+)@(?P<at>\d+(?:\.\d+)?)(?:\+(?P<for>\d+(?:\.\d+)?))?"
@@ -80,7 +81,14 @@ def parse_faults(specs: list[str]) -> list[Fault]:
         if action.takes_rate != bool(m["rate"]):
             raise ConfigError(f"--inject {spec!r}: " + (f"say the rate the links keep, e.g. {spec}=10mbit"
                                                          if action.takes_rate else f"a {action.name} takes no rate"))
-        rate = parse_rate(m["rate"]) if m["rate"] else None
+        try:        # checked here, as the emulator would: a bad one had stopped the whole deployment after it started
+            rate = parse_rate(m["rate"]) if m["rate"] else None
+            wrong = outages.problem((float(m["at"]), float(m["at"]) + duration, *([rate] if rate else []))) \
+                if action.on_wan else None
+        except ConfigError as exc:
+            wrong = str(exc)
+        if wrong:
+            raise ConfigError(f"--inject {spec!r}: {wrong}")
         faults.append(Fault(action, m["role"], float(m["at"]), duration, rate))
     return faults
 
