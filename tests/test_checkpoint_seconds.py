@@ -136,15 +136,16 @@ def test_the_timekeeper_declares_two_rounds_ahead_once_the_interval_passed_and_t
 
 # what time-based checkpoints cannot be right for, refused naming the flag ----------------------------------------
 @pytest.mark.parametrize("argv, words", [
-    (["--checkpoint-seconds", "0"], ["--checkpoint-seconds must be > 0, got 0"]),
-    (["--checkpoint-seconds", "-3"], ["--checkpoint-seconds must be > 0, got -3"]),
+    (["--checkpoint-seconds", "0"], ["--checkpoint-seconds must be a finite number > 0, got 0"]),
+    (["--checkpoint-seconds", "-3"], ["--checkpoint-seconds must be a finite number > 0, got -3"]),
+    (["--checkpoint-seconds", "inf"], ["--checkpoint-seconds must be a finite number > 0, got inf"]),
     (["--sync", "diloco", "--checkpoint-seconds", "5"],
      ["--checkpoint-seconds 5 (GEOMX_CHECKPOINT_SECONDS) conflicts with sync 'diloco'", "fsa or p3"]),
     (["--sync", "esync", "--checkpoint-seconds", "5"], ["--checkpoint-seconds 5", "sync 'esync'"]),
     (["--mode", "dist_async", "--checkpoint-seconds", "5"],
      ["--checkpoint-seconds 5 (GEOMX_CHECKPOINT_SECONDS) conflicts with mode 'dist_async'"]),
     (["--checkpoint-dir", "s3://bucket/run"], ["--checkpoint-dir s3://bucket/run: scheme 's3' is not supported"]),
-], ids=["zero", "negative", "diloco", "esync", "dist_async", "s3-url"])
+], ids=["zero", "negative", "infinite", "diloco", "esync", "dist_async", "s3-url"])
 def test_geomx_launch_refuses_what_checkpoints_cannot_be_right_for_naming_the_flag(argv, words, capsys):
     from geomx.cli.main import main
 

@@ -550,6 +550,45 @@ def test_the_launcher_sizes_parts_for_the_wan_one_value_for_every_role(tmp_path,
     assert parts(wan="transpacific") == {None}
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["--timeout=-5"], "--timeout must be a finite number of seconds > 0, got -5"),
+    (["--timeout", "0"], "--timeout must be a finite number of seconds > 0, got 0"),
+    (["--timeout", "nan"], "--timeout must be a finite number of seconds > 0, got nan"),
+    (["--rejoin-after", "nan"], "--rejoin-after must be a finite number of seconds >= 0, got nan"),
+], ids=["timeout-negative", "timeout-zero", "timeout-nan", "rejoin-after-nan"])
+def test_launch_refuses_a_timeout_or_rejoin_delay_that_is_no_duration_before_anything_starts(argv, said, tmp_path,
+                                                                                             capsys):
+    """--timeout 0 had started every process and stopped them at once (rc 124), --timeout nan meant none."""
+    from geomx.cli.main import main
+
+    assert main(["launch", *argv, "--run-dir", str(tmp_path / "run"), "--", PY, "-c", "pass"]) == 2
+    assert said in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("variables, flags, said", [
+    ({"ENABLE_P3": "1"}, ["--mode", "dist_async", "--mixedsync", "overlap"],
+     "sync 'p3' (GEOMX_SYNC, --sync, DistributedOptimizer(sync=)) conflicts with --mixedsync overlap"),
+    ({"GEOMX_SYNC": "hfa"}, ["--mode", "dist_async"], "sync 'hfa'"),
+], ids=["enable-p3", "geomx-sync"])
+def test_launch_checks_the_algorithm_its_roles_inherit_from_its_environment(variables, flags, said, tmp_path, capsys,
+                                                                           monkeypatch):
+    """The roles read the launcher's environment: the pair README says geomx launch refuses had started every
+    process, and the master then failed with 'set_optimizer refused'."""
+    from geomx.cli.main import main
+    from geomx.cli.topology import load_topology
+
+    for var, value in variables.items():
+        monkeypatch.setenv(var, value)
+    assert main(["launch", *flags, "--run-dir", str(tmp_path / "run"), "--", PY, "-c", "pass"]) == 2
+    err = capsys.readouterr().err
+    inherited = ", ".join(f"{k}={v}" for k, v in variables.items())
+    assert said in err and f"({inherited} in the environment geomx launch inherits)" in err, err
+    assert not (tmp_path / "run").exists()
+    # a --sync of the launcher's own is what the roles get (its GEOMX_SYNC written over the inherited ones)
+    assert load_topology(None, sync="fsa", mode="dist_async").env["GEOMX_SYNC"] == "fsa"
+
+
 # -- fault domains ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("value", ["0", "3"])

@@ -9,6 +9,7 @@ its log.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import secrets
@@ -286,8 +287,8 @@ class Launcher:
         if restart_failed < 0:
             raise ConfigError(f"--restart-failed must be >= 0, got {restart_failed}")
         self.restart_failed = restart_failed    # geomx.cli.restarts
-        if rejoin_after is not None and rejoin_after < 0:
-            raise ConfigError(f"--rejoin-after must be >= 0 seconds, got {rejoin_after:g}")
+        if rejoin_after is not None and not (math.isfinite(rejoin_after) and rejoin_after >= 0):   # NaN too
+            raise ConfigError(f"--rejoin-after must be a finite number of seconds >= 0, got {rejoin_after:g}")
         self.rejoin_after = rejoin_after        # geomx.cli.rejoins
         self._failed: Running | None = None      # the role whose failure stopped the last attempt
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -114,6 +115,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if not command:
         raise GeomxError("geomx launch needs the training command after --, e.g. "
                          "geomx launch -- python examples/train_cnn.py")
+    # `not x > 0` and isfinite: NaN passes `x <= 0`; --timeout nan had meant none, --timeout 0 a run stopped at once
+    if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise GeomxError(f"--timeout must be a finite number of seconds > 0, got {args.timeout:g}")
     topo = topology_from_args(args)
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     if args.checkpoint_every is not None:
@@ -121,8 +125,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
             raise GeomxError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
         topo.env["GEOMX_CHECKPOINT_EVERY"] = str(args.checkpoint_every)
     if args.checkpoint_seconds is not None:
-        if not args.checkpoint_seconds > 0:
-            raise GeomxError(f"--checkpoint-seconds must be > 0, got {args.checkpoint_seconds:g}")
+        if not (math.isfinite(args.checkpoint_seconds) and args.checkpoint_seconds > 0):
+            raise GeomxError(f"--checkpoint-seconds must be a finite number > 0, got {args.checkpoint_seconds:g}")
         topo.env["GEOMX_CHECKPOINT_SECONDS"] = repr(args.checkpoint_seconds)
         topo.validate()         # again: time-based checkpoints need a step to be one round of every key
     if args.checkpoint_dir is not None:

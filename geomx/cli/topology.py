@@ -17,6 +17,7 @@ Read from a TOML file and/or command-line flags (flags win). Example topo.toml:
 """
 from __future__ import annotations
 
+import os
 import string
 import tomllib
 from collections.abc import Mapping
@@ -28,7 +29,8 @@ from geomx.errors import ConfigError
 from geomx.netem.link_matrix import assignments, parse_link_overrides
 from geomx.netem.tcp_model import TcpPath, tcp_path
 from geomx.profiles import CENTRAL_DC, WanProfile, custom_profile, get_profile, parse_duration, parse_rate
-from geomx.sync.settings import ALGORITHMS, algorithms_taking, launch_env, settings_from_env
+from geomx.sync.settings import (ALGORITHMS, GEOMX_HFA_ENV, GEOMX_P3_ENV, OPTIONS, SYNC_ENV, algorithms_taking,
+                                 launch_env, settings_from_env)
 from geomx.sync.slowdown import parse_factor
 
 # sync option -> the geomx launch flag that sets it (load_topology's sync_<option>); errors name the flag
@@ -76,6 +78,11 @@ def refuse_launcher_variables(env: Mapping[str, str], source: str,
     if stray:
         raise ConfigError(f"{source} sets variables geomx launch sets itself: "
                           + "; ".join(f"{var}={env[var]!r} ({variables[var]})" for var in stray))
+
+
+# what Topology.validate's combination check reads besides the topology itself, named when inherited
+ALGORITHM_VARIABLES = (SYNC_ENV, GEOMX_HFA_ENV, GEOMX_P3_ENV, *(var for var, _, _ in OPTIONS.values()),
+                       "GEOMX_CHECKPOINT_SECONDS")
 
 
 @dataclass
@@ -148,10 +155,19 @@ class Topology:
             raise ConfigError(f"unknown topology {self.topology!r}; topologies are {', '.join(TOPOLOGIES)}")
         if self.mixedsync not in MIXEDSYNC:
             raise ConfigError(f"unknown MixedSync variant {self.mixedsync!r}; variants are {', '.join(MIXEDSYNC)}")
-        sync = settings_from_env(self.env)
-        check_combination(mode=self.mode, mixedsync=self.mixedsync, topology=self.topology, sync=sync.algorithm,
-                          k2=sync.k2, weights=sync.weights,
-                          checkpoint_seconds=env_checkpoint_seconds(self.env) or None)
+        # what the roles read: the launcher's environment with the topology's over it (LocalBackend), so an
+        # algorithm exported in the shell (ENABLE_P3=1, GEOMX_SYNC) is checked too, not first refused by the master
+        env = {**os.environ, **self.env}
+        try:
+            sync = settings_from_env(env)
+            check_combination(mode=self.mode, mixedsync=self.mixedsync, topology=self.topology, sync=sync.algorithm,
+                              k2=sync.k2, weights=sync.weights, checkpoint_seconds=env_checkpoint_seconds(env) or None)
+        except ConfigError as exc:
+            inherited = [f"{var}={os.environ[var]}" for var in ALGORITHM_VARIABLES
+                         if os.environ.get(var) and var not in self.env]
+            if inherited:
+                raise ConfigError(f"{exc} ({', '.join(inherited)} in the environment geomx launch inherits)") from None
+            raise
         return self
 
 
@@ -234,6 +250,9 @@ def load_topology(path: str | None = None, **flags) -> Topology:
         raise ConfigError(f"env{where} must be a table of variables, got {env!r}")
     topo.env = {str(k): str(v) for k, v in env.items()}
     refuse_launcher_variables(topo.env, f"the [env] table{where}", ENV_TABLE_VARIABLES)
+    sync = _sync_table(data, where)
+    if sync:        # before validate: --sync's GEOMX_SYNC is what the roles read, not one the launcher inherits
+        topo.env.update(launch_env(sync, where))
     topo.validate()
     topo.slowdown = parse_slowdown(data.get("slowdown"), topo.dc_names, topo.workers_per_dc, where)
     if data.get("wan_links"):
@@ -270,10 +289,6 @@ def load_topology(path: str | None = None, **flags) -> Topology:
         topo.dc_lines = True
     if data.get("global_server_dcs") is not None:
         topo.global_server_dcs = parse_global_server_dcs(data["global_server_dcs"], topo, where)
-    sync = _sync_table(data, where)
-    if sync:
-        topo.env.update(launch_env(sync, where))
-        topo.validate()          # again, with the synchronization algorithm
     return topo
 
 
