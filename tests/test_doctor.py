@@ -140,7 +140,7 @@ EMULATOR_CASES = [
     ("a role without the emulator", _drop("b-worker-1", "GEOMX_WAN_EMULATOR"),
      "b-worker-1: GEOMX_WAN_EMULATOR is unset while wan-emulator emulates the WAN"),
     ("the emulator's rate malformed", lambda e: (e["wan-emulator"].pop("GEOMX_WAN_PROFILE"), e["wan-emulator"].update(
-        GEOMX_WAN_RATE="fast", GEOMX_WAN_RTT="0.02")), "GEOMX_WAN_RATE='fast' is not a number"),
+        GEOMX_WAN_RATE="fast", GEOMX_WAN_RTT="0.02")), "GEOMX_WAN_RATE: cannot read a rate from 'fast'"),
     ("the emulator's link matrix naming no DC", _set("wan-emulator", GEOMX_WAN_LINKS="a->c=1e8/0.02"),
      "GEOMX_WAN_LINKS"),
     ("the emulator without a port", _drop("wan-emulator", "GEOMX_EMULATOR_PORT"), "GEOMX_EMULATOR_PORT is not set"),
