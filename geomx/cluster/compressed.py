@@ -287,12 +287,13 @@ class ServerWire(_Side):
     ``weights``: replies are weights; ``per_client``: each client reads its own values (dist_async).
     ``place_of``: a client's id -> its place in the tier, the same in every run (``NodeInfo.place``).
 
-    Seeds, so that runs repeat and a synchronous job's workers hold one model: in ``dist_async`` a client's
-    stream is seeded from its place (clients read values of their own); under a server optimizer in
-    synchronous rounds every client's stream of a key has the key's seed, so clients served the same weights
-    draw the same numbers and hold the same weights (a seed per client had left workers of one synchronous
-    job on models apart by what each one's codec had not yet delivered). Never from a process's id, which is
-    random: no two runs were alike."""
+    Seeds, so that runs repeat and a synchronous job's workers hold one model: in ``dist_async`` a client's stream
+    is seeded from its place (clients read values of their own); under a server optimizer in synchronous rounds
+    every client's stream of a key has the key's seed, so clients served the same weights draw the same numbers and
+    hold the same weights, and a synchronous round's mean is encoded on a stream of the key's and tier's seed, the
+    same on every DC's local server, so every worker applies the same gradient (a seed per client had left workers
+    of one synchronous job on models apart by what each one's codec had not yet delivered). Never from a process's
+    id, which is random: no two runs were alike."""
 
     def __init__(self, policy: CompressionPolicy, tier: str, *, weights: bool, per_client: bool,
                  salt: str, place_of: Callable[[str], str]) -> None:
@@ -316,7 +317,9 @@ class ServerWire(_Side):
         codec = self.codec(st.key, st.shape, st.dtype)
 
         def new_down() -> Stream:
-            return Stream(codec.downlink(), _seed(st.key, self.salt))
+            # a synchronous round's mean: the key's and tier's seed alone, the same on every server of a tier, so
+            # that every DC's local server encodes the global mean alike and all workers apply one gradient
+            return Stream(codec.downlink(), _seed(st.key, f"mean/{self.tier}"))
 
         def new_client_stream(src: str) -> Stream:
             # synchronous weights: the key's and tier's seed alone, the same on every server of a tier (each DC's
