@@ -50,6 +50,7 @@ def test_warmup_cosine_warms_up_linearly_then_decays_to_its_floor():
     ({"name": "warmup_cosine", "warmup": 2, "total": 10, "min_ratio": 1.5}, "min_ratio=1.5 must be a number"),
     ({"name": "warmup_cosine", "warmup": 2, "total": 10, "floor": 0.1}, "unexpected keyword argument 'floor'"),
     ("warmup_cosine", "or its spec (a dict with 'name'), not str"),
+    ({"name": "warmup_cosine", "warmup": 10, "total": 5}, "warmup=10 is longer than total=5"),
 ])
 def test_a_bad_schedule_spec_is_refused_naming_the_field(spec, named):
     with pytest.raises(ConfigError, match="lr_schedule") as refused:
@@ -61,6 +62,9 @@ def test_a_spec_round_trips_and_the_schedules_are_public():
     s = geomx.WarmupCosine(warmup=5, total=50, min_ratio=0.1)
     assert parse_schedule(s.to_spec()) == s and parse_schedule(s) is s and parse_schedule(None) is None
     assert parse_schedule(geomx.StepDecay(step_size=2).to_spec()) == StepDecay(step_size=2, gamma=0.1)
+    # numpy's scalars are numbers, as the codecs' options take them
+    from_numpy = parse_schedule({"name": "step", "step_size": np.int64(3), "gamma": np.float32(0.5)})
+    assert from_numpy.factor(3) == 0.5 and type(from_numpy.to_spec()["step_size"]) is int
 
 
 def test_a_keys_update_count_is_saved_with_its_optimizer_so_a_resumed_schedule_goes_on():

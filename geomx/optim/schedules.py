@@ -12,6 +12,7 @@ with its optimizer state, so a resumed run goes on where it was); in ``dist_asyn
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 from typing import ClassVar, Protocol
 
@@ -49,6 +50,9 @@ class WarmupCosine(_Spec):
         _check(self, "warmup", self.warmup, int, minimum=0)
         _check(self, "total", self.total, int, minimum=1)
         _check(self, "min_ratio", self.min_ratio, float, minimum=0.0, maximum=1.0)
+        if self.warmup > self.total:    # the rate would fall from its peak straight to the floor
+            raise ConfigError(f"lr_schedule {self.name!r}: warmup={self.warmup} is longer than total={self.total} "
+                              f"(the decay ends at total)")
 
     def factor(self, update: int) -> float:
         if update < self.warmup:
@@ -95,9 +99,12 @@ def parse_schedule(spec) -> LRSchedule | None:
 
 
 def _check(schedule, field: str, value, kind: type, *, minimum, maximum=None) -> None:
-    number = isinstance(value, int | float) and not isinstance(value, bool) and (kind is float
-                                                                                  or isinstance(value, int))
+    # numpy's scalars count as numbers (np.int64(3) is an integer), as the codecs' options take them
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool) and (
+        kind is float or isinstance(value, numbers.Integral))
     if not number or not math.isfinite(value) or value < minimum or (maximum is not None and value > maximum):
         bounds = f">= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
         raise ConfigError(f"lr_schedule {schedule.name!r}: {field}={value!r} must be "
                           f"{'an integer' if kind is int else 'a number'} {bounds}")
+    # plain Python numbers: the spec crosses the wire as msgpack, which takes no numpy scalar
+    object.__setattr__(schedule, field, int(value) if kind is int else float(value))

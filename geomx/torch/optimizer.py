@@ -265,7 +265,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         message = (f"the learning rate of parameter group {group} is {now[group] if group < len(now) else None} on "
                    f"this worker (an LR scheduler?), but with update_on_server=True the global servers run the "
                    f"optimizer with what it had at set-up ({was}): a schedule on the workers does not reach them"
-                   + (" (they run server_lr_schedule)" if self._servers_schedule is not None else
+                   + (" (they run the master worker's server_lr_schedule, if it gave one)"
+                      if self._servers_schedule is not None else
                       "; give them one with DistributedOptimizer(server_lr_schedule=geomx.WarmupCosine(...))"))
         _warn(message, stacklevel=4)
         self._servers_lrs = None        # said once
