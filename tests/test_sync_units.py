@@ -204,6 +204,22 @@ def test_k1_below_one_is_refused_by_the_class_and_by_geomx_launch(capsys):
         create(object())
 
 
+@pytest.mark.parametrize("policy,options,words", [
+    ("P3", {"slice": -1}, ["p3 slice (GEOMX_P3_SLICE)", ">= 0", "got -1"]),
+    ("DiLoCo", {"outer_lr": float("inf")}, ["outer_lr (GEOMX_DILOCO_LR)", "finite", "got inf"]),
+    ("DiLoCo", {"outer_lr": float("nan")}, ["outer_lr (GEOMX_DILOCO_LR)", "got nan"]),
+])
+def test_a_policy_object_refuses_what_geomx_launch_refuses_naming_the_option(policy, options, words):
+    """P3(slice=-1) had been taken in code while --p3-slice -5 was refused; an infinite outer_lr had been taken
+    where NaN was refused."""
+    import geomx.sync
+
+    with pytest.raises(ConfigError) as err:
+        getattr(geomx.sync, policy)(**options)
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
 def test_dc_gradient_averages_are_refused_on_the_flat_topology_naming_it():
     from types import SimpleNamespace
 

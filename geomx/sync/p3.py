@@ -23,6 +23,7 @@ import torch
 from geomx.compat import check_kvstore
 from geomx.errors import ConfigError
 from geomx.sync.fsa import FSA
+from geomx.sync.settings import check
 
 
 class P3(FSA):
@@ -32,7 +33,7 @@ class P3(FSA):
         super().__init__(backward_passes_per_step=backward_passes_per_step)
         # each parameter travels in slices of at most this many elements (DistributedOptimizer initializes its
         # keys so), each its own key: a layer's first slices are summed and answered while its last still travel
-        self.slice_elements = slice
+        self.slice_elements = check(self.name, {"slice": slice}).slice
         self._landing: dict[int, tuple] = {}     # parameter index -> (handle, buffer): replies not yet applied
         self._waited = 0.0                       # seconds forward pre-hooks waited since the last step()
 

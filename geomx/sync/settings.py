@@ -18,6 +18,7 @@ algorithm   what a worker does
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from collections.abc import Mapping
@@ -165,8 +166,9 @@ def check(algorithm: str, options: Mapping, where: str = "") -> SyncSettings:
         raise ConfigError(f"{algorithm} dc_sync=gradients ({OPTIONS['dc_sync'][0]}){where} averages gradients "
                           f"within the DC before every local step, so K1 ({OPTIONS['k1'][0]}) must be 1, got "
                           f"{s.k1}")
-    if not s.outer_lr > 0:
-        raise ConfigError(f"diloco outer_lr ({OPTIONS['outer_lr'][0]}){where} must be > 0, got {s.outer_lr}")
+    if not (s.outer_lr > 0 and math.isfinite(s.outer_lr)):
+        raise ConfigError(f"diloco outer_lr ({OPTIONS['outer_lr'][0]}){where} must be a finite number > 0, got "
+                          f"{s.outer_lr}")
     if not 0 <= s.outer_momentum < 1:
         raise ConfigError(f"diloco outer_momentum ({OPTIONS['outer_momentum'][0]}){where} must be in [0, 1), got "
                           f"{s.outer_momentum}")
