@@ -562,6 +562,31 @@ def test_a_dc_average_in_flight_is_saved_and_restored_and_lands_alike():
     assert again.dc_flight is None
 
 
+@pytest.mark.parametrize("saved,loaded,words", [
+    # two averages in flight, saved under overlap 2: under overlap 0 they never reached a landing step and
+    # finish() applied both, stale, at the end of the run
+    ("HFA", dict(overlap=0), ["overlap (GEOMX_HFA_OVERLAP) 2 when saved, 0 here"]),
+    ("HFA", dict(k1=2, k2=3, overlap=2), ["K1 (MXNET_KVSTORE_HFA_K1) 1 when saved, 2 here",
+                                          "K2 (MXNET_KVSTORE_HFA_K2) 1 when saved, 3 here"]),
+    ("HFA", dict(weights="equal"), ["weights (GEOMX_HFA_WEIGHTS) 'samples' when saved, 'equal' here"]),
+    ("DiLoCo", dict(outer_lr=0.3), ["outer_lr (GEOMX_DILOCO_LR) 0.7 when saved, 0.3 here"]),
+    ("DiLoCo", dict(outer_momentum=0.0), ["outer_momentum (GEOMX_DILOCO_MOMENTUM) 0.9 when saved, 0.0 here"]),
+])
+def test_averaging_state_loads_only_under_the_options_it_was_saved_with_naming_each_change(saved, loaded, words):
+    import geomx.sync
+
+    policy = getattr(geomx.sync, saved)
+    state = policy(k1=1, k2=1, overlap=2).state_dict()
+    with pytest.raises(ConfigError) as err:
+        policy(**{"overlap": 2, **loaded}).load_state_dict(state)
+    for w in [f"saved {policy.name} state", *words, "resume with the options of the run that saved it"]:
+        assert w in str(err.value), str(err.value)
+    same = policy(k1=1, k2=1, overlap=2, overlap_keep=0.5)      # keep applies at landing: not the state's
+    same.load_state_dict(state)
+    del state["options"]                                         # saved before the options were: loads as it is
+    policy(overlap=0).load_state_dict(state)
+
+
 def _flight_state() -> dict:
     from geomx.sync.averaging import InFlight
 

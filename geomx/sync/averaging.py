@@ -51,13 +51,16 @@ import torch
 from geomx.compat import check_kvstore
 from geomx.errors import ConfigError
 from geomx.sync.fusion import Fusion, PackedRound, bucket_bytes_for, compressed
-from geomx.sync.settings import check, check_saved_algorithm
+from geomx.sync.settings import check, check_saved_algorithm, check_saved_options
 
 WEIGHTS_KEY = "__geomx.sync.weights"
 
 
 class HFA:
     name = "hfa"
+    # what a saved state depends on: its counters count K1 and K2 boundaries, its averages in flight land overlap DC
+    # periods (a DC one dc_overlap steps) after they left, and its shares are the weights'
+    SAVED_OPTIONS: ClassVar[tuple[str, ...]] = ("k1", "k2", "overlap", "dc_overlap", "weights")
 
     def __init__(self, *, k1: int = 1, k2: int = 1, weights: str = "samples", overlap: int = 0,
                  overlap_keep: float = 1.0, dc_sync: str = "models", dc_overlap: int = 0) -> None:
@@ -211,7 +214,8 @@ class HFA:
     def state_dict(self) -> dict:
         """Counters, the round's base model, the worker's shares, and the global averages still travelling
         (waited for, not yet adopted: loading them lands each at the same step as it would have)."""
-        state = {"algorithm": self.name, "steps": self.steps, "dc_averages": self.dc_averages,
+        state = {"algorithm": self.name, "options": self._saved_options(), "steps": self.steps,
+                 "dc_averages": self.dc_averages,
                  "global_averages": self.global_averages, "landings": asdict(self.landings),
                  "wait_phases": asdict(self.waits),
                  "in_flight": [flight.state_dict() for flight in self.flights],
@@ -221,8 +225,12 @@ class HFA:
             state.update(base=_clones(self.base), dc_scale=self.dc_scale, global_scale=self.global_scale)
         return state
 
+    def _saved_options(self) -> dict:
+        return {k: getattr(self, k) for k in self.SAVED_OPTIONS}
+
     def load_state_dict(self, state: dict) -> None:
         check_saved_algorithm(self.name, state)
+        check_saved_options(self.name, state.get("options"), self._saved_options())   # absent before 2026-12-05
         self.steps, self.dc_averages = state["steps"], state["dc_averages"]
         self.global_averages = state["global_averages"]
         self.landings = LandingWaits(**state.get("landings", {}))      # absent from states saved before 2026-11-27
@@ -436,6 +444,8 @@ class InFlight:
 
 class DiLoCo(HFA):
     name = "diloco"
+    # loading the outer optimizer's state restores the lr and momentum it was saved with, whatever this one's
+    SAVED_OPTIONS = (*HFA.SAVED_OPTIONS, "outer_lr", "outer_momentum")
 
     def __init__(self, *, k1: int = 1, k2: int = 1, weights: str = "samples", overlap: int = 0,
                  overlap_keep: float = 1.0, dc_sync: str = "models", dc_overlap: int = 0, outer_lr: float = 0.7,

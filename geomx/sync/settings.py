@@ -272,6 +272,20 @@ def check_saved_algorithm(name: str, state: Mapping) -> None:
                           f"{name!r}: resume with the same --sync")
 
 
+def check_saved_options(name: str, saved: Mapping | None, current: Mapping) -> None:
+    """A policy's saved state loads only into a policy whose options it depends on (``current``) are those it was
+    saved with. A state saved before it recorded them (``saved`` None) loads as it is."""
+    if saved is None:
+        return
+    changed = [k for k, v in current.items() if k in saved and saved[k] != v]
+    if changed:
+        names = {k: f"{k.upper() if k in ('k1', 'k2') else k} ({OPTIONS[k][0]})" for k in changed}
+        raise ConfigError(f"the saved {name} state does not fit this optimizer's options: "
+                          + "; ".join(f"{names[k]} {saved[k]!r} when saved, {current[k]!r} here" for k in changed)
+                          + ": resume with the options of the run that saved it (its counters, shares and averages "
+                            "in flight hold to them)")
+
+
 def sync_requested(env: Mapping[str, str] | None = None) -> str | None:
     """Where the environment asks for a synchronization algorithm other than FSA (which runs inside
     ``DistributedOptimizer``): the message a raw-kvstore push is refused with; None for FSA."""
