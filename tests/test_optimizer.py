@@ -207,6 +207,32 @@ def test_distributed_optimizer_refuses_a_conflict_before_joining_anything():
         DistributedOptimizer(sgd, backward_passes_per_step=0)
 
 
+def test_backward_passes_per_step_beside_a_policy_object_is_checked_and_must_be_the_objects_own():
+    """sync=geomx.FSA() with backward_passes_per_step=2 had summed one pass, and step() then asked for the
+    backward_passes_per_step=2 the user had given; 0 was taken. Both are refused before joining anything."""
+    from geomx.errors import ConfigError
+    from geomx.sync import FSA, P3, create
+    from geomx.torch import DistributedOptimizer
+
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    with pytest.raises(ConfigError) as err:
+        DistributedOptimizer(sgd, sync=FSA(), backward_passes_per_step=2)
+    for words in ("backward_passes_per_step=2 was given to DistributedOptimizer",
+                  "sync=FSA(backward_passes_per_step=1) sums backward_passes_per_step=1",
+                  "FSA(backward_passes_per_step=2)"):
+        assert words in str(err.value), str(err.value)
+    with pytest.raises(ConfigError, match=r"backward_passes_per_step=1 was given.*sums backward_passes_per_step=3"):
+        DistributedOptimizer(sgd, sync=P3(backward_passes_per_step=3), backward_passes_per_step=1)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ConfigError, match=rf"backward_passes_per_step must be a whole number >= 1, got {bad}"):
+            DistributedOptimizer(sgd, sync=FSA(), backward_passes_per_step=bad)
+    with pytest.raises(ConfigError, match=r"takes no backward_passes_per_step"):
+        create(type("Own", (), {"setup": print, "step": print})(), backward_passes_per_step=2)
+    # the object's own, given alone or given alike in both places
+    for passes in (None, 2):
+        assert create(FSA(backward_passes_per_step=2), backward_passes_per_step=passes).backward_passes_per_step == 2
+
+
 def test_geomx_launch_refuses_a_worker_side_sync_in_dist_async(capsys):
     from geomx.cli.main import main
 

@@ -23,22 +23,28 @@ from __future__ import annotations
 import importlib
 
 from geomx.errors import ConfigError
-from geomx.sync.settings import ALGORITHMS, REGISTRY, SyncSettings, launch_env, settings_from_env
+from geomx.sync.settings import (ALGORITHMS, REGISTRY, SyncSettings, check_backward_passes, launch_env,
+                                 settings_from_env)
 
 __all__ = ["ALGORITHMS", "DGA", "FSA", "P3", "ESync", "HFA", "DiLoCo", "SyncSettings", "create", "launch_env",
            "settings_from_env"]
 
 
-def create(spec=None, *, backward_passes_per_step: int = 1):
+def create(spec=None, *, backward_passes_per_step: int | None = None):
     """The worker-side policy for ``DistributedOptimizer``: ``spec`` is None (read the environment), a name
     (options from the environment), or an object with ``setup(kv, params, num_samples=)`` and
     ``step(optimizer, compute_s=) -> seconds waited`` (used as is). ``backward_passes_per_step``: FSA's gradient
-    accumulation (the other algorithms step on every step() call)."""
+    accumulation (the other algorithms step on every step() call); None: the policy object's own, or 1. An object
+    keeps its own: a different value given here is refused, naming both."""
+    if backward_passes_per_step is not None:
+        check_backward_passes(backward_passes_per_step)
     if spec is not None and not isinstance(spec, str):
         if not (callable(getattr(spec, "setup", None)) and callable(getattr(spec, "step", None))):
             raise ConfigError(f"sync must be an algorithm name or an object with setup() and step(), not "
                               f"{type(spec).__name__}")
+        _check_own_passes(spec, backward_passes_per_step)
         return spec
+    passes = 1 if backward_passes_per_step is None else backward_passes_per_step
     settings = settings_from_env()
     if spec is not None:
         if spec not in ALGORITHMS:
@@ -46,11 +52,31 @@ def create(spec=None, *, backward_passes_per_step: int = 1):
         if spec != settings.algorithm:
             settings = SyncSettings(algorithm=spec)
     from geomx.compat import check
-    check(sync=settings.algorithm, backward_passes_per_step=backward_passes_per_step)
+    check(sync=settings.algorithm, backward_passes_per_step=passes)
     options = settings.options()
     if REGISTRY[settings.algorithm].accumulates:
-        options["backward_passes_per_step"] = backward_passes_per_step
+        options["backward_passes_per_step"] = passes
     return policy_class(settings.algorithm)(**options)
+
+
+def _check_own_passes(policy, passes: int | None) -> None:
+    """A policy object built with its own backward_passes_per_step (FSA, P3) sums that many passes: one given to
+    DistributedOptimizer beside it had been recorded there and silently not used."""
+    if passes is None:
+        return
+    own = getattr(policy, "backward_passes_per_step", None)
+    if own is None:
+        if passes != 1:
+            from geomx.compat import check
+            name = getattr(policy, "name", None)
+            check(sync=name, backward_passes_per_step=passes)       # a registered algorithm's own words
+            raise ConfigError(f"backward_passes_per_step={passes}, but sync={policy!r} takes no "
+                              f"backward_passes_per_step: it steps on every step() call")
+    elif own != passes:
+        raise ConfigError(f"backward_passes_per_step={passes} was given to DistributedOptimizer, but its "
+                          f"sync={policy!r} sums backward_passes_per_step={own}: give it in one place, the policy's "
+                          f"({type(policy).__name__}(backward_passes_per_step={passes})), and leave "
+                          f"DistributedOptimizer's out")
 
 
 def policy_class(algorithm: str) -> type:

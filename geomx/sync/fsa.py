@@ -20,18 +20,14 @@ import torch
 
 from geomx.errors import ConfigError
 from geomx.sync.fusion import Fusion, GradientBuckets
-from geomx.sync.settings import check_saved_algorithm
+from geomx.sync.settings import check_backward_passes, check_saved_algorithm
 
 
 class FSA:
     name = "fsa"
 
     def __init__(self, *, backward_passes_per_step: int = 1) -> None:
-        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-                or backward_passes_per_step < 1:
-            raise ConfigError(f"backward_passes_per_step must be a whole number >= 1, got "
-                              f"{backward_passes_per_step!r}")
-        self.backward_passes_per_step = backward_passes_per_step
+        self.backward_passes_per_step = check_backward_passes(backward_passes_per_step)
         self._handles: dict[int, tuple] = {}      # parameter index -> (handle, buffer the reply lands in)
         self._passes: dict[int, int] = {}         # parameter index -> backward passes since the last step
         self.steps = 0

@@ -261,6 +261,13 @@ def _convert(raw, kind, what: str):
 
 
 
+def check_backward_passes(value) -> int:
+    """``backward_passes_per_step`` (FSA's gradient accumulation), a whole number >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"backward_passes_per_step must be a whole number >= 1, got {value!r}")
+    return value
+
+
 def check_saved_algorithm(name: str, state: Mapping) -> None:
     """A policy's saved state loads only into a policy of the same algorithm."""
     saved = state.get("algorithm") if isinstance(state, Mapping) else None

@@ -36,7 +36,8 @@ compression streams (codec memory, error-feedback residuals), and ``load_state_d
 Tuning: gradients are pushed with priority ``-index`` (first layers first), so the tensors the next forward
 pass needs first travel first on a congested link. ``backward_passes_per_step`` k > 1 sums k backward passes
 locally before pushing (fewer, larger WAN rounds; scale the loss by 1 / k for their mean); one more backward
-pass before ``step()`` raises an error naming this option (geomx.sync.fsa).
+pass before ``step()`` raises an error naming this option (geomx.sync.fsa). A policy object sums its own
+(``sync=geomx.FSA(backward_passes_per_step=k)``): a different value given here beside it is refused.
 """
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def _groups_unlike_defaults(optimizer: torch.optim.Optimizer) -> list[str]:
 class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]] | None = None, *,
-                 kvstore=None, update_on_server: bool = False, backward_passes_per_step: int = 1, sync=None,
+                 kvstore=None, update_on_server: bool = False, backward_passes_per_step: int | None = None, sync=None,
                  num_samples: float | None = None, server_lr_schedule=None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
@@ -105,6 +106,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.params = _named(optimizer, named_parameters)
         self.comm_wait_s = 0.0      # time step() spent waiting for the network (cumulative)
         sync = create_sync(sync, backward_passes_per_step=backward_passes_per_step)
+        # None: the policy's own (FSA(backward_passes_per_step=k)); one that differs was refused by create_sync
+        backward_passes_per_step = getattr(sync, "backward_passes_per_step", 1)
         # a policy object (sync=DGA(...)) is checked here; a name was checked by create_sync
         # update_on_server=False on a worker says nothing of the servers (the master worker sets their optimizer)
         check_combination(sync=getattr(sync, "name", None), server_optimizer=update_on_server or None,
