@@ -220,6 +220,29 @@ def test_a_policy_object_refuses_what_geomx_launch_refuses_naming_the_option(pol
         assert w in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize("env,var", [
+    ({"GEOMX_SYNC": "hfa", "MXNET_KVSTORE_HFA_K1": "5", "MXNET_KVSTORE_HFA_K2": "4"}, "GEOMX_SYNC='hfa'"),
+    ({"MXNET_KVSTORE_USE_HFA": "1"}, "MXNET_KVSTORE_USE_HFA='1'"),
+])
+@pytest.mark.parametrize("spec", ["diloco", "dga", "fsa"])
+def test_a_sync_name_other_than_the_launchers_algorithm_is_refused_naming_both(monkeypatch, env, var, spec):
+    """geomx launch --sync hfa --hfa-k1 5 --hfa-k2 4 with a script's sync="diloco" had trained DiLoCo with
+    K1 = K2 = 1 (and sync="dga" DGA with delay 1) while the launcher checked and reported HFA."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as err:
+        create(spec)
+    for words in (f"sync={spec!r}", f"deployment's hfa ({var}", f"--sync {spec}", "leave sync= out"):
+        assert words in str(err.value), str(err.value)
+    assert (create("hfa").k1, create(None).k1) == ((5, 5) if "MXNET_KVSTORE_HFA_K1" in env else (1, 1))
+
+
+def test_a_sync_name_where_the_environment_names_no_algorithm_takes_its_defaults(monkeypatch):
+    for name in ("GEOMX_SYNC", "MXNET_KVSTORE_USE_HFA", "ENABLE_P3"):
+        monkeypatch.delenv(name, raising=False)
+    assert (create("diloco").k1, create("dga").delay) == (1, 1)
+
+
 def test_dc_gradient_averages_are_refused_on_the_flat_topology_naming_it():
     from types import SimpleNamespace
 

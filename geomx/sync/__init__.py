@@ -21,10 +21,11 @@ Importing this package does not import torch (the launcher validates configurati
 from __future__ import annotations
 
 import importlib
+import os
 
 from geomx.errors import ConfigError
-from geomx.sync.settings import (ALGORITHMS, REGISTRY, SyncSettings, check_backward_passes, launch_env,
-                                 settings_from_env)
+from geomx.sync.settings import (ALGORITHMS, REGISTRY, SYNC_ENV, SyncSettings, check_backward_passes, chosen_by,
+                                 launch_env, settings_from_env)
 
 __all__ = ["ALGORITHMS", "DGA", "FSA", "P3", "ESync", "HFA", "DiLoCo", "SyncSettings", "create", "launch_env",
            "settings_from_env"]
@@ -32,8 +33,9 @@ __all__ = ["ALGORITHMS", "DGA", "FSA", "P3", "ESync", "HFA", "DiLoCo", "SyncSett
 
 def create(spec=None, *, backward_passes_per_step: int | None = None):
     """The worker-side policy for ``DistributedOptimizer``: ``spec`` is None (read the environment), a name
-    (options from the environment), or an object with ``setup(kv, params, num_samples=)`` and
-    ``step(optimizer, compute_s=) -> seconds waited`` (used as is). ``backward_passes_per_step``: FSA's gradient
+    (options from the environment, which must name that algorithm or none), or an object with
+    ``setup(kv, params, num_samples=)`` and ``step(optimizer, compute_s=) -> seconds waited`` (used as is).
+    ``backward_passes_per_step``: FSA's gradient
     accumulation (the other algorithms step on every step() call); None: the policy object's own, or 1. An object
     keeps its own: a different value given here is refused, naming both."""
     if backward_passes_per_step is not None:
@@ -50,6 +52,15 @@ def create(spec=None, *, backward_passes_per_step: int | None = None):
         if spec not in ALGORITHMS:
             raise ConfigError(f"unknown synchronization algorithm {spec!r}; algorithms: {', '.join(ALGORITHMS)}")
         if spec != settings.algorithm:
+            var = chosen_by()
+            if var is not None:
+                # the launcher checked, and reports, the algorithm it was given with its options, which another
+                # algorithm's defaults would silently drop
+                by_launch = ", which geomx launch --sync sets" if var == SYNC_ENV else ""
+                raise ConfigError(f"sync={spec!r} (DistributedOptimizer, geomx.sync.create) differs from the "
+                                  f"deployment's {settings.algorithm} ({var}={os.environ[var]!r}{by_launch}), whose "
+                                  f"options it would drop: launch with --sync {spec} (and its options) instead, or "
+                                  f"leave sync= out to run {settings.algorithm}")
             settings = SyncSettings(algorithm=spec)
     from geomx.compat import check
     check(sync=settings.algorithm, backward_passes_per_step=passes)

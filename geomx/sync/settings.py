@@ -190,6 +190,15 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> SyncSettings:
     return check(algorithm, options)
 
 
+def chosen_by(env: Mapping[str, str] | None = None) -> str | None:
+    """The variable that names the environment's algorithm (``GEOMX_SYNC``, which geomx launch --sync sets, or
+    GeoMX's ``MXNET_KVSTORE_USE_HFA`` / ``ENABLE_P3``); None where none does (FSA by default)."""
+    env = os.environ if env is None else env
+    if (env.get(SYNC_ENV) or "").strip():
+        return SYNC_ENV
+    return next((var for var in (GEOMX_HFA_ENV, GEOMX_P3_ENV) if _on(env, var)), None)
+
+
 def rounds_are_steps(env: Mapping[str, str] | None = None) -> bool:
     """Whether the environment's algorithm runs one round of every key per step (FSA, P3), so that a server's
     round names the workers' step (server checkpoints); an algorithm the environment does not name is FSA."""
@@ -300,7 +309,7 @@ def sync_requested(env: Mapping[str, str] | None = None) -> str | None:
     algorithm = settings_from_env(env).algorithm
     if algorithm == "fsa":
         return None
-    var = SYNC_ENV if (env.get(SYNC_ENV) or "").strip() else GEOMX_HFA_ENV if _on(env, GEOMX_HFA_ENV) else GEOMX_P3_ENV
+    var = chosen_by(env)
     return (f"{var}={env[var]!r} asks for {algorithm}, which geomx runs inside geomx.torch.DistributedOptimizer "
             f"(sync={algorithm!r}); this script pushes through the raw kvstore, where it would silently run FSA: "
             f"wrap the optimizer in DistributedOptimizer, or unset {var} to push plain gradients")
