@@ -47,7 +47,8 @@ def simulate(*, algorithm: str, k1: int, k2: int, weights: str, samples: list[fl
     equal models: the DC's mean model after every step); ``keep``: the share of the progress since the send kept
     on top of an overlapped average; ``dc_overlap`` S: a DC-only average is computed from the models at its
     boundary and adopted S steps later (at a boundary: before anything else there), each worker keeping all of
-    its progress since; (worker, key, "final"): after the last one landed."""
+    its progress since; (worker, key, "final"): after finish() landed the last one (of several in flight, the
+    last sent)."""
     n = sum(len(d) for d in dcs)
     out = {}
     for key, shape in KEYS.items():
@@ -113,8 +114,8 @@ def simulate(*, algorithm: str, k1: int, k2: int, weights: str, samples: list[fl
             _, sent, means = dc_flight
             for i in range(n):
                 w[i] = w[i] + means[i] - sent[i]
-        for flight in flights:
-            land(w, flight)
+        if flights:     # finish(): the earlier ones only moved the global model (computed at the send here)
+            land(w, flights[-1])
         for i in range(n):
             out[(i, key, "final")] = w[i]
     return out
@@ -309,6 +310,21 @@ def test_model_averaging_matches_the_reference_at_every_step(tmp_path, name):
         # the outer step is not a plain average: HFA's reference differs
         hfa = simulate(algorithm="hfa", k1=1, k2=2, weights="equal", samples=[5.0, 7.0, 9.0], dcs=dcs, steps=6)
         assert np.abs(hfa[(0, "w", last)] - ref[(0, "w", last)]).max() > 1e-3
+
+
+@pytest.mark.parametrize("table", [dict(algorithm="hfa", overlap=2, overlap_keep=0.5),
+                                   dict(algorithm="diloco", overlap=2)])
+def test_finish_with_several_averages_in_flight_leaves_every_worker_on_the_same_model(table):
+    """D = 2 > K2 = 1: two averages still travel after the last step. Landing each in turn had kept each one's
+    w - w_sent of the worker's own, so after finish() the two DCs' workers held different models."""
+    steps, samples = 6, [10, 30]
+    models, _ = _run_inproc({**table, "k1": 1, "k2": 1, "weights": "samples"}, [1, 1], steps, samples)
+    ref = simulate(algorithm=table["algorithm"], k1=1, k2=1, weights="samples", samples=[10.0, 30.0],
+                   dcs=[[0], [1]], steps=steps, overlap=2, keep=table.get("overlap_keep", 1.0))
+    for key in KEYS:
+        assert np.abs(models[0][f"{key}@{steps - 1}"] - models[1][f"{key}@{steps - 1}"]).max() > 1e-3
+        np.testing.assert_allclose(models[0][f"{key}@final"], models[1][f"{key}@final"], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(models[0][f"{key}@final"], ref[(0, key, "final")], rtol=0, atol=2e-5)
 
 
 def test_overlapped_dc_averages_of_tensors_that_travel_alone_match_the_reference(monkeypatch):

@@ -200,13 +200,19 @@ class HFA:
 
     def finish(self) -> float:
         """Land the global averages still travelling (overlap > 0), e.g. after the last step; returns the
-        seconds waited. Without it, a run that ends between a send and its landing ignores that average."""
+        seconds waited. Without it, a run that ends between a send and its landing ignores that average.
+
+        Several in flight (D > K2): the earlier ones only move the global model (DiLoCo's outer steps, in order),
+        and the last one alone lands in the model, keeping the steps taken since it left. Landing each in turn
+        had kept each one's ``w - w_sent`` of this worker's own, so the workers ended apart; the last average is
+        of models every earlier one would only have brought together (HFA: the weighted mean of those leftovers
+        is 0). So a run that ends at a global boundary ends on one model on every worker, as with D <= K2."""
         started = now = time.perf_counter()
         if self.dc_flight is not None:
             self.land_dc()
             now = self.waits.add("dc_landing", now)
         while self.flights:
-            self.land()
+            self.land(into_model=len(self.flights) == 1)
             now = self.waits.add("global_landing", now)
         return now - started
 
@@ -342,14 +348,18 @@ class HFA:
             for i, ((_, p), avg) in enumerate(zip(self.params, averaged, strict=True)):
                 flight.subtract_sent(i, p.add_(avg))
 
-    def land(self, *, scheduled: bool = False) -> None:
+    def land(self, *, scheduled: bool = False, into_model: bool = True) -> None:
         """Adopt the oldest global average in flight, waiting for it if need be. ``scheduled``: at its landing
-        step (not at the end of the run, where waiting is expected), so it counts in ``landings``."""
+        step (not at the end of the run, where waiting is expected), so it counts in ``landings``.
+        ``into_model`` False (finish(), a later average in flight too): only the global model and the base move."""
         flight = self.flights.popleft()
         averaged = flight.land_into()
         if scheduled:
             self.landings.count(flight.waited_s)
-        self.adopt(averaged, flight)
+        if into_model:
+            self.adopt(averaged, flight)
+        else:
+            self._rebase(self.global_model(averaged))
         self._release(flight)
 
 

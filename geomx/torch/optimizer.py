@@ -292,7 +292,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def finish(self) -> None:
         """Call after the last step: lands what a synchronization algorithm still has on the way (HFA/DiLoCo
-        with ``overlap``: the last global average), so every worker ends on the same model. Idempotent."""
+        with ``overlap``: the last global averages), so every worker ends on the same model (HFA/DiLoCo: when the
+        last step ended a global period; stopped within one, each worker keeps its own steps since). Idempotent."""
         finish = getattr(self.sync, "finish", None)
         if finish is not None:
             self._count_wait(finish())
