@@ -42,9 +42,12 @@ def write_script(directory: Path, text: str, name: str = "train.py") -> Path:
 
 def make_topology(*, dcs: int = 2, workers_per_dc=2, global_servers: int = 1, mode: str = "dist_sync",
                   topology: str = "hips", wan: str = "lan", env: dict | None = None, **flags):
-    """``flags``: further ``load_topology`` arguments (slowdown, sync, ...)."""
+    """``flags``: further ``load_topology`` arguments (slowdown, sync, ...). ``wan``: a profile, unless
+    ``wan_rate``/``wan_rtt`` give a custom WAN (geomx launch refuses both)."""
     from geomx.cli.topology import load_topology
 
+    if flags.get("wan_rate") is not None or flags.get("wan_rtt") is not None:
+        wan = None
     topo = load_topology(None, dcs=dcs, workers_per_dc=workers_per_dc, global_servers=global_servers, mode=mode,
                          topology=topology, wan=wan, **flags)
     topo.env.update(DEFAULT_ENV)
