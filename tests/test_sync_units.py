@@ -237,6 +237,20 @@ def test_a_sync_name_other_than_the_launchers_algorithm_is_refused_naming_both(m
     assert (create("hfa").k1, create(None).k1) == ((5, 5) if "MXNET_KVSTORE_HFA_K1" in env else (1, 1))
 
 
+def test_a_policy_object_of_another_algorithm_than_the_launchers_is_refused_and_its_own_options_stay(monkeypatch):
+    """geomx launch --sync hfa with a script's sync=geomx.DiLoCo(...): the launcher had checked and configured
+    HFA while the workers ran DiLoCo. An object of the launcher's algorithm keeps its own options, as documented."""
+    from geomx.sync import DGA, HFA
+
+    monkeypatch.setenv("GEOMX_SYNC", "hfa")
+    with pytest.raises(ConfigError, match=r"runs dga, but the deployment runs hfa \(GEOMX_SYNC='hfa', which geomx "
+                                          r"launch --sync sets\): launch with --sync dga"):
+        create(DGA(delay=2))
+    assert create(HFA(k1=3, k2=2)).k1 == 3
+    monkeypatch.delenv("GEOMX_SYNC")
+    assert create(DGA(delay=2)).delay == 2
+
+
 def test_a_sync_name_where_the_environment_names_no_algorithm_takes_its_defaults(monkeypatch):
     for name in ("GEOMX_SYNC", "MXNET_KVSTORE_USE_HFA", "ENABLE_P3"):
         monkeypatch.delenv(name, raising=False)

@@ -215,7 +215,7 @@ class KVStore:
         """Called by ``DistributedOptimizer``: ``policy`` (geomx.sync) runs the synchronization algorithm the
         environment asks for, so pushes through this kvstore are that algorithm's. Call it before the first
         kv.init: the master worker's call takes back the request for GeoMX's HFA server logic."""
-        # a policy chosen in code (sync=HFA(...)) where the environment names none or another: the servers
+        # a policy chosen in code (sync=HFA(...)) where the environment names none: the servers
         # learn whether its rounds are steps from the master worker's mode, which they take before the first
         # kv.init only (a script's second DistributedOptimizer, over keys of its own, leaves it as it was)
         steps = algorithm_rounds_are_steps(getattr(policy, "name", None))

@@ -34,7 +34,8 @@ __all__ = ["ALGORITHMS", "DGA", "FSA", "P3", "ESync", "HFA", "DiLoCo", "SyncSett
 def create(spec=None, *, backward_passes_per_step: int | None = None):
     """The worker-side policy for ``DistributedOptimizer``: ``spec`` is None (read the environment), a name
     (options from the environment, which must name that algorithm or none), or an object with
-    ``setup(kv, params, num_samples=)`` and ``step(optimizer, compute_s=) -> seconds waited`` (used as is).
+    ``setup(kv, params, num_samples=)`` and ``step(optimizer, compute_s=) -> seconds waited`` (used as is, its
+    options its own; a registered algorithm's object must be the one the environment names, if it names one).
     ``backward_passes_per_step``: FSA's gradient
     accumulation (the other algorithms step on every step() call); None: the policy object's own, or 1. An object
     keeps its own: a different value given here is refused, naming both."""
@@ -45,6 +46,7 @@ def create(spec=None, *, backward_passes_per_step: int | None = None):
             raise ConfigError(f"sync must be an algorithm name or an object with setup() and step(), not "
                               f"{type(spec).__name__}")
         _check_own_passes(spec, backward_passes_per_step)
+        _check_object_matches_launch(spec)
         return spec
     passes = 1 if backward_passes_per_step is None else backward_passes_per_step
     settings = settings_from_env()
@@ -68,6 +70,19 @@ def create(spec=None, *, backward_passes_per_step: int | None = None):
     if REGISTRY[settings.algorithm].accumulates:
         options["backward_passes_per_step"] = passes
     return policy_class(settings.algorithm)(**options)
+
+
+def _check_object_matches_launch(policy) -> None:
+    """A registered algorithm's object under a deployment that names another: the launcher checked, configured
+    the servers for, and reports the algorithm it was given (its options the object's own are, as documented)."""
+    name, var = getattr(policy, "name", None), chosen_by()
+    if name not in ALGORITHMS or var is None:
+        return
+    deployment = settings_from_env().algorithm
+    if name != deployment:
+        by_launch = ", which geomx launch --sync sets" if var == SYNC_ENV else ""
+        raise ConfigError(f"sync={policy!r} runs {name}, but the deployment runs {deployment} ({var}="
+                          f"{os.environ[var]!r}{by_launch}): launch with --sync {name}, or leave sync= out")
 
 
 def _check_own_passes(policy, passes: int | None) -> None:
