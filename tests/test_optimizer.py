@@ -207,6 +207,30 @@ def test_distributed_optimizer_refuses_a_conflict_before_joining_anything():
         DistributedOptimizer(sgd, backward_passes_per_step=0)
 
 
+def test_one_policy_object_serves_one_distributed_optimizer():
+    """A policy holds one optimizer's state (its parameters, DGA's history, HFA's base model): two optimizers
+    sharing sync=policy mixed theirs (a review saw such a pair hang). The second is refused while the first
+    lives; once it is gone the object may serve again."""
+    import gc
+
+    from geomx.errors import ConfigError
+    from geomx.sync import DGA
+    from geomx.torch import DistributedOptimizer
+    from geomx.torch import optimizer as optimizer_module
+
+    class Earlier:      # stands for a DistributedOptimizer already built with the policy
+        pass
+
+    policy, earlier = DGA(delay=1), Earlier()
+    optimizer_module._claim(policy, earlier)
+    sgd = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=r"sync=DGA\(.*\) already serves another DistributedOptimizer; give each"):
+        DistributedOptimizer(sgd, sync=policy)
+    del earlier
+    gc.collect()
+    optimizer_module._claim(policy, Earlier())       # the first is gone: no refusal
+
+
 def test_backward_passes_per_step_beside_a_policy_object_is_checked_and_must_be_the_objects_own():
     """sync=geomx.FSA() with backward_passes_per_step=2 had summed one pass, and step() then asked for the
     backward_passes_per_step=2 the user had given; 0 was taken. Both are refused before joining anything."""

@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -67,6 +68,22 @@ _HOOK_TABLES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_opt
 
 def _numbers(settings: dict) -> dict:
     return {k: v for k, v in settings.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+# policy -> the DistributedOptimizer it serves: a policy holds one optimizer's state (its parameters, DGA's
+# history, HFA's base model), so two optimizers sharing one object would mix theirs
+_SERVING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _claim(policy, optimizer) -> None:
+    try:
+        serving = _SERVING.get(policy)
+    except TypeError:       # an object that cannot be weakly referenced: nothing to check
+        return
+    if serving is not None and serving() is not None:
+        raise ConfigError(f"sync={policy!r} already serves another DistributedOptimizer; give each optimizer a "
+                          f"policy object of its own (or the algorithm's name)")
+    _SERVING[policy] = weakref.ref(optimizer)
 
 
 def _warn(message: str, *, stacklevel: int) -> None:
@@ -112,6 +129,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # update_on_server=False on a worker says nothing of the servers (the master worker sets their optimizer)
         check_combination(sync=getattr(sync, "name", None), server_optimizer=update_on_server or None,
                           backward_passes_per_step=backward_passes_per_step)
+        _claim(sync, self)
         self.sync = sync
         if kvstore is None:
             import geomx.kvstore
