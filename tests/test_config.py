@@ -372,6 +372,9 @@ BAD_TOPOLOGIES = [
     ('env = "x"\n', ["env"]),
     ('wan_links = { b = "50mbit/250ms", "b->central" = "10mbit/20ms" }\n',
      ["wan_links in", "link b->central is given twice, by 'b=50mbit/250ms' and by 'b->central=10mbit/20ms'"]),
+    # named by its key, not by the emulator's variable (found by a review)
+    ('wan = "regional"\nwan_slow_start = "maybe"\n', ["wan_slow_start (--wan-slow-start)='maybe'", "true or false"]),
+    ('wan = "regional"\nwan_streams = "many"\n', ["wan_streams (--wan-streams)='many'"]),
 ]
 
 
@@ -379,7 +382,8 @@ BAD_TOPOLOGIES = [
     "dcs-vs-list", "zero-dcs", "zero-workers", "zero-global-servers", "bad-mode", "bad-topology", "bad-mixedsync",
     "mixedsync-overlap-in-dist-sync", "mixedsync-overlap-flat", "bad-wan-name",
     "wan-not-name-or-table", "wan-table-without-rtt", "wan-bad-rate", "unknown-key", "invalid-toml",
-    "non-numeric-dcs", "non-numeric-workers", "fractional-global-servers", "env-not-a-table", "link-given-twice"])
+    "non-numeric-dcs", "non-numeric-workers", "fractional-global-servers", "env-not-a-table", "link-given-twice",
+    "bad-slow-start", "bad-streams"])
 def test_bad_topology_file_raises_config_error_naming_the_problem(tmp_path, text, words):
     from geomx.cli.topology import load_topology
 

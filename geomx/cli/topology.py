@@ -273,7 +273,9 @@ def load_topology(path: str | None = None, **flags) -> Topology:
                                   f"which has none: give the loss as a number, e.g. 0.01%")
             loss = topo.profile.loss        # the loss such a path typically sees (geomx.profiles)
         topo.tcp = tcp_path(loss=loss, streams=data.get("wan_streams"),
-                            window=data.get("wan_window"), slow_start=data.get("wan_slow_start"), where=where)
+                            window=data.get("wan_window"), slow_start=data.get("wan_slow_start"), where=where,
+                            names={"streams": "wan_streams (--wan-streams)", "window": "wan_window (--wan-window)",
+                                   "slow_start": "wan_slow_start (--wan-slow-start)"})
     if data.get("global_server_link") is not None:
         if not topo.profile.emulated:
             raise ConfigError(f"global_server_link{where} (--global-server-link) needs an emulated WAN (--wan "

@@ -147,16 +147,22 @@ def _switch(value, what: str) -> bool:
         return True
     if raw in ("0", "false", "no", "off", ""):
         return False
-    raise ConfigError(f"{what}={value!r} is not 1 or 0")
+    raise ConfigError(f"{what}={value!r} is not 1 or 0 (true or false)")
 
 
-def tcp_path(*, loss=None, streams=None, window=None, slow_start=None, where: str = "") -> TcpPath:
-    """A TcpPath from flags, TOML values or variables (None: the default); errors name the setting."""
+ENV_NAMES = {"streams": ENV_STREAMS, "window": ENV_WINDOW, "slow_start": ENV_SLOW_START}
+
+
+def tcp_path(*, loss=None, streams=None, window=None, slow_start=None, where: str = "",
+             names: dict[str, str] | None = None) -> TcpPath:
+    """A TcpPath from flags, TOML values or variables (None: the default); errors name the setting: its
+    variable, or ``names[setting]`` (the TOML key and flag the value came from)."""
+    named = {**ENV_NAMES, **(names or {})}
     try:
         return TcpPath(loss=parse_loss(loss) if loss is not None else 0.0,
-                       streams=_whole(streams, ENV_STREAMS) if streams is not None else 1,
-                       window_bytes=_whole(window, ENV_WINDOW) if window is not None else None,
-                       slow_start=_switch(slow_start, ENV_SLOW_START) if slow_start is not None else False)
+                       streams=_whole(streams, named["streams"]) if streams is not None else 1,
+                       window_bytes=_whole(window, named["window"]) if window is not None else None,
+                       slow_start=_switch(slow_start, named["slow_start"]) if slow_start is not None else False)
     except ConfigError as exc:
         raise ConfigError(f"{exc}{where}") from None
 
