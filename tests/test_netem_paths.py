@@ -354,3 +354,22 @@ def test_global_server_dcs_place_each_global_server_in_a_dcs_network_and_bad_pla
         with pytest.raises(ConfigError) as err:
             load_topology(None, **{"wan": "regional", **flags})
         assert "--global-server-dcs" in str(err.value) and words in str(err.value), str(err.value)
+
+
+def test_the_run_manifest_records_every_wan_setting_the_emulator_was_given(tmp_path):
+    """launch.json had recorded the profile alone: a run's TCP model, per-link overrides and lines were not in
+    its manifest, so its report could not say what WAN it ran (found by a review)."""
+    import json
+
+    from geomx.cli.launch import Launcher
+    from geomx.cli.topology import load_topology
+
+    topo = load_topology(None, dcs=2, wan="regional", wan_links=["b=100mbit/50ms"], wan_streams=4,
+                         wan_loss="0.01%", wan_dc_lines=True)
+    launcher = Launcher(topo, ["x"], run_dir=tmp_path)
+    launcher._started = 0.0
+    launcher._write_manifest([])
+    wan = json.loads((tmp_path / "launch.json").read_text())["wan"]
+    assert wan["tcp"] == {"loss": 0.0001, "streams": 4, "window_bytes": None, "slow_start": False}
+    assert "b->central=" in wan["links"] and "central->b=" in wan["links"]
+    assert dc_lines.parse(wan["dc_lines"]) == {"a": (1e9, 1e9), "b": (1e8, 1e8)}

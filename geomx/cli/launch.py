@@ -8,6 +8,7 @@ its log.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -395,7 +396,13 @@ class Launcher:
         manifest = {"topology": self.topo.topology, "mode": self.topo.mode, "dcs": self.topo.dc_names,
                     "workers_per_dc": self.topo.workers_per_dc, "global_servers": self.topo.global_servers,
                     "wan": {"profile": p.name, "uplink_bps": p.uplink_bps, "downlink_bps": p.downlink_bps,
-                            "rtt_s": p.rtt_s, "jitter_s": p.jitter_s},
+                            "rtt_s": p.rtt_s, "jitter_s": p.jitter_s,
+                            # what else the emulator was told: every link's TCP, per-link overrides, lines
+                            "tcp": dataclasses.asdict(self.topo.tcp),
+                            "links": link_matrix.to_env(self.topo.wan_links) if self.topo.wan_links else None,
+                            "dc_lines": dc_lines.to_env(self.topo.dc_line_rates()) if self.topo.dc_lines else None,
+                            "global_server_link_bps": self.topo.global_server_link_bps,
+                            "global_server_dcs": self.topo.global_server_dcs or None},
                     "command": self.command, "roles": [s.name for s in specs], "started": self._started,
                     "slowdown": {f"{dc}:{r}": f for (dc, r), f in sorted(self.topo.slowdown.items())},
                     "backend": self.backend.name, "placement": self.backend.placement(),
