@@ -414,6 +414,35 @@ def test_a_server_lr_schedule_steps_the_servers_optimizer_as_a_scheduler_steps_a
     assert (local(0.5) - local(1.0)).abs().max() > 1e-2     # at the constant rate it would end elsewhere
 
 
+def test_a_workers_server_lr_schedule_other_than_the_master_workers_is_refused_naming_both():
+    """Only the master worker's schedule reaches the servers (GeoMX's set_optimizer): a worker passing another
+    had trained believing in a schedule the servers did not run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from geomx.errors import ConfigError
+    from geomx.optim import StepDecay
+    from geomx.torch import DistributedOptimizer
+    from inproc import DEADLINE_S, HipsCluster
+
+    def make(kv, model, schedule):
+        return DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, kvstore=kv,
+                                    update_on_server=True, server_lr_schedule=schedule)
+
+    cluster = HipsCluster(dcs=("a",), per_dc=1)
+    try:
+        models = [torch.nn.Linear(3, 1) for _ in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            master = pool.submit(make, cluster.master, models[0], StepDecay(step_size=1, gamma=0.5))
+            worker = pool.submit(make, cluster.workers["a"][0], models[1], StepDecay(step_size=2, gamma=0.5))
+            master.result(DEADLINE_S)
+            with pytest.raises(ConfigError, match=r"server_lr_schedule=StepDecay\(step_size=2, gamma=0.5\) on this "
+                                                  r"worker, but the global servers run \{'name': 'step', "
+                                                  r"'step_size': 1, 'gamma': 0.5\} \(the master worker's\)"):
+                worker.result(DEADLINE_S)
+    finally:
+        cluster.close()
+
+
 def test_parameter_groups_the_servers_optimizer_does_not_run_are_named_at_set_up(caplog):
     """The servers' optimizer is built from the wrapped optimizer's defaults, one set for every key: a group
     with its own learning rate or weight decay (no decay on biases, a common recipe) is not applied there, which

@@ -176,6 +176,7 @@ class GlobalServer(KVServer):
                      "hfa_k2": self.hfa_k2,
                      "round_policy": round_policy_name(mixedsync=self.mixedsync, hfa_k2=self.hfa_k2),
                      "server_optimizer": self.optimizer is not None,
+                     "lr_schedule": self.lr_schedule.to_spec() if self.lr_schedule is not None else None,
                      "num_all_workers": self.num_all_workers,
                      "compression": self.compression.to_wire() if self.compression else None}
         if self.compression is not None:

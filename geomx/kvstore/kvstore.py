@@ -194,6 +194,12 @@ class KVStore:
         return bool(self._client.info.get("server_optimizer"))
 
     @property
+    def server_lr_schedule(self) -> dict | None:
+        """The learning-rate schedule the global servers run with their optimizer (its spec,
+        geomx.optim.schedules), or None. Known after the first init."""
+        return self._client.info.get("lr_schedule")
+
+    @property
     def joined_at(self) -> int:
         """0, or, for a worker restarted into a running job (it took a dropped worker's place), the rounds the
         job had under way when it joined: it takes no part in them and starts from the model after them. Known

@@ -167,7 +167,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # the servers' optimizer took these learning rates at set-up and keeps them: a change here (a scheduler)
         # never reaches it, which step() says once rather than let a schedule do nothing unnoticed
         self._servers_lrs = [g.get("lr") for g in optimizer.param_groups] if update_on_server else None
-        self._servers_schedule = schedule
+        # only the master worker's schedule reaches the servers (GeoMX's set_optimizer): another worker's must be
+        # the same, or it would think it trains under a schedule the servers do not run
+        self._servers_schedule = kvstore.server_lr_schedule if update_on_server else None
+        if kvstore.is_master_worker:        # its own call set them up
+            self._servers_schedule = schedule.to_spec() if schedule is not None else None
+        elif schedule is not None and update_on_server and schedule.to_spec() != self._servers_schedule:
+            raise ConfigError(f"server_lr_schedule={schedule!r} on this worker, but the global servers run "
+                              f"{self._servers_schedule or 'no schedule'} (the master worker's): give every worker "
+                              f"the master worker's, or leave it out on the workers")
         unlike = _groups_unlike_defaults(optimizer) if update_on_server else []
         if unlike:
             message = (f"with update_on_server=True the global servers run one set of hyper-parameters, the "
@@ -286,7 +294,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         message = (f"the learning rate of parameter group {group} is {now[group] if group < len(now) else None} on "
                    f"this worker (an LR scheduler?), but with update_on_server=True the global servers run the "
                    f"optimizer with what it had at set-up ({was}): a schedule on the workers does not reach them"
-                   + (" (they run the master worker's server_lr_schedule, if it gave one)"
+                   + (f" (they run the master worker's server_lr_schedule, {self._servers_schedule})"
                       if self._servers_schedule is not None else
                       "; give them one with DistributedOptimizer(server_lr_schedule=geomx.WarmupCosine(...))"))
         _warn(message, stacklevel=4)
