@@ -451,6 +451,52 @@ def test_a_server_optimizer_job_asks_for_the_interval_on_every_role_not_only_the
         loop.checkpointer(args, kv, None, None)
 
 
+def test_a_fresh_run_finding_its_workers_checkpoints_of_an_earlier_run_is_refused(tmp_path):
+    """--checkpoint-every given to the script (not to geomx launch) left the launcher claiming nothing: a second
+    launch into the same run directory deleted its own new checkpoints as older than the first run's, and a
+    --resume loaded the first run's model (found by a review). The worker refuses such a directory; a resume
+    (GEOMX_RESUME_FROM) or a restarted worker rejoining its job still uses it."""
+    import argparse
+    from types import SimpleNamespace
+
+    from geomx.torch import loop
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "worker-1-step-20.pt").write_bytes(b"")
+    cfg = SimpleNamespace(checkpoint_every=0, checkpoint_seconds=0.0, resume_from=None, resume_step=None,
+                          run_dir=str(tmp_path), checkpoint_dir=None)
+    args = argparse.Namespace(checkpoint_every=5, checkpoint_seconds=0.0, update_on="worker", data_slice_idx=1)
+    kv = SimpleNamespace(cfg=cfg, num_all_workers=2, joined_at=0, checkpoint_declared=None)
+    model = torch.nn.Linear(1, 1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=r"already holds worker 1's checkpoints of an earlier run \(steps \[20\]\)"):
+        loop.checkpointer(args, kv, sgd, model)
+    assert loop.checkpointer(argparse.Namespace(**{**vars(args), "data_slice_idx": 0}), kv, sgd,
+                             model) is not None        # worker 0 has none there
+    kv.joined_at = 7        # restarted into its running job: its earlier checkpoints are its own
+    assert loop.checkpointer(args, kv, sgd, model) is not None
+
+
+def test_a_resume_past_the_jobs_own_steps_is_refused_as_another_jobs_checkpoints():
+    """A checkpoint of step 20 resumed into a job of 10 steps had been taken for a job that trained its steps
+    already, and the other job's model was reported as this one's (found by a review)."""
+    from types import SimpleNamespace
+
+    from geomx.torch import loop
+
+    def run(total):
+        opt = SimpleNamespace(kv=SimpleNamespace(joined_at=0), progress=20, steps_taken=20,
+                              record_resumed=lambda step: None, finish=lambda: None)
+        checkpoint = SimpleNamespace(restore=lambda: 20, resume_from="/runs/first/checkpoints")
+        return loop.run_steps(opt, iter([(0, False, None)] * 30), total_steps=total, eval_every=0,
+                              evaluate=lambda: {"acc": 1.0}, describe=str, checkpoint=checkpoint)
+
+    with pytest.raises(ConfigError, match=r"resumed at step 20 from /runs/first/checkpoints, but this job trains "
+                                          r"10 steps: those checkpoints are another job's"):
+        run(10)
+    assert run(20)[0] == 20         # its own last step: nothing left to train, its model evaluated
+
+
 class _Residuals:
     """A part whose state holds numpy arrays, as a worker's compression streams do."""
 

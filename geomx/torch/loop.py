@@ -125,7 +125,7 @@ def device(args: argparse.Namespace, kv) -> torch.device:
         raise ConfigError(f"--device {text!r} is not a device: use cpu, cuda, cuda:N or auto") from None
     if chosen.type == "cuda" and (chosen.index or 0) >= gpus:
         raise ConfigError(f"--device {text}: torch sees {gpus} GPU(s) here (torch.cuda.device_count()); use "
-                         f"--device cpu or auto")
+                          f"--device cpu or auto")
     if chosen.type not in ("cpu", "cuda"):
         raise ConfigError(f"--device {text}: geomx's examples run on cpu or cuda")
     return chosen
@@ -143,8 +143,21 @@ def worker_index(args: argparse.Namespace, workers: int | None = None) -> int:
         raise ConfigError(f"{given}={raw!r} is not a worker index") from None
     if workers is not None and not 0 <= index < workers:
         raise ConfigError(f"{given}={index} is not a worker index of this job: its {workers} training workers are "
-                         f"0 to {workers - 1} (each worker of each DC its own)")
+                          f"0 to {workers - 1} (each worker of each DC its own)")
     return index
+
+
+def _refuse_earlier_checkpoints(directory: Path, worker: int) -> None:
+    """A fresh run (not resumed, not rejoined) finds none of its own worker index's checkpoints there: those
+    are an earlier run's (a --checkpoint-every the launcher did not see, so it claimed nothing), which this run
+    would delete as older and a --resume would then load (geomx.cli.checkpoint_owner)."""
+    from geomx.torch.checkpoint import steps_saved
+
+    earlier = sorted(steps_saved(directory).get(worker, [])) if directory.is_dir() else []
+    if earlier:
+        raise ConfigError(f"checkpoint directory {directory} already holds worker {worker}'s checkpoints of an "
+                          f"earlier run (steps {earlier}): resume them with geomx launch --resume, or give this run "
+                          f"another directory (--run-dir, --checkpoint-dir), or remove them to start over")
 
 
 def checkpointer(args: argparse.Namespace, kv, opt, model: torch.nn.Module, **stateful) -> Checkpointer | None:
@@ -160,13 +173,17 @@ def checkpointer(args: argparse.Namespace, kv, opt, model: torch.nn.Module, **st
         return None
     if args.update_on == "server" and args.checkpoint_every != cfg.checkpoint_every:
         raise ConfigError(f"--checkpoint-every {args.checkpoint_every} with --update-on server: the model lives on the "
-                         f"global servers, which checkpoint it too; give the interval to every role with geomx "
-                         f"launch --checkpoint-every {args.checkpoint_every} (GEOMX_CHECKPOINT_EVERY)")
+                          f"global servers, which checkpoint it too; give the interval to every role with geomx "
+                          f"launch --checkpoint-every {args.checkpoint_every} (GEOMX_CHECKPOINT_EVERY)")
     if args.checkpoint_seconds != cfg.checkpoint_seconds:
         raise ConfigError(f"--checkpoint-seconds {args.checkpoint_seconds:g}: the global servers decide at which steps "
-                         f"every role saves, so they need the interval too; give it to every role with geomx launch "
-                         f"--checkpoint-seconds {args.checkpoint_seconds:g} (GEOMX_CHECKPOINT_SECONDS)")
-    return Checkpointer(checkpoint_directory(cfg) or Path("checkpoints"), worker=worker_index(args),
+                          f"every role saves, so they need the interval too; give it to every role with geomx launch "
+                          f"--checkpoint-seconds {args.checkpoint_seconds:g} (GEOMX_CHECKPOINT_SECONDS)")
+    directory = checkpoint_directory(cfg) or Path("checkpoints")
+    index = worker_index(args)
+    if not cfg.resume_from and not getattr(kv, "joined_at", 0):
+        _refuse_earlier_checkpoints(directory, index)
+    return Checkpointer(directory, worker=index,
                         workers=kv.num_all_workers, every=args.checkpoint_every,
                         declared=kv.checkpoint_declared if args.checkpoint_seconds else None,
                         resume_from=cfg.resume_from, resume_step=cfg.resume_step, model=model, optimizer=opt,
@@ -196,6 +213,9 @@ def run_steps(opt, batches: Iterable[Batch], *, total_steps: int, eval_every: in
     if step and source is not None:
         how = "rejoined" if joined_at else "resumed"
         opt.record_resumed(step)
+        if step > total_steps and not joined_at:
+            raise ConfigError(f"resumed at step {step} from {source}, but this job trains {total_steps} steps: "
+                              f"those checkpoints are another job's (resume with the --steps that saved them)")
         if step >= total_steps:
             # a job restarted after its last checkpoint (--restart-failed), or resumed at its last step: nothing
             # is left to train, and the model it has is the one to report
