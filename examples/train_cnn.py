@@ -193,10 +193,10 @@ def main(argv=None) -> int:
                         "wide: units of the hidden layers (default 2560)")
     p.add_argument("--epochs", type=int, default=20)
     loop.add_arguments(p, steps=0, steps_help="stop after this many steps (0: run every epoch)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=loop.count(1), default=32)
     p.add_argument("--optimizer", choices=["adam", "sgd", "dcasgd"], default="adam",
                    help="dcasgd: geomx.optim.DCASGD, for --update-on server in dist_async (MixedSync)")
-    p.add_argument("--lr", type=float, help="learning rate (default 0.003; --model deep: 0.001)")
+    p.add_argument("--lr", type=loop.positive, help="learning rate (default 0.003; --model deep: 0.001)")
     p.add_argument("--momentum", type=float, default=0.9, help="for --optimizer sgd and dcasgd")
     p.add_argument("--split-by-class", action="store_true", help="non-iid slices (sorted by label)")
     args = p.parse_args(argv)
@@ -235,6 +235,9 @@ def main(argv=None) -> int:
     xs, ys = torch.from_numpy(x_train[idx]).to(device), torch.from_numpy(y_train[idx]).to(device)
     xt, yt = torch.from_numpy(x_test).to(device), torch.from_numpy(y_test).to(device)
     steps_per_epoch = len(idx) // args.batch_size
+    if steps_per_epoch == 0:    # no batch would ever be drawn: the worker would spin forever
+        raise geomx.ConfigError(f"--batch-size {args.batch_size} is larger than worker {index}'s slice of "
+                                f"{len(idx)} samples: use --batch-size {len(idx)} or less, or fewer workers")
     rng = np.random.default_rng(args.seed + 1000 + index)
 
     def batches():          # until the loop stops (ESync: fast workers run through more epochs)

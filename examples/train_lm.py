@@ -296,9 +296,9 @@ def main(argv=None) -> int:
     p.add_argument("--model-size", choices=list(SIZES), default="tiny")
     p.add_argument("--context", type=int, default=0, help="bytes per training window (default: the size's)")
     p.add_argument("--data-dir", help="train on this directory's text files instead of the standard library")
-    loop.add_arguments(p, steps=300, steps_help="training steps (default 300)")
-    p.add_argument("--batch-size", type=int, default=16, help="windows per step and worker (default 16)")
-    p.add_argument("--lr", type=float, default=0.002, help="peak learning rate of AdamW (default 0.002)")
+    loop.add_arguments(p, steps=300, steps_help="training steps (default 300)", eval_default="every steps / 10")
+    p.add_argument("--batch-size", type=loop.count(1), default=16, help="windows per step and worker (default 16)")
+    p.add_argument("--lr", type=loop.positive, default=0.002, help="peak learning rate of AdamW (default 0.002)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=0, help="warm-up steps (default: schedule steps / 20)")
     p.add_argument("--schedule-steps", type=int, default=0, metavar="N",

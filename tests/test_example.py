@@ -205,6 +205,18 @@ def test_width_is_refused_for_a_model_that_has_none_with_the_flag_named():
         example_module().main(["--model", "cnn", "--width", "8"])
 
 
+@pytest.mark.parametrize("argv, flag", [(["--steps", "-3"], "--steps"), (["--eval-every", "-1"], "--eval-every"),
+                                        (["--batch-size", "0"], "--batch-size"), (["--lr", "-1"], "--lr"),
+                                        (["--checkpoint-every", "-2"], "--checkpoint-every")])
+def test_a_bad_count_or_rate_is_refused_by_the_parser_naming_the_flag(capsys, argv, flag):
+    """--steps -3 had trained one step and exited 0, --eval-every -1 evaluated every step, and --batch-size 0
+    or --lr -1 ended in a traceback after the whole deployment set up (found by a review)."""
+    with pytest.raises(SystemExit) as refused:
+        example_module().main(argv)
+    assert refused.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+
+
 def test_the_deep_model_learns_the_digits_in_a_hundred_and_twenty_steps():
     """Eight plain ReLU layers at PyTorch's default initialization predicted one class (accuracy 0.10) for 200
     steps; with He initialization, at its own learning rate, three seeds reached 0.79-0.89 at step 120 (batch 8,

@@ -65,6 +65,32 @@ def _seconds(text: str) -> float:
     return seconds
 
 
+def count(minimum: int):
+    """An argparse type: a whole number >= ``minimum`` (a step count, a batch size), refused by argparse naming
+    the flag otherwise (a negative --steps had trained one step and exited 0)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        return value
+
+    return parse
+
+
+def positive(text: str) -> float:
+    """An argparse type: a finite number > 0 (a learning rate)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    return value
+
+
 def _default_update_on(env) -> str:
     """"server" where the algorithm the launcher set lands the servers' weights (p3), which runs no other way."""
     try:
@@ -74,17 +100,19 @@ def _default_update_on(env) -> str:
     return "server" if algorithm in SERVER_OPTIMIZER_ALGORITHMS else "worker"
 
 
-def add_arguments(p: argparse.ArgumentParser, *, steps: int, steps_help: str) -> None:
-    """The flags every geomx training script takes (the benchmarks set --steps, --eval-every and --seed)."""
-    p.add_argument("--steps", type=int, default=steps, help=steps_help)
-    p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: every epoch)")
+def add_arguments(p: argparse.ArgumentParser, *, steps: int, steps_help: str,
+                  eval_default: str = "every epoch") -> None:
+    """The flags every geomx training script takes (the benchmarks set --steps, --eval-every and --seed).
+    ``eval_default``: what --eval-every 0 means in this script."""
+    p.add_argument("--steps", type=count(0), default=steps, help=steps_help)
+    p.add_argument("--eval-every", type=count(0), default=0, help=f"evaluate every N steps (0: {eval_default})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--update-on", choices=["worker", "server"], default=_default_update_on(os.environ),
                    help="where the optimizer runs: on every worker, or on the global servers (default: server "
                         "where the deployment's algorithm needs it, p3 (geomx launch --p3); else worker)")
     p.add_argument("--data-slice-idx", type=int, default=None,
                    help="this worker's slice (default: GEOMX_WORKER_INDEX set by geomx launch)")
-    p.add_argument("--checkpoint-every", type=int, default=int(os.environ.get("GEOMX_CHECKPOINT_EVERY") or 0),
+    p.add_argument("--checkpoint-every", type=count(0), default=int(os.environ.get("GEOMX_CHECKPOINT_EVERY") or 0),
                    help="every N steps each worker saves its model and optimizer to <run dir>/checkpoints "
                         "(default GEOMX_CHECKPOINT_EVERY, else 0: never); geomx launch --resume RUN_DIR resumes")
     p.add_argument("--checkpoint-seconds", type=_seconds, default=env_checkpoint_seconds(os.environ),
