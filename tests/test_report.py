@@ -1,6 +1,7 @@
 """geomx report reads a run directory: what it takes from the metrics records."""
 import contextlib
 import json
+import math
 
 import pytest
 
@@ -64,24 +65,47 @@ def test_per_step_wan_bytes_start_at_a_whole_second_so_a_set_up_download_never_l
     assert training_link_bytes(run, 1.5)[("a", "central")] > 200_000   # what prorating from 1.5 s counted
 
 
-def test_a_run_too_short_for_a_whole_emulator_second_still_reports_wan_bytes_per_step():
+def _one_worker_run(series_up, series_down, ready_t, times, dense_bytes=None):
     from pathlib import Path
 
     from geomx.report.run import Run, WorkerSeries
+
+    links = {"t0_unix": 100.0, "links": {"a->central": {"src_dc": "a", "dst_dc": "central", "series": series_up,
+                                                        "bytes": sum(series_up)},
+                                         "central->a": {"src_dc": "central", "dst_dc": "a", "series": series_down,
+                                                        "bytes": sum(series_down)}}}
+    return Run(path=Path("."), name="x", manifest={"topology": "flat"}, sent={}, sent_messages={},
+               dense_bytes=dense_bytes, links=links, start_t=100.0, server_queues=[],
+               workers=[WorkerSeries(dc="a", pid=0, ready_t=ready_t, steps=list(range(1, len(times) + 1)),
+                                     times=times)])
+
+
+def test_a_step_that_began_before_the_steady_window_is_not_charged_its_bytes_so_a_dense_run_reads_1x():
     from geomx.report.summary import summarize
 
-    # ready at 0.2 s, two steps done by 0.8 s: no step after the first whole second (1.0 s), so per-step bytes
-    # divide the whole training phase (prorated from 0.2 s: 0.8 x 1000 bytes) by its 2 steps
-    links = {"t0_unix": 100.0, "links": {"a->central": {"src_dc": "a", "dst_dc": "central", "series": [1000],
-                                                        "bytes": 1000},
-                                         "central->a": {"src_dc": "central", "dst_dc": "a", "series": [500],
-                                                        "bytes": 500}}}
-    run = Run(path=Path("."), name="x", manifest={"topology": "flat"}, sent={}, sent_messages={}, dense_bytes=None,
-              links=links, start_t=100.0, server_queues=[],
-              workers=[WorkerSeries(dc="a", pid=0, ready_t=0.2, steps=[1, 2], times=[0.5, 0.8])])
+    # dense: one 1000-byte copy up and one down per step. Ready at 0.5 s, the window opens at 1.0 s; step 1 ran
+    # 0.5-1.05 s and moved its bytes in second 0. Counted as a step of the window (it ended after 1.0 s), the run
+    # read 750 bytes per step and 1.33x
+    run = _one_worker_run([1000] * 4, [1000] * 4, 0.5, [1.05, 2.0, 3.0, 4.0], dense_bytes=1000)
     s = summarize(run)
-    assert abs(s["wan_bytes_up_per_step"] - 400) < 1e-6 and abs(s["wan_bytes_down_per_step"] - 200) < 1e-6
-    assert abs(s["wan_bytes_per_step"] - 600) < 1e-6
+    assert s["wan_steady_steps"] == 3
+    assert abs(s["wan_bytes_up_per_step"] - 1000) < 20 and abs(s["wan_bytes_down_per_step"] - 1000) < 20
+    assert abs(s["compression_ratio"] - 1.0) < 0.02
+
+
+def test_a_run_with_too_few_steps_after_set_up_says_its_wan_bytes_per_step_are_too_short_to_measure():
+    from geomx.report.summary import format_report, summarize
+
+    # ready at 0.2 s, the window opens at 1.0 s: step 1 began at 0.2 s, step 2 at 0.5 s (it ended at 1.3 s, after
+    # the cut, with its bytes sent before): no step began in the window. Before, step 2 was divided into the
+    # bytes after 1.0 s (142 bytes against a dense step: "2024x")
+    run = _one_worker_run([1000, 142], [1000, 0], 0.2, [0.5, 1.3], dense_bytes=1_000_000)
+    s = summarize(run)
+    assert s["wan_steady_steps"] == 0
+    assert math.isnan(s["wan_bytes_per_step"]) and math.isnan(s["compression_ratio"])
+    report = format_report(s)
+    assert _report_line(report, "up / down / between DCs").startswith("too short to measure")
+    assert _report_line(report, "dense fp32 every step / this run").startswith("too short to measure")
 
 
 def _write_two_worker_run(run_dir):

@@ -13,8 +13,10 @@ and its cumulative counters (rounds, landings, wait phases) count from where it 
   synchronous runs this is when the last worker evaluated the step);
 * WAN bytes = bytes the roles handed to the network between different DCs (the emulator counts the same);
   per step = bytes from the first whole second of the emulator's per-second series after the *last* worker
-  finished set-up / the steps taken after that moment (counted from the first worker's set-up, another DC's
-  initial model download, dense and one-time, would be charged to the steps);
+  finished set-up / the steps begun after that moment, bytes counted from when the first of them began
+  (counted from the first worker's set-up, another DC's initial model download, dense and one-time, would be
+  charged to the steps; a step that began before and ended after sent its bytes before: not counted); fewer
+  than MIN_STEADY_STEPS such steps: "too short to measure";
 * compression ratio = the dense fp32 bytes the same protocol would move per step (one model copy up and one
   down per DC in HiPS, per worker in the flat topology, each counted for the steps it took: a DC dropped
   part-way counts for its share) / the measured WAN bytes per step;
@@ -133,31 +135,48 @@ def training_link_bytes(run: Run, since_t: float) -> dict[tuple[str, str], float
     return out
 
 
+# fewer steps than this in the steady window and per-step WAN bytes are not measured: the emulator counts bytes per
+# second, prorated within one, so a window of a step or so is mostly the guess of where that step's bytes fell
+MIN_STEADY_STEPS = 2
+
+
+def _steady_steps(run: Run, steady_t: float) -> list[tuple[int, float | None]]:
+    """Per worker: (steps that began at or after ``steady_t``, when the first of them began; None: none did). A
+    step begins when the one before it ended (the first this run: when the worker finished set-up); a step that
+    merely ended after ``steady_t`` had sent part or all of its bytes before it (counted, a dense 20-step run
+    read 1 step against 142 bytes and "2024x")."""
+    out = []
+    for w in run.workers:
+        begins = [w.ready_t, *w.times[:-1]]
+        counted = [b for b in begins if b >= steady_t]
+        out.append((len(counted), counted[0] if counted else None))
+    return out
+
+
 def _steady_window(run: Run, link_bytes: dict[tuple[str, str], float], steps: int) \
         -> tuple[dict[tuple[str, str], float], int]:
-    """(bytes per WAN link, steps) that per-step WAN bytes divide: from ``steady_start`` on. A run too short to
-    have a step after that (a smoke test of a second or two) falls back to the whole training phase, set-up
-    leftovers included, rather than reporting no figure at all."""
+    """(bytes per WAN link, steps) that per-step WAN bytes divide: the steps that began after ``steady_start``,
+    and the bytes from when the first of them began. Steps 0: too few to measure (MIN_STEADY_STEPS); the
+    figures are then missing rather than the set-up's leftovers divided by a step or two."""
     if not run.links:
         return link_bytes, steps
-    steady_t = steady_start(run)
-    steady_steps = max((sum(t > steady_t for t in w.times) for w in run.workers), default=0)
-    if steady_steps == 0:
-        return link_bytes, steps
-    return training_link_bytes(run, steady_t), steady_steps
+    per_worker = _steady_steps(run, steady_start(run))
+    steady_steps = max((n for n, _ in per_worker), default=0)
+    if steady_steps < MIN_STEADY_STEPS:
+        return {}, 0
+    return training_link_bytes(run, min(t for _, t in per_worker if t is not None)), steady_steps
 
 
 def _senders_per_step(run: Run, hips: bool, steady_steps: int) -> float:
     """How many DCs (HiPS) or workers (flat) sent a dense copy each step, on average over the steps that per-step
     WAN bytes divide: a DC dropped part-way sent for the steps it took, not for all (counted whole, the dense
     baseline of a run that lost one of two DCs read 2.00x with no compression at all)."""
-    steady_t = steady_start(run) if run.links else -math.inf
-    if not any(t > steady_t for w in run.workers for t in w.times):
-        steady_t = -math.inf            # a run too short for the steady window: _steady_window took every step
+    counts = ([n for n, _ in _steady_steps(run, steady_start(run))] if run.links
+              else [len(w.times) for w in run.workers])
     taken: dict[str, int] = {}
-    for i, w in enumerate(run.workers):
+    for i, (w, n) in enumerate(zip(run.workers, counts, strict=True)):
         who = w.dc if hips else str(i)
-        taken[who] = max(taken.get(who, 0), sum(t > steady_t for t in w.times))
+        taken[who] = max(taken.get(who, 0), n)
     if not steady_steps or not taken:
         return float(len(taken))
     return sum(min(n, steady_steps) for n in taken.values()) / steady_steps
@@ -249,6 +268,7 @@ def summarize(run: Run, target: float | None = None, target_metric: EvalMetric |
         "wan_bytes_between_dcs_per_step": between / steady_steps if steady_steps else math.nan,
         "dense_bytes": run.dense_bytes,
         "compression_ratio": dense_per_step / per_step if dense_per_step and per_step else math.nan,
+        "wan_steady_steps": steady_steps,
         "compute_s": compute, "compute_utilization": utilization, "wire_s": wire, "wan_rounds": rounds,
         "wan_rounds_waited": waited_rounds, "first_wan_step": first_wan_step, "round_trips_s": round_trips,
         "landings": landed, "late_landings": late, "landing_wait_s": landing_wait,
@@ -337,6 +357,14 @@ def _training_time(s: dict) -> str:
             f"set-up {num(s['setup_s'], '.1f', ' s')}{resumed})")
 
 
+def _too_short(s: dict) -> str | None:
+    """What the per-step WAN rows say when too few steps began after set-up's last whole second to divide."""
+    if not s["steps"] or s.get("wan_steady_steps", s["steps"]):
+        return None
+    return (f"too short to measure (fewer than {MIN_STEADY_STEPS} steps began after the first whole second "
+            f"once every worker was set up)")
+
+
 def format_report(s: dict) -> str:
     num = fmt_number
     spec = ".4f"
@@ -346,12 +374,12 @@ def format_report(s: dict) -> str:
         ("training wall time", _training_time(s)),
         (f"final / best {s['metric_label']}", f"{num(s['final_eval'], spec)} / {num(s['best_eval'], spec)}"),
         (f"time to {s.get('target_label', s['metric_label'])} {num(s['target'], '.3f')}", _time_to_target(s)),
-        ("WAN MB per step, up / down / between DCs", f"{num(s['wan_bytes_up_per_step'] / MB, '.2f')} / "
-                                                    f"{num(s['wan_bytes_down_per_step'] / MB, '.2f')} / "
-                                                    f"{num(s['wan_bytes_between_dcs_per_step'] / MB, '.2f')}"),
+        ("WAN MB per step, up / down / between DCs", _too_short(s) or (
+            f"{num(s['wan_bytes_up_per_step'] / MB, '.2f')} / {num(s['wan_bytes_down_per_step'] / MB, '.2f')} / "
+            f"{num(s['wan_bytes_between_dcs_per_step'] / MB, '.2f')}")),
         ("WAN MB in the whole run (set-up included)", num(s["wan_bytes_total"] / MB, ".1f")),
         # not a codec's ratio alone: fewer rounds (HFA) and a global server inside a DC shrink WAN bytes too
-        ("WAN bytes: dense fp32 every step / this run", num(s["compression_ratio"], ".2f", "x")),
+        ("WAN bytes: dense fp32 every step / this run", _too_short(s) or num(s["compression_ratio"], ".2f", "x")),
         ("compute utilization", num(s["compute_utilization"], ".0%")),
         ("cross-DC rounds (waited out) / first at", f"{s['wan_rounds']} ({s['wan_rounds_waited']}) / {first_wan}"),
         ("overlapped global averages: late at landing", _late_landings(s)),
