@@ -506,3 +506,66 @@ def test_a_report_without_target_names_the_runs_own_metric_and_a_run_that_never_
         with open(out, "w") as f, contextlib.redirect_stdout(f):
             assert main(["report", str(tmp_path / run)]) == 0
         assert said in out.read_text(), out.read_text()
+
+
+def _write_fsa_run(run_dir, *, last_step: int, steps_flag: int, results: int):
+    """Two workers of DC a that recorded steps 1..last_step of a ``--steps steps_flag`` job; ``results`` of them
+    wrote their result file."""
+    (run_dir / "launch.json").write_text(json.dumps({"topology": "hips", "mode": "dist_sync", "dcs": ["a"],
+                                                     "command": ["python", "train_cnn.py", "--steps",
+                                                                 str(steps_flag)]}))
+    (run_dir / METRICS_DIR).mkdir()
+    for pid in (1, 2):
+        lines = [{"t": 0, "kind": "start", "role": "worker", "dc": "a", "pid": pid},
+                 {"t": 0.5, "kind": "ready", "elapsed_s": 0.5, "comm_wait_s": 0.0}]
+        lines += [{"t": 1 + k * 0.1, "kind": "step", "step": k, "loss": 1.0, "test_acc": 0.9}
+                  for k in range(1, last_step + 1)]
+        (run_dir / METRICS_DIR / f"worker-a-{pid}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    for rank in range(results):
+        (run_dir / f"result-a-{rank}.json").write_text("{}")
+
+
+def test_a_run_stopped_short_of_its_steps_without_result_files_is_reported_incomplete(tmp_path):
+    from geomx.report.summary import format_report, summarize
+
+    _write_fsa_run(tmp_path, last_step=126, steps_flag=3000, results=0)     # killed at step 126 of 3000
+    s = summarize(load_run(tmp_path))
+    assert s["status"] == "incomplete" and "stopped at step 126 of 3000" in s["status_detail"]
+    assert _report_line(format_report(s), "outcome").startswith("INCOMPLETE: stopped at step 126 of 3000")
+
+
+def test_a_run_that_trained_its_steps_and_wrote_every_result_has_no_outcome_line(tmp_path):
+    from geomx.report.summary import format_report, summarize
+
+    _write_fsa_run(tmp_path, last_step=20, steps_flag=20, results=2)
+    s = summarize(load_run(tmp_path))
+    assert (s["status"], s["status_detail"]) == ("complete", None)
+    assert "outcome" not in format_report(s)
+
+
+def test_a_run_with_an_abort_on_record_and_missing_results_is_reported_failed_naming_the_origin(tmp_path):
+    from geomx.report.summary import format_report, summarize
+
+    _write_fsa_run(tmp_path, last_step=20, steps_flag=20, results=1)
+    (tmp_path / "aborted.jsonl").write_text(json.dumps({"time": 1.0, "tier": "global", "pid": 7,
+                                                        "member": "worker a/0", "reason": "ValueError: bad"}) + "\n")
+    s = summarize(load_run(tmp_path))
+    assert s["status"] == "failed"
+    assert _report_line(format_report(s), "outcome").startswith(
+        "FAILED: worker a/0 aborted (ValueError: bad); 1 of 2 workers wrote a result file")
+
+
+def test_a_hung_run_whose_workers_set_up_and_trained_nothing_is_incomplete_and_not_explained_as_resumed(tmp_path):
+    from geomx.report.summary import format_report, summarize
+
+    (tmp_path / "launch.json").write_text(json.dumps({"topology": "hips", "mode": "dist_sync", "dcs": ["a"]}))
+    (tmp_path / METRICS_DIR).mkdir()
+    for pid in (1, 2):
+        lines = [{"t": 0, "kind": "start", "role": "worker", "dc": "a", "pid": pid},
+                 {"t": 0.5, "kind": "ready", "elapsed_s": 0.5, "comm_wait_s": 0.0}]
+        (tmp_path / METRICS_DIR / f"worker-a-{pid}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    s = summarize(load_run(tmp_path))
+    report = format_report(s)
+    assert s["status"] == "incomplete"
+    assert _report_line(report, "outcome").startswith("INCOMPLETE: 0 of 2 workers wrote a result file")
+    assert _report_line(report, "training wall time") == "no steps trained: 2 workers set up and recorded no step"

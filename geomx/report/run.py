@@ -4,7 +4,9 @@ Sources, all in the run directory:
 
 * ``launch.json``: the topology and the WAN profile (rates, RTT) of the run;
 * ``metrics/*.jsonl``: every process's records (schema in :mod:`geomx.metrics`);
-* ``wan_links.json``: the WAN emulator's per-link counters and throughput series (emulated runs only).
+* ``wan_links.json``: the WAN emulator's per-link counters and throughput series (emulated runs only);
+* ``result-*.json``: a worker's final figures, written when it finished (geomx.torch.loop.write_result), and
+  ``aborted.jsonl``: the members whose own abort stopped a tier (geomx.dropped): whether the run ended.
 
 A run's evaluation metric is what its workers logged: ``test_acc`` (higher is better) or, for a language model
 (examples/train_lm.py), ``val_loss`` (lower is better).
@@ -15,8 +17,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from geomx.dropped import ABORTED_FILE
 from geomx.errors import GeomxError
-from geomx.metrics import METRICS_DIR, read_records
+from geomx.metrics import METRICS_DIR, RESULT_PREFIX, read_records
 from geomx.profiles import CENTRAL_DC
 
 
@@ -110,6 +113,10 @@ class Run:
     metric: EvalMetric = ACCURACY            # what the workers' evaluations measured
     resumed_at: int | None = None            # the step a resumed run started from (None: from the start)
     idle_workers: int = 0                    # workers that set up but recorded no step (resumed at the last step)
+    # result-*.json files the workers wrote at the end (geomx.torch.loop.write_result; None: not read), and the
+    # lines of aborted.jsonl: members whose own abort stopped a tier (geomx.dropped)
+    results: int | None = None
+    aborts: list[dict] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -195,7 +202,23 @@ def load_run(path: str | Path) -> Run:
     return Run(path=path, name=path.name, manifest=manifest, workers=workers, sent=sent,
                sent_messages=sent_messages, dense_bytes=dense, links=links, start_t=start_t,
                server_queues=queues, metric=metric, resumed_at=min(starts, default=0) or None,
-               idle_workers=len(idle))
+               idle_workers=len(idle), results=len(list(path.glob(f"{RESULT_PREFIX}*.json"))),
+               aborts=_aborts(path / ABORTED_FILE))
+
+
+def _aborts(path: Path) -> list[dict]:
+    """aborted.jsonl's lines (none: the file is absent); a line cut short by a killed writer is skipped."""
+    if not path.exists():
+        return []
+    lines = (_json_or_none(x) for x in path.read_text(errors="replace").splitlines())
+    return [x for x in lines if isinstance(x, dict)]
+
+
+def _json_or_none(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def _worker_series(head: dict, steps: list[dict], ready: dict | None, start: dict, start_t: float,

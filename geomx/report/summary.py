@@ -216,6 +216,37 @@ def wait_by_phase(run: Run) -> dict[str, float] | None:
     return {phase: mean(r.get(phase, 0.0) for r in recorded) for phase in recorded[0]}
 
 
+def planned_steps(run: Run) -> int | None:
+    """The ``--steps N`` of the run's training command (launch.json), None when it names none."""
+    cmd = run.manifest.get("command") or []
+    try:
+        return int(cmd[cmd.index("--steps") + 1])
+    except (ValueError, IndexError, TypeError):
+        return None
+
+
+def outcome(run: Run) -> tuple[str, str | None]:
+    """("complete" | "incomplete" | "failed", what is known of why; None when complete). Failed: a member's own
+    abort stopped a tier (aborted.jsonl) and some worker wrote no result file. Incomplete: some worker wrote no
+    result file (geomx.torch.loop.write_result, at the end) and the run shows it stopped early: another worker
+    did write one, its steps fell short of the command's ``--steps``, or it trained none and was not resumed.
+    A script that writes no result files and trained its steps is taken as complete."""
+    workers = len(run.workers) + run.idle_workers
+    if run.results is None or run.results >= workers > 0:
+        return "complete", None
+    wrote = f"{run.results} of {workers} workers wrote a result file"
+    if run.aborts:
+        first = run.aborts[0]
+        return "failed", (f"{first.get('member', '?')} aborted ({first.get('reason', 'no reason given')}); "
+                          f"{wrote} (aborted.jsonl)")
+    planned, last = planned_steps(run), (run.resumed_at or 0) + run.steps
+    if planned is not None and last < planned:
+        return "incomplete", f"stopped at step {last} of {planned}; {wrote} (killed, timed out or hung?)"
+    if run.results or (not run.steps and not run.resumed_at):
+        return "incomplete", f"{wrote} (killed, timed out or hung?)"
+    return "complete", None
+
+
 def summarize(run: Run, target: float | None = None, target_metric: EvalMetric | None = None) -> dict:
     """The report's figures. ``target``: a value of ``target_metric`` to time (default: what the run evaluated);
     a run that evaluated something else reaches no target of it."""
@@ -250,7 +281,9 @@ def summarize(run: Run, target: float | None = None, target_metric: EvalMetric |
     final = curve[-1][2] if curve else math.nan
     best = run.metric.best([a for _, _, a in curve]) if curve else math.nan
     accuracy = run.metric.key == "test_acc"
+    status, status_detail = outcome(run)
     return {
+        "status": status, "status_detail": status_detail,
         "run": run.name, "topology": m.get("topology"), "mode": m.get("mode"), "wan": wan.get("profile"),
         "workers": len(run.workers) + run.idle_workers, "steps": steps, "resumed_at": run.resumed_at,
         "setup_s": ready_t, "train_s": train_s,
@@ -348,10 +381,11 @@ def _training_time(s: dict) -> str:
     if not s["steps"]:
         if not s["workers"]:        # nobody reached training: the run failed first (its logs say why)
             return "no steps trained: no worker finished set-up (the run failed before training: see its logs)"
+        if not s.get("resumed_at"):
+            return f"no steps trained: {s['workers']} workers set up and recorded no step"
         # not a broken run: a job resumed at its last step sets up, evaluates its model and trains nothing
-        how = f"resumed at step {s['resumed_at']}" if s.get("resumed_at") else "set up"
-        return (f"no steps trained: {s['workers']} workers {how} and recorded no step (a job resumed at its last "
-                f"step trains none)")
+        return (f"no steps trained: {s['workers']} workers resumed at step {s['resumed_at']} and recorded no step "
+                f"(a job resumed at its last step trains none)")
     resumed = f"; resumed at step {s['resumed_at']}" if s.get("resumed_at") else ""
     return (f"{num(s['train_s'], '.1f', ' s')} for {s['steps']} steps ({num(s['step_s'], '.3f', ' s')} per step; "
             f"set-up {num(s['setup_s'], '.1f', ' s')}{resumed})")
@@ -371,6 +405,8 @@ def format_report(s: dict) -> str:
     first_wan = "never" if s["first_wan_step"] is None else f"step {s['first_wan_step']}"
     rows = [
         ("run", f"{s['run']} ({s['topology']}, {s['mode']}, WAN {s['wan']}, {s['workers']} workers)"),
+        *([("outcome", f"{s['status'].upper()}: {s['status_detail']}; the figures below cover what it recorded")]
+          if s.get("status", "complete") != "complete" else []),
         ("training wall time", _training_time(s)),
         (f"final / best {s['metric_label']}", f"{num(s['final_eval'], spec)} / {num(s['best_eval'], spec)}"),
         (f"time to {s.get('target_label', s['metric_label'])} {num(s['target'], '.3f')}", _time_to_target(s)),
