@@ -121,9 +121,40 @@ class Corpus:
     offsets: np.ndarray         # int64, len(names) + 1: file i is tokens[offsets[i]:offsets[i + 1]]
     names: list[str]            # relative paths, sorted
     digest: str                 # sha256 of names and contents
+    # validation = the last ``tail`` bytes of the corpus, cut from training (hold_out_tail); 0: the files
+    # is_validation picks by path hash
+    tail: int = 0
 
     def is_validation(self) -> np.ndarray:
+        if self.tail:
+            return np.zeros(len(self.names), dtype=bool)
         return np.array([is_validation(n) for n in self.names], dtype=bool)
+
+    def file_size(self, i: int) -> int:
+        """File i's training bytes (the held-out tail cut off)."""
+        cut = len(self.tokens) - self.tail
+        return max(0, int(min(self.offsets[i + 1], cut) - self.offsets[i]))
+
+    def validation(self) -> np.ndarray:
+        if self.tail:
+            return self.tokens[len(self.tokens) - self.tail:]
+        return self.stream(np.flatnonzero(self.is_validation()))
+
+    def hold_out_tail(self, need: int) -> str:
+        """Keep the file split when its validation files hold ``need`` bytes; else validate on the corpus's last
+        max(need, 5%) bytes (a single-file --data-dir: input.txt's path hash always picked training). The same on
+        every process: it depends on the corpus alone. Says which split it used."""
+        held = len(self.validation())
+        if held >= need:
+            return f"validation {held:,} bytes: {VALIDATION_PER_MILLE / 10:g}% of the files by path hash"
+        tail = max(need, -(-len(self.tokens) * VALIDATION_PER_MILLE // 1000))
+        if 2 * tail > len(self.tokens):
+            raise SystemExit(f"train_lm: the corpus holds {len(self.tokens):,} bytes, too few to hold out "
+                             f"{tail:,} for validation ({need:,} needed) and train on the rest; use a larger "
+                             f"--data-dir or fewer --eval-windows")
+        self.tail = tail
+        return (f"validation {tail:,} bytes: the corpus's last bytes (the files picked by path hash held {held:,}, "
+                f"fewer than {need:,})")
 
     def packages(self) -> list[str]:
         return [package_of(n) for n in self.names]
@@ -132,7 +163,7 @@ class Corpus:
         """The bytes of the files whose indices are given, concatenated in order."""
         if len(files) == 0:
             return np.zeros(0, np.uint8)
-        return np.concatenate([self.tokens[self.offsets[i]:self.offsets[i + 1]] for i in files])
+        return np.concatenate([self.tokens[self.offsets[i]:self.offsets[i] + self.file_size(i)] for i in files])
 
 
 def is_validation(relative_path: str) -> bool:
@@ -236,15 +267,15 @@ def worker_data(corpus: Corpus, *, worker: int, workers: int, dc: int, dcs: int,
     packages = corpus.packages()
     sizes: dict[str, int] = {}
     for i in train:
-        sizes[packages[i]] = sizes.get(packages[i], 0) + int(corpus.offsets[i + 1] - corpus.offsets[i])
+        sizes[packages[i]] = sizes.get(packages[i], 0) + corpus.file_size(i)
     owner = assign_packages(sizes, dcs)
     mine = np.array([i for i in train if owner[packages[i]] == dc], np.int64)
     return deal_blocks(corpus.stream(mine), rank, dc_workers, seed)
 
 
 def validation_windows(corpus: Corpus, count: int, context: int) -> torch.Tensor:
-    """``count`` windows of context + 1 bytes, evenly spaced over the validation files (the same everywhere)."""
-    val = corpus.stream(np.flatnonzero(corpus.is_validation()))
+    """``count`` windows of context + 1 bytes, evenly spaced over the validation bytes (the same everywhere)."""
+    val = corpus.validation()
     if len(val) < context + 1:
         raise SystemExit(f"train_lm: the validation files hold {len(val)} bytes, fewer than one window of "
                          f"{context + 1}; use a larger --data-dir")
@@ -317,6 +348,7 @@ def main(argv=None) -> int:
 
     started = time.perf_counter()
     corpus = load_corpus(args.data_dir)
+    split = corpus.hold_out_tail(args.eval_windows * (context + 1))      # before set-up: a refusal costs nothing
     kv = loop.start(args)
     device = loop.device(args, kv)
     model = ByteGPT(size).to(device)
@@ -336,7 +368,7 @@ def main(argv=None) -> int:
                                if on_server else None)
     if kv.is_master_worker:
         print(f"master worker: corpus {len(corpus.tokens):,} bytes in {len(corpus.names)} files, sha256 "
-              f"{corpus.digest[:16]}; initialized {sum(q.numel() for q in model.parameters()):,} parameters "
+              f"{corpus.digest[:16]}; {split}; initialized {sum(q.numel() for q in model.parameters()):,} parameters "
               f"({args.model_size}); training runs on {kv.num_all_workers} workers", flush=True)
         loop.leave(kv)
         return 0

@@ -79,6 +79,49 @@ def test_corpus_split_is_deterministic_and_disjoint(lm, tmp_path):
     assert lm.load_corpus(str(root), str(cache)).digest != first.digest
 
 
+def test_a_single_file_data_dir_validates_on_the_corpus_tail_the_same_on_every_process(lm, tmp_path):
+    """input.txt alone: its path hash picks training, so the file split held 0 validation bytes and every worker
+    failed after the deployment set up; now the corpus's last bytes are held out, and training never sees them."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "input.txt").write_text("".join(f"line {i:06d} of the only file\n" for i in range(8000)))
+    assert not lm.is_validation("input.txt")
+    corpus = lm.load_corpus(str(root), str(tmp_path / "cache"))
+    need = 64 * 129
+    split = corpus.hold_out_tail(need)
+    assert "the corpus's last bytes" in split and "held 0" in split
+    total = len(corpus.tokens)
+    assert corpus.tail == max(need, math.ceil(total * lm.VALIDATION_PER_MILLE / 1000))
+    assert np.array_equal(corpus.validation(), corpus.tokens[total - corpus.tail:])
+    assert np.array_equal(corpus.stream(np.arange(len(corpus.names))), corpus.tokens[:total - corpus.tail])
+    assert lm.validation_windows(corpus, 64, 128).shape == (64, 129)
+    for by_package in (False, True):
+        share = lm.worker_data(corpus, worker=0, workers=2, dc=0, dcs=1, rank=0, dc_workers=2,
+                               by_package=by_package, seed=3)
+        assert len(share) and not set(share.reshape(-1, lm.BLOCK).tobytes().split(b"\n")[1:-1]) & \
+            set(corpus.validation().tobytes().split(b"\n")[1:-1])
+    # another process (another worker) loads the same corpus and holds out the same bytes
+    other = lm.load_corpus(str(root), str(tmp_path / "cache"))
+    assert other.hold_out_tail(need) == split and other.tail == corpus.tail
+
+
+def test_a_corpus_whose_files_hold_enough_validation_keeps_the_file_split(lm, tmp_path):
+    root = tmp_path / "corpus"
+    _write_tree(root)
+    corpus = lm.load_corpus(str(root), str(tmp_path / "cache"))
+    assert "path hash" in corpus.hold_out_tail(64 * 129) and corpus.tail == 0
+    assert np.array_equal(corpus.validation(), corpus.stream(np.flatnonzero(corpus.is_validation())))
+
+
+def test_a_corpus_too_small_to_hold_out_validation_is_refused_naming_its_size(lm, tmp_path):
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "input.txt").write_text("x" * 10_000)
+    corpus = lm.load_corpus(str(root), str(tmp_path / "cache"))
+    with pytest.raises(SystemExit, match="the corpus holds 10,000 bytes, too few to hold out 8,256"):
+        corpus.hold_out_tail(64 * 129)
+
+
 def test_model_sizes_and_schedule(lm):
     counts = {name: sum(p.numel() for p in lm.ByteGPT(size).parameters()) for name, size in lm.SIZES.items()}
     assert counts == {"tiny": 1_040_768, "small": 6_449_664, "base": 25_482_240}      # as the docstring says
