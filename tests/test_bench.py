@@ -134,7 +134,10 @@ def test_wan_matrix_smoke_rows_are_consistent_and_flat_moves_more_wan_bytes(tmp_
             assert x["eval_s"] > 0 and 0 < x["time_to_target_no_eval_s"] < x["time_to_target_s"]
     # 2 workers per DC: flat sends every worker's gradient, HiPS one aggregate per DC (set-up included)
     assert flat["wan_bytes_total"] > 1.5 * fsa["wan_bytes_total"]
-    assert flat["byte_reduction"] == pytest.approx(1.0)
+    if flat["wan_bytes_per_step"] is None:     # 4 steps after set-up can be too few to measure per step
+        assert flat["byte_reduction"] is None
+    else:
+        assert flat["byte_reduction"] == pytest.approx(1.0)
     # speedups are ratios of times to the target, never made up when flat missed it
     assert flat["speedup"] == pytest.approx(1.0) if flat["time_to_target_s"] is not None else \
         all(x["speedup"] is None for x in r["rows"])

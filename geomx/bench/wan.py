@@ -235,6 +235,11 @@ def bench_wan(*, profile: str | None = "transpacific", wan_rate: str | None = No
     return result
 
 
+def _measured(per_step) -> bool:
+    """A per-step figure that was measured: not None (JSON's NaN), not NaN, not 0."""
+    return bool(per_step) and not math.isnan(per_step)
+
+
 def _compare(results: list[dict]) -> None:
     """Speedup and byte reduction of every row against the flat PS (the first row). With a target, speedup
     is the ratio of times to the target, and there is none when either row missed it (never a ratio of
@@ -253,8 +258,9 @@ def _compare(results: list[dict]) -> None:
             r["speedup_basis"] = "training time"
         r["speedup_no_eval"] = base["time_to_target_no_eval_s"] / r["time_to_target_no_eval_s"] \
             if base.get("time_to_target_no_eval_s") and r.get("time_to_target_no_eval_s") else math.nan
-        r["byte_reduction"] = base["wan_bytes_per_step"] / r["wan_bytes_per_step"] \
-            if r["wan_bytes_per_step"] else math.nan
+        # a row too short to measure per step (geomx report: "too short to measure") has no reduction
+        measured = _measured(base["wan_bytes_per_step"]) and _measured(r["wan_bytes_per_step"])
+        r["byte_reduction"] = base["wan_bytes_per_step"] / r["wan_bytes_per_step"] if measured else math.nan
         r["step_time_vs_flat"] = r["step_s"] / base["step_s"] if base["step_s"] else math.nan
     fsa = next((r for r in results if r["config"] == TARGET_ROW and r.get("eval_at_target_step") is not None), None)
     for r in results:        # the same number of samples as FSA's target step: how far from FSA's evaluation
@@ -315,7 +321,8 @@ def format_wan_report(r: dict) -> str:
         rows.append([x["label"], str(x["steps"]), ttt, steps_to, no_eval if reached else "-",
                      num(x.get("eval_at_budget"), spec) if budget is not None else "-", at_step,
                      num(x["final_eval"], spec), first_wan, num(x["train_s"], ".1f"), num(x["step_s"], ".2f"),
-                     num(x["wan_bytes_per_step"] / MB, ".2f"), speedup,
+                     num(x["wan_bytes_per_step"] / MB if _measured(x["wan_bytes_per_step"]) else None, ".2f"),
+                     speedup,
                      num(x["byte_reduction"], ".2f", "x"), num(x["step_time_vs_flat"], ".2f"),
                      num(x["compute_utilization"], ".0%"), num(x["efficiency"], ".2f")])
     header = ["configuration", "steps", f"time to {metric} {num(target, '.4g')}" if target is not None
