@@ -34,14 +34,16 @@ def record(run_dir: str | Path | None, *, tier: str, pid: int, member: str, reas
 
 class DropLog:
     """The pids recorded so far in one run's ``file`` (dropped members by default), read incrementally;
-    ``order``: the same pids in the order they were first recorded; ``reasons``: the first reason given for each;
-    ``own_aborts``: those a scheduler dropped because they aborted themselves (an error of their own)."""
+    ``order``: the same pids in the order they were first recorded; ``reasons`` and ``members``: the first reason
+    given for each, and the member named; ``own_aborts``: those a scheduler dropped because they aborted
+    themselves (an error of their own)."""
 
     def __init__(self, run_dir: str | Path, *, file: str = FILE) -> None:
         self.path = Path(run_dir) / file
         self.pids: set[int] = set()
         self.order: list[int] = []
         self.reasons: dict[int, str] = {}
+        self.members: dict[int, str] = {}
         self.own_aborts: set[int] = set()
         self._offset = 0
 
@@ -64,6 +66,7 @@ class DropLog:
                 self.pids.add(pid)
                 self.order.append(pid)
                 self.reasons[pid] = str(entry.get("reason", ""))
+                self.members[pid] = str(entry.get("member", "?"))
             if entry.get("own_abort") is True:
                 self.own_aborts.add(pid)
         return self.pids

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from geomx.dropped import ABORTED_FILE
+from geomx.dropped import ABORTED_FILE, DropLog
 from geomx.errors import GeomxError
 from geomx.metrics import METRICS_DIR, RESULT_PREFIX, read_records
 from geomx.profiles import CENTRAL_DC
@@ -203,22 +203,15 @@ def load_run(path: str | Path) -> Run:
                sent_messages=sent_messages, dense_bytes=dense, links=links, start_t=start_t,
                server_queues=queues, metric=metric, resumed_at=min(starts, default=0) or None,
                idle_workers=len(idle), results=len(list(path.glob(f"{RESULT_PREFIX}*.json"))),
-               aborts=_aborts(path / ABORTED_FILE))
+               aborts=_aborts(path))
 
 
-def _aborts(path: Path) -> list[dict]:
-    """aborted.jsonl's lines (none: the file is absent); a line cut short by a killed writer is skipped."""
-    if not path.exists():
-        return []
-    lines = (_json_or_none(x) for x in path.read_text(errors="replace").splitlines())
-    return [x for x in lines if isinstance(x, dict)]
-
-
-def _json_or_none(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
+def _aborts(run_dir: Path) -> list[dict]:
+    """The members whose own abort stopped a tier, in the order recorded (geomx.dropped's reader: a line cut short
+    by a killed writer is skipped)."""
+    log = DropLog(run_dir, file=ABORTED_FILE)
+    log.refresh()
+    return [{"member": log.members[pid], "reason": log.reasons[pid]} for pid in log.order]
 
 
 def _worker_series(head: dict, steps: list[dict], ready: dict | None, start: dict, start_t: float,
