@@ -153,26 +153,26 @@ def _steady_steps(run: Run, steady_t: float) -> list[tuple[int, float | None]]:
     return out
 
 
-def _steady_window(run: Run, link_bytes: dict[tuple[str, str], float], steps: int) \
-        -> tuple[dict[tuple[str, str], float], int]:
-    """(bytes per WAN link, steps) that per-step WAN bytes divide: the steps that began after ``steady_start``,
-    and the bytes from when the first of them began. Steps 0: too few to measure (MIN_STEADY_STEPS); the
-    figures are then missing rather than the set-up's leftovers divided by a step or two."""
+def _steady_window(run: Run, link_bytes: dict[tuple[str, str], float], steps: int,
+                   per_worker: list[tuple[int, float | None]]) -> tuple[dict[tuple[str, str], float], int]:
+    """(bytes per WAN link, steps) that per-step WAN bytes divide: the steps that began after ``steady_start``
+    (``per_worker``: _steady_steps), and the bytes from when the first of them began. Steps 0: too few to measure
+    (MIN_STEADY_STEPS); the figures are then missing rather than the set-up's leftovers divided by a step or two."""
     if not run.links:
         return link_bytes, steps
-    per_worker = _steady_steps(run, steady_start(run))
     steady_steps = max((n for n, _ in per_worker), default=0)
     if steady_steps < MIN_STEADY_STEPS:
         return {}, 0
     return training_link_bytes(run, min(t for _, t in per_worker if t is not None)), steady_steps
 
 
-def _senders_per_step(run: Run, hips: bool, steady_steps: int) -> float:
+def _senders_per_step(run: Run, hips: bool, steady_steps: int,
+                      per_worker: list[tuple[int, float | None]] | None = None) -> float:
     """How many DCs (HiPS) or workers (flat) sent a dense copy each step, on average over the steps that per-step
-    WAN bytes divide: a DC dropped part-way sent for the steps it took, not for all (counted whole, the dense
-    baseline of a run that lost one of two DCs read 2.00x with no compression at all)."""
-    counts = ([n for n, _ in _steady_steps(run, steady_start(run))] if run.links
-              else [len(w.times) for w in run.workers])
+    WAN bytes divide (``per_worker``: _steady_steps, None without an emulator: every step): a DC dropped part-way
+    sent for the steps it took, not for all (counted whole, the dense baseline of a run that lost one of two DCs
+    read 2.00x with no compression at all)."""
+    counts = [n for n, _ in per_worker] if per_worker is not None else [len(w.times) for w in run.workers]
     taken: dict[str, int] = {}
     for i, (w, n) in enumerate(zip(run.workers, counts, strict=True)):
         who = w.dc if hips else str(i)
@@ -262,10 +262,11 @@ def summarize(run: Run, target: float | None = None, target_metric: EvalMetric |
     reached = time_to_accuracy(run, target) if timed else None
     reached_train = time_to_accuracy(run, target, without_evals=True) if timed else None
     link_bytes = training_link_bytes(run, ready_t)
-    steady, steady_steps = _steady_window(run, link_bytes, steps)
+    per_worker = _steady_steps(run, steady_start(run)) if run.links else None     # both figures divide these
+    steady, steady_steps = _steady_window(run, link_bytes, steps, per_worker)
     up = sum(v for (src, dst), v in steady.items() if dst == CENTRAL_DC and src != dst)
     down = sum(v for (src, dst), v in steady.items() if src == CENTRAL_DC and src != dst)
-    senders = _senders_per_step(run, m.get("topology") == "hips", steady_steps)
+    senders = _senders_per_step(run, m.get("topology") == "hips", steady_steps, per_worker)
     dense_per_step = 2 * run.dense_bytes * senders if run.dense_bytes else None
     # every cross-DC link: up and down, and between DCs (a global server placed inside a DC)
     between = sum(v for (src, dst), v in steady.items() if CENTRAL_DC not in (src, dst) and src != dst)
