@@ -58,11 +58,10 @@ def create(spec=None, *, backward_passes_per_step: int | None = None):
             if var is not None:
                 # the launcher checked, and reports, the algorithm it was given with its options, which another
                 # algorithm's defaults would silently drop
-                by_launch = ", which geomx launch --sync sets" if var == SYNC_ENV else ""
                 raise ConfigError(f"sync={spec!r} (DistributedOptimizer, geomx.sync.create) differs from the "
-                                  f"deployment's {settings.algorithm} ({var}={os.environ[var]!r}{by_launch}), whose "
-                                  f"options it would drop: launch with --sync {spec} (and its options) instead, or "
-                                  f"leave sync= out to run {settings.algorithm}")
+                                  f"deployment's {settings.algorithm} ({_chosen(var)}), whose options it would drop: "
+                                  f"launch with --sync {spec} (and its options) instead, or leave sync= out to run "
+                                  f"{settings.algorithm}")
             settings = SyncSettings(algorithm=spec)
     from geomx.compat import check
     check(sync=settings.algorithm, backward_passes_per_step=passes)
@@ -80,9 +79,14 @@ def _check_object_matches_launch(policy) -> None:
         return
     deployment = settings_from_env().algorithm
     if name != deployment:
-        by_launch = ", which geomx launch --sync sets" if var == SYNC_ENV else ""
-        raise ConfigError(f"sync={policy!r} runs {name}, but the deployment runs {deployment} ({var}="
-                          f"{os.environ[var]!r}{by_launch}): launch with --sync {name}, or leave sync= out")
+        raise ConfigError(f"sync={policy!r} runs {name}, but the deployment runs {deployment} ({_chosen(var)}): "
+                          f"launch with --sync {name}, or leave sync= out")
+
+
+def _chosen(var: str) -> str:
+    """The variable that chose the deployment's algorithm, as a refusal names it."""
+    by_launch = ", which geomx launch --sync sets" if var == SYNC_ENV else ""
+    return f"{var}={os.environ[var]!r}{by_launch}"
 
 
 def _check_own_passes(policy, passes: int | None) -> None:
