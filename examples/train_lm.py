@@ -144,7 +144,7 @@ class Corpus:
         """Keep the file split when its validation files hold ``need`` bytes; else validate on the corpus's last
         max(need, 5%) bytes (a single-file --data-dir: input.txt's path hash always picked training). The same on
         every process: it depends on the corpus alone. Says which split it used."""
-        held = len(self.validation())
+        held = int(np.diff(self.offsets)[self.is_validation()].sum())     # its size, without joining its files
         if held >= need:
             return f"validation {held:,} bytes: {VALIDATION_PER_MILLE / 10:g}% of the files by path hash"
         tail = max(need, -(-len(self.tokens) * VALIDATION_PER_MILLE // 1000))
