@@ -1,9 +1,11 @@
 """Payloads that skip the WAN emulator (geomx.transport.parking): a large message to a node on the same host goes
 straight to its receiver, which holds it until the emulator, handed only its route and size, releases it at the
 time the link model gives. The receiver sees what it saw before, when it saw it; the emulator counts the same
-bytes; only the copies through its process are gone. Real vans and a real emulator over 127.0.0.1."""
+bytes; only the copies through its process are gone. Real vans and a real emulator over 127.0.0.1, the routes
+and releases over the same-host channel (geomx.transport.park_channel) or, where it cannot open, over ZeroMQ."""
 from __future__ import annotations
 
+import socket
 import time
 
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 from geomx.errors import ConfigError
 from geomx.netem import WanEmulator
 from geomx.profiles import CENTRAL_DC, custom_profile
-from geomx.transport import parking
+from geomx.transport import park_channel, parking
 from geomx.transport.message import Message, encode, payload_nbytes
 from geomx.transport.security import Sealed
 from geomx.transport.van import PARK_MIN_BYTES, ZmqVan
@@ -22,9 +24,13 @@ BIG = 250_000           # float32 elements: 1 MB, parked
 SMALL = 16              # relayed
 
 
-@pytest.fixture
-def deployment():
-    """An emulator and vans made by the test, stopped at teardown."""
+@pytest.fixture(params=["channel", "zeromq"])
+def deployment(request, monkeypatch):
+    """An emulator and vans made by the test, stopped at teardown; parked messages' routes and releases over the
+    same-host channel, or over ZeroMQ where it is not available."""
+    over_channel = request.param == "channel"
+    if not over_channel:
+        monkeypatch.setattr(park_channel, "available", lambda: False)
     made: list = []
 
     def make(rate_bps=1e8, rtt_s=0.04, security=None, max_frame_bytes=-1):
@@ -34,12 +40,14 @@ def deployment():
         sender = ZmqVan(node_id="a-server", dc="a", on_message=lambda m: None, emulator=em.address,
                         emulator_bypass=True, security=security)
         receiver = ZmqVan(node_id="global-server", dc=CENTRAL_DC, on_message=inbox, emulator=em.address,
-                          security=security)
+                          emulator_bypass=True, security=security)
         made.extend([sender, receiver, em])
         sender.start()
         receiver.start()
+        assert (sender._channel is not None and receiver._channel is not None) == over_channel
         return em, sender, receiver, inbox
 
+    make.over_channel = over_channel
     yield make
     for thing in made:
         thing.stop()
@@ -64,9 +72,11 @@ def test_a_parked_message_arrives_when_the_link_model_says_and_only_its_route_cr
     assert len(c._parking) == 0 and c._parking.held_bytes == 0
 
 
-def test_small_messages_are_relayed_and_keep_their_order_with_parked_ones_on_the_link(deployment):
+def test_small_messages_keep_their_order_with_parked_ones_on_the_link(deployment):
     """A small message sent after a big one crosses the same link behind it (FIFO at equal priority); a
-    high-priority one overtakes the big one at a chunk boundary, parked or not."""
+    high-priority one overtakes the big one at a chunk boundary, parked or not. Over ZeroMQ the small ones are
+    relayed (one socket from the emulator keeps the order); with the same-host channel they are parked too
+    (one channel keeps it), and no route crosses ZeroMQ."""
     em, a, c, inbox = deployment(rate_bps=5e7)
     a.send(c.address, Message("big", tensors=[np.zeros(BIG, np.float32)]), dst_dc=CENTRAL_DC)     # 160 ms
     a.send(c.address, Message("after", tensors=[np.zeros(SMALL, np.float32)]), dst_dc=CENTRAL_DC)
@@ -76,7 +86,9 @@ def test_small_messages_are_relayed_and_keep_their_order_with_parked_ones_on_the
     a.send(c.address, urgent, dst_dc=CENTRAL_DC)
     got = inbox.wait_for(3)
     assert [m.op for _, m in got] == ["urgent", "big", "after"]
-    assert em.stats()["parked_messages"] == 1 and PARK_MIN_BYTES > SMALL * 4
+    assert PARK_MIN_BYTES > SMALL * 4
+    assert em.stats()["parked_messages"] == (3 if deployment.over_channel else 1)
+    assert (em.address in a._sockets) != deployment.over_channel     # the route's ZeroMQ socket, never made
 
 
 def test_sealed_messages_are_parked_and_opened_as_ever(deployment):
@@ -157,3 +169,112 @@ def test_the_emulator_drops_a_malformed_parked_route_and_keeps_forwarding(deploy
         inbox.wait_for(1)
     finally:
         sock.close()
+
+
+def test_the_same_host_channel_is_found_when_the_emulator_starts_after_the_van():
+    """``geomx bench`` and tests start vans and the emulator in either order: a van that parks keeps looking for
+    the channel, and its first parked message after finding it goes over it."""
+    from geomx.bench.common import free_port
+
+    port = free_port()
+    inbox = TimedInbox()
+    address = f"tcp://127.0.0.1:{port}"
+    a = ZmqVan(node_id="a-server", dc="a", on_message=lambda m: None, emulator=address, emulator_bypass=True)
+    c = ZmqVan(node_id="global-server", dc=CENTRAL_DC, on_message=inbox, emulator=address, emulator_bypass=True)
+    em = WanEmulator(profile=custom_profile(1e9, 0.0), port=port)
+    try:
+        a.start()
+        c.start()
+        assert a._channel is None and c._channel is None
+        em.start()
+        wait_until(lambda: a._channel is not None and c._channel is not None, 5, "both vans' channels")
+        a.send(c.address, Message("push", tensors=[np.ones(BIG, np.float32)]), dst_dc=CENTRAL_DC)
+        (_, msg), = inbox.wait_for(1)
+        assert float(msg.tensors[0].sum()) == BIG and em.stats()["parked_messages"] == 1
+        assert em.address not in a._sockets
+    finally:
+        for thing in (a, c, em):
+            thing.stop()
+
+
+def test_a_channel_end_of_another_user_is_refused_and_routes_go_over_zeromq(monkeypatch, caplog):
+    """An abstract Unix name has no file mode: any process could listen under it first, or connect and claim a
+    van's releases. Each end checks the other's user id; against another user's the van uses ZeroMQ."""
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with left, right:
+        assert park_channel.same_user(left)
+        monkeypatch.setattr(park_channel.os, "getuid", lambda: 4242)
+        assert not park_channel.same_user(left)
+    em = WanEmulator(profile=custom_profile(1e9, 0.0))
+    em.start()
+    inbox = TimedInbox()
+    a = ZmqVan(node_id="a-server", dc="a", on_message=lambda m: None, emulator=em.address, emulator_bypass=True)
+    c = ZmqVan(node_id="global-server", dc=CENTRAL_DC, on_message=inbox, emulator=em.address)
+    try:
+        with caplog.at_level("WARNING", logger="geomx.van"):
+            assert park_channel.VanChannel.connect(em.address, "tcp://127.0.0.1:9") is None
+        assert "belongs to another user" in caplog.text
+        a.start()
+        c.start()
+        a.send(c.address, Message("push", tensors=[np.ones(BIG, np.float32)]), dst_dc=CENTRAL_DC)
+        inbox.wait_for(1)
+        assert a._channel is None and em.address in a._sockets and em.stats()["parked_messages"] == 1
+    finally:
+        for thing in (a, c, em):
+            thing.stop()
+
+
+def test_releases_a_van_has_no_room_for_wait_in_order():
+    """The emulator never blocks on a van: releases its buffer cannot take wait, in order, and go once it reads."""
+    import msgpack
+    import zmq
+
+    address = "tcp://127.0.0.1:7"       # only names the channel: nothing listens there
+    channel = park_channel.EmulatorChannel.open(address)
+    poller = zmq.Poller()
+    channel.attach(poller)
+    van = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        van.connect(park_channel.channel_name(address))
+        van.sendall(msgpack.packb({"addr": "tcp://127.0.0.1:9"}))
+        van.sendall(b"route")
+        routes = []
+        deadline = time.monotonic() + 5
+        while not routes and time.monotonic() < deadline:      # the connection, then its packets
+            for fd, _ in poller.poll(1000):
+                routes += channel.readable(fd)
+        assert routes == [("tcp://127.0.0.1:9", b"route")]
+        marks = [parking.marker(parking.RELEASE, i.to_bytes(12, "big")) for i in range(200_000)]
+        assert channel.release("tcp://127.0.0.1:9", marks) and channel.pending     # more than its buffer takes
+        assert not channel.release("tcp://127.0.0.1:10", marks[:1])                # no channel: over ZeroMQ
+        got = []
+        van.settimeout(5)
+        while len(got) < len(marks):
+            packet = van.recv(park_channel.MAX_PACKET)
+            got += [packet[at:at + parking.MARKER_BYTES] for at in range(0, len(packet), parking.MARKER_BYTES)]
+            channel.flush()
+        assert got == marks and not channel.pending
+    finally:
+        van.close()
+        channel.close()
+
+
+@pytest.mark.parametrize("deployment", ["channel"], indirect=True)
+def test_the_emulator_drops_a_bad_route_on_the_channel_and_keeps_forwarding(deployment):
+    """A route that is not msgpack, or not a parked message's, or a bad one, is dropped; the channel goes on."""
+    import msgpack
+
+    em, a, c, inbox = deployment()
+    van = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        van.connect(park_channel.channel_name(em.address))
+        van.sendall(msgpack.packb({"addr": "tcp://127.0.0.1:9"}))
+        base = {"dst": c.address, "src_dc": "a", "dst_dc": CENTRAL_DC, "prio": 0}
+        for bad in (b"\xc1not msgpack", msgpack.packb(base), msgpack.packb({**base, "park": b"i" * 12, "n": -1})):
+            van.sendall(bad)
+        wait_until(lambda: em.dropped_messages >= 3, 5, "three dropped routes")
+        a.send(c.address, Message("push", tensors=[np.zeros(BIG, np.float32)]), dst_dc=CENTRAL_DC)
+        inbox.wait_for(1)
+        assert em.dropped_messages == 3
+    finally:
+        van.close()

@@ -17,6 +17,10 @@ chunks, and forwards what is due (the DEALERs), waiting in one poll for whicheve
 the engine's next chunk or delivery: no hand-off between threads per message. (Its CPU per forwarded MB is
 mostly ZeroMQ's and the kernel's, a message's receive and send; docs/benchmarks.md measures it.)
 
+A parked message (geomx.transport.parking) crosses as its route alone, and its release goes back to the receiver;
+on one host both take the same-host channel (geomx.transport.park_channel), whose listener and connections the
+loop polls with the ROUTER.
+
 Links count the bytes they forward (header + tensor frames, not the route frame): the ground truth for every
 WAN-traffic figure. With a ``run_dir`` the counters are written to ``run_dir/wan_links.json`` every 0.5 s and at stop.
 """
@@ -49,6 +53,7 @@ from geomx.netem.tcp_model import TcpPath, tcp_path_from_env
 from geomx.transport.security import Curve, HandshakeLog, Plain, Sealed, link_security
 from geomx.profiles import WanProfile, custom_profile, get_profile, parse_duration, parse_rate
 from geomx.transport import parking
+from geomx.transport.park_channel import EmulatorChannel
 from geomx.transport.message import payload_nbytes
 from geomx.transport.refusals import RefusalLog
 from geomx.transport.ids import public_name
@@ -126,7 +131,9 @@ class WanEmulator:
         self._ctx = context or zmq.Context()
         self._links: dict[tuple[str, str], EmulatedLink] = {}
         self._paths: dict[tuple, tuple[EmulatedLink, tuple[EmulatedLink, ...]]] = {}   # the loop's thread only
-        self._releases: dict[str, list[bytes]] = {}     # receiver -> releases due, sent after each pump
+        # (receiver, over the same-host channel) -> releases due, sent after each pump
+        self._releases: dict[tuple[str, bool], list[bytes]] = {}
+        self._channel: EmulatorChannel | None = None
         self._links_lock = threading.Lock()
         self._router: zmq.Socket | None = None
         self._handshakes: HandshakeLog | None = None
@@ -174,6 +181,8 @@ class WanEmulator:
             raise ConfigError(f"WAN emulator cannot listen on {self.address}: {exc.strerror}"
                               + (" (port already in use)" if exc.errno == zmq.EADDRINUSE else "")) from None
         self._router = router
+        # vans of this host hand parked messages' routes over it, off ZeroMQ (geomx.transport.park_channel)
+        self._channel = EmulatorChannel.open(self.address)
         self._epoch = time.monotonic()
         self._t0_unix = time.time()
         self._engine = LinkEngine(driven=True)
@@ -278,10 +287,13 @@ class WanEmulator:
 
     def _loop(self) -> None:
         router, handshakes = self._router, self._handshakes
+        channel = self._channel
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         if handshakes.socket is not None:
             poller.register(handshakes.socket, zmq.POLLIN)
+        if channel is not None:
+            channel.attach(poller)
         wake = 0.0
         try:
             while self._running:
@@ -290,46 +302,70 @@ class WanEmulator:
                     wake = self._engine.pump(now)
                     self._send_releases()
                 left = min(wake - time.monotonic(), _POLL_S)
+                if channel is not None and channel.pending:     # a van's buffer was full: try again soon
+                    channel.flush()
+                    left = min(left, 0.001)
                 # zmq's poll counts whole milliseconds: under one, take what has arrived, then sleep the rest
                 ready = poller.poll(int(left * 1000) if left >= 0.001 else 0)
                 if ready:
-                    if len(ready) > 1 or ready[0][0] is not router:
-                        handshakes.read()
-                    for _ in range(_BATCH):
-                        try:
-                            frames = router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._route_safely(frames)
+                    for sock, _ in ready:
+                        if sock is router:
+                            self._receive_routed(router)
+                        elif sock is handshakes.socket:
+                            handshakes.read()
+                        else:
+                            for van, packet in channel.readable(sock):
+                                self._route_safely(packet, van=van)
                     # what arrived takes its line when it arrived, whenever the engine is pumped: pump when its
                     # first delivery can be due, not now (a pass of its own cost a message ~10% of the loop)
                     wake = min(wake, self._engine.next_due())
                 elif 0 < left < 0.001:
                     time.sleep(left)
         finally:
+            if channel is not None:
+                channel.close()
             handshakes.close(router)
             router.close(linger=0)
             self._close_forward_sockets()
             if self._security is not None:
                 self._security.release(self._ctx)   # the router is closed: its connection checker can stop
 
-    def _route_safely(self, frames: list) -> None:
+    def _receive_routed(self, router: zmq.Socket) -> None:
+        for _ in range(_BATCH):
+            try:
+                frames = router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._route_safely(frames)
+
+    def _route_safely(self, frames: list | bytes, *, van: str | None = None) -> None:
+        """Queue one message (ZeroMQ's frames), or one parked message's route from the same-host channel of the
+        van receiving at ``van`` (its packet)."""
         try:
-            self._route(frames)
+            if van is None:
+                self._route(frames)
+            else:
+                self._route_parked(frames)
         except Exception as exc:    # malformed input is dropped, never fatal
             self.dropped_messages += 1
-            peer = bytes(frames[0].bytes)      # a node's ZeroMQ identity is its id: logs show its public part
+            # a node's ZeroMQ identity is its id: logs show its public part
+            peer = van if van is not None else bytes(frames[0].bytes)
             self.refusals.note(peer, "WAN emulator dropped a message from %r: %s", public_name(peer), exc)
 
     def _route(self, frames: list) -> None:
         if len(frames) < 2:
             raise ValueError("expected [route, header, tensors...] or a parked message's [route], got no frame")
-        try:
-            route = msgpack.unpackb(frames[1].buffer, raw=False)
-        except Exception as exc:
-            raise ValueError(f"route frame is not msgpack ({exc.__class__.__name__})") from None
-        if not isinstance(route, dict):
-            raise ValueError("route frame is not a map")
+        self._queue(_read_route(frames[1].buffer), frames[2:], channel=False)
+
+    def _route_parked(self, packet: bytes) -> None:
+        route = _read_route(packet)
+        if route.get("park") is None:
+            raise ValueError("a route on the same-host channel that is not a parked message's")
+        self._queue(route, (), channel=True)
+
+    def _queue(self, route: dict, payload, *, channel: bool) -> None:
+        """Queue a message on its path: ``payload``, the frames to forward, or a parked one's release, due over the
+        same-host channel where the route came over it (so each sender's messages to a receiver keep one path)."""
         dst, src_dc, dst_dc, prio = route.get("dst"), route.get("src_dc"), route.get("dst_dc"), route.get("prio", 0)
         src = route.get("src")
         src = src if isinstance(src, str) else None
@@ -343,20 +379,20 @@ class WanEmulator:
             raise ValueError(f"route priority is not an int: {prio!r}")
         park = route.get("park")
         if park is None:            # the message itself, to forward
-            payload = frames[2:]
             if not payload:
                 raise ValueError("a route without the message behind it (and not a parked one's)")
             nbytes = payload_nbytes(payload)
         else:                       # parked at its receiver (geomx.transport.parking): forward its release
             nbytes = route.get("n")
             if not (isinstance(park, bytes) and len(park) == parking.ID_BYTES and isinstance(nbytes, int)
-                    and not isinstance(nbytes, bool) and 0 <= nbytes <= self.max_parked_bytes and len(frames) == 2):
+                    and not isinstance(nbytes, bool) and 0 <= nbytes <= self.max_parked_bytes and not payload):
                 raise ValueError(f"a parked message's route needs a {parking.ID_BYTES}-byte id and its size "
                                  f"alone (at most {self.max_parked_bytes} bytes: four frames of the frame limit), "
-                                 f"got park={park!r}, n={nbytes!r}, {len(frames) - 2} frame(s) behind it")
+                                 f"got park={park!r}, n={nbytes!r}, {len(payload)} frame(s) behind it")
             self.parked_messages += 1
             release = parking.marker(parking.RELEASE, park)
-            path[0].enqueue(nbytes, prio, lambda: self._releases.setdefault(dst, []).append(release), then=path[1])
+            due = (dst, channel)
+            path[0].enqueue(nbytes, prio, lambda: self._releases.setdefault(due, []).append(release), then=path[1])
             return
         first, then = path
         first.enqueue(nbytes, prio, lambda: self._relay(dst, payload), then=then)
@@ -382,13 +418,14 @@ class WanEmulator:
     def _relay(self, dst: str, frames: list) -> None:
         """A delivery of a relayed message: after the releases already due to the same receiver (one socket
         keeps the order the link model gave them)."""
-        self._send_releases(only=dst)
+        self._send_releases(only=(dst, False))
         self._forward(dst, frames)
 
-    def _send_releases(self, *, only: str | None = None) -> None:
-        """The releases of parked messages the last pump delivered (``only``: those to one receiver): one
-        message per receiver, a frame each (several are often due in one pump; a message each cost the emulator
-        a send and its I/O thread a wake-up)."""
+    def _send_releases(self, *, only: tuple[str, bool] | None = None) -> None:
+        """The releases of parked messages the last pump delivered (``only``: those to one receiver over one
+        path): one message per receiver, a frame each (several are often due in one pump; a message each cost the
+        emulator a send and its I/O thread a wake-up); over the same-host channel where the route came over it and
+        the receiver has one."""
         if not self._releases:
             return
         if only is None:
@@ -396,7 +433,9 @@ class WanEmulator:
         else:
             marks = self._releases.pop(only, None)
             batches = {only: marks} if marks else {}
-        for dst, marks in batches.items():
+        for (dst, channel), marks in batches.items():
+            if channel and self._channel.release(dst, marks):
+                continue
             try:
                 self._forward(dst, marks)
             except Exception as exc:      # counted as delivered by the links; the receiver drops them in time
@@ -452,6 +491,16 @@ class WanEmulator:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+
+
+def _read_route(buffer) -> dict:
+    try:
+        route = msgpack.unpackb(buffer, raw=False)
+    except Exception as exc:
+        raise ValueError(f"route frame is not msgpack ({exc.__class__.__name__})") from None
+    if not isinstance(route, dict):
+        raise ValueError("route frame is not a map")
+    return route
 
 
 def _node_line_name(addr: str, stage: int) -> str:

@@ -14,8 +14,10 @@ route and size:
   release that overtakes its payload waits for it.
 
 So the receiver sees every message at the time the link model gives it, and the WAN bytes are counted as
-before; only the copies through the emulator's process are gone. A marker frame starts with 0xC1, which begins
-no msgpack value (an unsealed message's header) and no sealed envelope (whose first byte is its version).
+before; only the copies through the emulator's process are gone. On Linux the routes and releases travel over
+the emulator's same-host channel instead of ZeroMQ (geomx.transport.park_channel), where a van can open it.
+A marker frame starts with 0xC1, which begins no msgpack value (an unsealed message's header) and no sealed
+envelope (whose first byte is its version).
 
 :class:`Parking` is the receiving side's store. Held messages and early releases are bounded in age
 (``max_age_s``: one never matched is dropped and logged; by default as long as a request may wait for it,

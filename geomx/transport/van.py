@@ -20,7 +20,8 @@ When a WAN emulator is configured, a message to a node of another DC goes to the
 small route frame (see :mod:`geomx.netem.emulator`); the receiver cannot tell the difference. With
 ``emulator_bypass`` a large one to a node on this host is *parked* instead (:mod:`geomx.transport.parking`): its
 bytes go straight to the receiver, which holds them until the emulator, handed only the route and the size,
-releases them at the time its link model gives.
+releases them at the time its link model gives; on Linux its route and release take the emulator's same-host
+channel (:mod:`geomx.transport.park_channel`), off ZeroMQ.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ from geomx.transport.connection_watch import ConnectionWatch, heartbeat
 from geomx.transport.ids import new_node_id, public_name
 from geomx.transport.message import Message, build_message, decode_header, encode, payload_nbytes
 from geomx.transport.outbox import SEND_PIPE_MESSAGES, STUCK_S, Outbox, Queued, send_queue_bytes
+from geomx.transport.park_channel import VanChannel
 from geomx.transport.parking import MARKER_BYTES, PARK, RELEASE, Parking, marker, new_id, read_marker
 from geomx.transport.refusals import RefusalLog
 from geomx.transport.security import Curve, HandshakeLog, Plain, Sealed
@@ -54,6 +56,9 @@ _POLL_MS = 100
 # a message to a node of another DC on this host is parked at its receiver, not relayed through the emulator,
 # from this size: below it the relay costs little and the message keeps one path (control, heartbeats)
 PARK_MIN_BYTES = 64 * 1024
+# a van that parks looks for the emulator's same-host channel this often, for this long after it starts (the
+# emulator may start after it)
+CHANNEL_RETRY_S, CHANNEL_SEARCH_S = 0.1, 30.0
 
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -139,6 +144,9 @@ class ZmqVan(Van):
         self._bypass = emulator_bypass and emulator is not None
         self._max_frame_bytes = max_frame_bytes
         self._parking = Parking()           # messages parked here, waiting for the emulator's release
+        # routes and releases of parked messages off ZeroMQ, where the emulator is on this host (park_channel)
+        self._channel: VanChannel | None = None
+        self._channel_retry_at = self._channel_search_until = 0.0
         self._ctx = context or zmq.Context.instance()
         self._security = security
         self._seal = security.sealing(node_id) if security is not None else None   # Sealed: AES-GCM per message
@@ -175,6 +183,11 @@ class ZmqVan(Van):
         return tcp_address(self._bind_host, self._port)
 
     @property
+    def same_host_channel(self) -> bool:
+        """Whether parked messages' routes and releases take the emulator's same-host channel (park_channel)."""
+        return self._channel is not None and not self._channel.down
+
+    @property
     def port(self) -> int:
         return self._port
 
@@ -207,6 +220,9 @@ class ZmqVan(Van):
             raise ConfigError(f"cannot listen on {tcp_address(self._bind_host, self._port)}: {exc.strerror}"
                               + (" (port already in use)" if exc.errno == zmq.EADDRINUSE else "")) from None
         self._router = router
+        if self._bypass:
+            self._channel = VanChannel.connect(self._emulator, self.address)
+            self._channel_search_until = time.monotonic() + CHANNEL_SEARCH_S
         self._running = True
         for target, name in ((self._receive_loop, "recv"), (self._send_loop, "send")):
             t = threading.Thread(target=target, name=f"van-{name}-{public_name(self.node_id)}", daemon=True)
@@ -224,7 +240,9 @@ class ZmqVan(Van):
         frames = encode(msg)
         sock_addr = self._socket_address(addr, dst_dc)
         item = Queued(-msg.priority, next(self._seq), addr, sock_addr, dst_dc, frames, payload_nbytes(frames))
-        if self._bypass and sock_addr != addr and item.nbytes >= PARK_MIN_BYTES and self._same_host(addr):
+        # with the same-host channel, small messages too: one sender's messages to a receiver keep one path
+        if (self._bypass and sock_addr != addr and (item.nbytes >= PARK_MIN_BYTES or self._channel is not None)
+                and self._same_host(addr)):
             item.park = new_id()
         if self._send_lock.acquire(blocking=False):
             try:
@@ -304,14 +322,29 @@ class ZmqVan(Van):
         poller.register(sock, zmq.POLLIN)
         if handshakes.socket is not None:
             poller.register(handshakes.socket, zmq.POLLIN)
+        if self._channel is not None:
+            poller.register(self._channel, zmq.POLLIN)
         try:
             while self._running:
+                if self._channel is None and self._bypass:
+                    self._retry_channel(poller)
                 ready = poller.poll(_POLL_MS)
                 if not ready:
                     continue
-                if len(ready) > 1 or ready[0][0] is not sock:
-                    handshakes.read()
-                while self._running:            # drain what is there before polling again
+                router_ready = False
+                for which, _ in ready:
+                    if which is sock:
+                        router_ready = True
+                    elif which is handshakes.socket:
+                        handshakes.read()
+                    else:
+                        try:
+                            self._read_channel(poller)
+                        except Exception as exc:
+                            self.dropped_messages += 1
+                            log.error("%s dropped a released message it could not handle: %s",
+                                      public_name(self.node_id), exc, exc_info=True)
+                while router_ready and self._running:       # drain what is there before polling again
                     try:
                         peer = sock.recv(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
@@ -325,10 +358,37 @@ class ZmqVan(Van):
                         log.error("%s dropped a message from peer %s it could not handle: %s",
                                   public_name(self.node_id), public_name(peer.bytes), exc, exc_info=True)
         finally:
+            if self._channel is not None:
+                self._channel.close()
             handshakes.close(sock)
             sock.close(linger=0)
             if self._security is not None:
                 self._security.release(self._ctx)
+
+    def _retry_channel(self, poller: zmq.Poller) -> None:
+        """The receive thread, while the same-host channel is not open yet (the emulator may start after this
+        van): try again every CHANNEL_RETRY_S for CHANNEL_SEARCH_S."""
+        now = time.monotonic()
+        if now < self._channel_retry_at or now > self._channel_search_until:
+            return
+        self._channel_retry_at = now + CHANNEL_RETRY_S
+        channel = VanChannel.connect(self._emulator, self.address)
+        if channel is not None:
+            poller.register(channel, zmq.POLLIN)
+            self._channel = channel
+
+    def _read_channel(self, poller: zmq.Poller) -> None:
+        """Hand on the parked messages the emulator released over the same-host channel."""
+        channel = self._channel
+        ids = channel.read_releases()
+        if ids is None:
+            poller.unregister(channel)
+            log.warning("%s: the WAN emulator closed its same-host channel", public_name(self.node_id))
+            return
+        for ident in ids:
+            msg = self._parking.release(ident)
+            if msg is not None:
+                self.deliver(msg)
 
     @staticmethod
     def _drop_rest(sock: zmq.Socket) -> None:
@@ -508,10 +568,13 @@ class ZmqVan(Van):
                 self._socket_for(item.addr, probe=False).send_multipart(item.wire[0], flags=zmq.NOBLOCK, copy=False)
                 item.parked = True
                 self._count_sent(item, item.wire[0][1:])
+            channel = self._channel
+            if channel is not None and not channel.down:
+                return channel.send_route(item.wire[1][0])
             self._socket_for(item.socket, probe=False).send_multipart(item.wire[1], flags=zmq.NOBLOCK)
         except zmq.Again:
             return False
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, OSError) as exc:
             self.dropped_messages += 1
             log.warning("%s cannot park a message at %r: %s; message dropped", public_name(self.node_id), item.addr,
                         exc)
