@@ -29,6 +29,11 @@ def setup_logging() -> None:
 
 
 def run_scheduler(cfg: NodeConfig) -> int:
+    return make_scheduler(cfg).serve()
+
+
+def make_scheduler(cfg: NodeConfig):
+    """The scheduler ``cfg`` describes (its van made, not started)."""
     from geomx import metrics
     from geomx.cluster.scheduler import Scheduler, dc_rule, worker_rule
 
@@ -45,13 +50,15 @@ def run_scheduler(cfg: NodeConfig) -> int:
                                                         "worker": cfg.num_workers}, cfg.scheduler
         if cfg.topology == "hips" and cfg.dc != CENTRAL_DC:
             drop_rule = worker_rule(cfg.min_workers_per_dc)
-    scheduler = Scheduler(tier=tier, dc=cfg.dc, expected=expected, host=host, port=port, emulator=cfg.emulator,
-                          heartbeat_timeout=cfg.heartbeat_timeout, connect_timeout=cfg.connect_timeout,
-                          measured_liveness=cfg.heartbeat_measured,
-                          bind_host=cfg.bind_host, security=cfg.security, drop_rule=drop_rule, run_dir=cfg.run_dir,
-                          topology=cfg.topology,
-                          metrics=metrics.open_process_writer(cfg.run_dir, cfg.role, cfg.dc))
-    return scheduler.serve()
+    return Scheduler(tier=tier, dc=cfg.dc, expected=expected, host=host, port=port, emulator=cfg.emulator,
+                     heartbeat_timeout=cfg.heartbeat_timeout, connect_timeout=cfg.connect_timeout,
+                     measured_liveness=cfg.heartbeat_measured,
+                     bind_host=cfg.bind_host, security=cfg.security, drop_rule=drop_rule, run_dir=cfg.run_dir,
+                     topology=cfg.topology,
+                     # its frame limit, and parking on one host (one path per receiver with the roles'
+                     # messages: geomx.transport.park_channel); a scheduler always runs the zmq van
+                     van_options=cfg.van_options if cfg.van == "zmq" else None,
+                     metrics=metrics.open_process_writer(cfg.run_dir, cfg.role, cfg.dc))
 
 
 def run_role(cfg: NodeConfig) -> int:

@@ -37,6 +37,7 @@ from geomx.netem.emulator import WanEmulator
 from geomx.netem.tcp_model import TcpPath
 from geomx.profiles import CENTRAL_DC, custom_profile
 from geomx.transport.message import Message, encode, payload_nbytes
+from geomx.transport.park_channel import wait_for_channel
 from geomx.transport.van import ZmqVan
 
 KIB = 1024
@@ -192,6 +193,8 @@ def bench_capacity(*, sizes: tuple[int, ...] = (64 * KIB, 1 * MIB), megabytes: f
     proc = start_emulator(env, emulator_path)
     inbox = _Inbox()
     address = f"tcp://127.0.0.1:{port}"
+    # the vans look for its same-host channel once, when they start (an older emulator has none: 5 s lost)
+    wait_for_channel(address, timeout_s=5.0 if emulator_path else 30.0, alive=lambda: proc.poll() is None)
     senders = {mode: ZmqVan(node_id=f"capacity-{mode}", dc="a", on_message=lambda m: None, emulator=address,
                             emulator_bypass=mode == "parked") for mode in modes}
     # every van of a one-host deployment may park (geomx launch): the receiver, too, takes releases off ZeroMQ
@@ -213,12 +216,6 @@ def bench_capacity(*, sizes: tuple[int, ...] = (64 * KIB, 1 * MIB), megabytes: f
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise DeadlineError(f"capacity bench: the emulator did not forward a message "
                                         f"({(proc.stderr.read() or b'').decode(errors='replace')[-500:]})") from None
-        # a van looks for the emulator's same-host channel every 0.1 s while the emulator starts: measure with it
-        # (an older emulator has none)
-        parking_vans = [van for van in vans if van is not senders.get("relayed")] if "parked" in modes else []
-        deadline = time.monotonic() + 1.0
-        while not all(van.same_host_channel for van in parking_vans) and time.monotonic() < deadline:
-            time.sleep(0.02)
         for mode, size in ((m, z) for m in modes for z in sizes):
             van_a = senders[mode]
             count = max(window, math.ceil(megabytes * 1e6 / size))

@@ -40,6 +40,7 @@ from geomx.netem.emulator import STATS_FILE
 from geomx.cli.fault_domains import MIN_DCS_ENV, MIN_WORKERS_ENV, DcRole, Losses
 from geomx.profiles import CENTRAL_DC
 from geomx.sync.slowdown import ENV as SLOWDOWN_ENV
+from geomx.transport.park_channel import wait_for_channel
 from geomx.transport.security import ENCRYPTION_LABELS, encryption_of
 
 INFRA_EXIT_GRACE_S = 30.0
@@ -370,7 +371,9 @@ class Launcher:
         try:
             self.backend.prepare(specs)
             for spec in specs:
-                self._start(spec)
+                running = self._start(spec)
+                if spec.kind == "emulator":
+                    self._wait_for_channel(running)
             self._write_manifest(specs)         # again, with where each role runs
             if not self.quiet:
                 p = self.topo.profile
@@ -389,6 +392,13 @@ class Launcher:
                 self.progress.stop()
                 self.progress = None
             self._stop_all()
+
+    def _wait_for_channel(self, emulator: Running) -> None:
+        """Where roles park their messages (one host) and run on this machine, start them once the emulator listens
+        on its same-host channel: a van looks for it once, when it starts (geomx.transport.park_channel)."""
+        env = emulator.spec.env
+        if env.get("GEOMX_WAN_BYPASS") == "1" and not self.backend.across_hosts:
+            wait_for_channel(env["GEOMX_WAN_EMULATOR"], timeout_s=30.0, alive=lambda: emulator.proc.poll() is None)
 
     # -----------------------------------------------------------------------------------------------------
     def _write_manifest(self, specs: list[RoleSpec]) -> None:

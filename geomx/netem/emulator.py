@@ -166,12 +166,17 @@ class WanEmulator:
             self._security.server(router)
         handshakes = self._handshakes = HandshakeLog(self._security)    # logs connections refused at the handshake
         handshakes.listen(router)
+        if self._port:      # before the port answers: a van that finds the emulator listening finds its channel
+            self._channel = EmulatorChannel.open(self.address)
         try:
             if self._port:
                 router.bind(self.address)
             else:
                 self._port = router.bind_to_random_port(f"tcp://{self.host}")
         except zmq.ZMQError as exc:
+            if self._channel is not None:
+                self._channel.close()
+                self._channel = None
             handshakes.close(router)
             router.close()
             if self._security is not None:
@@ -182,7 +187,8 @@ class WanEmulator:
                               + (" (port already in use)" if exc.errno == zmq.EADDRINUSE else "")) from None
         self._router = router
         # vans of this host hand parked messages' routes over it, off ZeroMQ (geomx.transport.park_channel)
-        self._channel = EmulatorChannel.open(self.address)
+        if self._channel is None:
+            self._channel = EmulatorChannel.open(self.address)
         self._epoch = time.monotonic()
         self._t0_unix = time.time()
         self._engine = LinkEngine(driven=True)
@@ -302,9 +308,8 @@ class WanEmulator:
                     wake = self._engine.pump(now)
                     self._send_releases()
                 left = min(wake - time.monotonic(), _POLL_S)
-                if channel is not None and channel.pending:     # a van's buffer was full: try again soon
-                    channel.flush()
-                    left = min(left, 0.001)
+                if channel is not None and channel.waiting:     # a van's buffer was full, or out of files
+                    left = min(left, channel.service(time.monotonic()))
                 # zmq's poll counts whole milliseconds: under one, take what has arrived, then sleep the rest
                 ready = poller.poll(int(left * 1000) if left >= 0.001 else 0)
                 if ready:

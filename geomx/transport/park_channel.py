@@ -2,42 +2,55 @@
 
 A parked message (geomx.transport.parking) costs the emulator a small message in (its route) and one out (its
 release). Over ZeroMQ each of those wakes a ZeroMQ I/O thread and crosses TCP on the loopback: a process that
-only relays such messages spends about 110 us of CPU on each (tests/scripts/zmq_relay_floor.py), more than the
+only relays such messages spends about 100 us of CPU on each (tests/scripts/zmq_relay_floor.py), more than the
 emulator's link model and bookkeeping together. Over a Unix ``SOCK_SEQPACKET`` socket (reliable, ordered, one
-packet per message, no I/O thread) the same relay costs about 17 us.
+packet per message, no I/O thread) the same relay costs about 15 us.
 
 So where vans and the emulator share a host (``geomx launch`` on one machine), each van that parks connects to
-the emulator's channel, an abstract Unix name derived from the emulator's TCP address (Linux only: nothing on
-disk, gone with the process). Its first packet says which address it receives on; then each packet it sends is
-one route (the msgpack map ZeroMQ's route frame carries), and each packet the emulator sends it is a run of
-RELEASE markers. Both ends check the other's user id (``SO_PEERCRED``): an abstract name has no file mode, so
-another user on the host could otherwise listen under it or claim a van's releases.
+the emulator's channel when it starts, an abstract Unix name derived from the emulator's TCP address (Linux only:
+nothing on disk, gone with the process). Its first packet says which address it receives on, and the emulator
+answers ``ACK``; then each packet the van sends is one route (the msgpack map ZeroMQ's route frame carries), and
+each packet the emulator sends it is a run of RELEASE markers. Both ends check the other's user id
+(``SO_PEERCRED``): an abstract name has no file mode, so another user on the host could otherwise listen under
+it or claim a van's releases; the van's connect never blocks, so a squatter cannot hold it either.
 
 Order: a van with a channel parks every message to a receiver on this host, small ones too, and the emulator
 releases what a channel routed over the receiver's channel. So each sender's messages to one receiver keep one
-path, as the link model ordered them. Where the channel cannot be opened (another OS, another network
-namespace, the emulator on another host, an older emulator), everything goes over ZeroMQ as before.
+path, as the link model ordered them. The path is chosen once, when the van starts (``geomx launch`` starts the
+other roles once the emulator listens): switching a running stream from ZeroMQ to the channel would let what
+goes over the channel overtake what still waits in ZeroMQ's queues. Where the channel cannot be opened (another
+OS, another network namespace, the emulator on another host or of an older version), everything goes over
+ZeroMQ as before, and a van whose channel the emulator closed goes back to ZeroMQ for good.
 """
 from __future__ import annotations
 
 import collections
 import logging
 import os
+import select
 import socket
 import struct
 import sys
+import time
+from collections.abc import Callable
 
 import msgpack
 
 from geomx.transport.parking import MARKER_BYTES, RELEASE, read_marker
+from geomx.transport.refusals import RefusalLog
 
 log = logging.getLogger("geomx.van")
 
 MAX_PACKET = 64 * 1024                  # a route or a hello is far smaller; a run of releases is split to fit
 MARKERS_PER_PACKET = MAX_PACKET // MARKER_BYTES
-MAX_CONNECTIONS = 1024                  # vans one emulator keeps a channel to
-MAX_BACKLOG_PACKETS = 100_000           # releases waiting for a van that stopped reading, then dropped
+MAX_CONNECTIONS = 256                   # vans one emulator keeps a channel to (each an open file)
+ACK = b"geomx-park-ok"
+ACK_WAIT_S = 2.0                        # how long a starting van waits for the emulator to take its hello
+PACKETS_PER_PASS = 64                   # read from one connection before the loop looks at the others
+ACCEPTS_PER_PASS = 16
+PAUSE_S = 1.0                           # the listener rests this long when the process is out of files
 _UCRED = struct.Struct("3i")            # pid, uid, gid
+_warned: set[str] = set()
 
 
 def channel_name(emulator_address: str) -> str:
@@ -58,19 +71,39 @@ def same_user(sock: socket.socket) -> bool:
     return uid == os.getuid()
 
 
-def _read_packets(sock: socket.socket) -> tuple[list[bytes], bool]:
-    """The packets waiting on ``sock`` (non-blocking), and whether the other end has closed it."""
+def _read_packets(sock: socket.socket, buffer: bytearray, limit: int) -> tuple[list[bytes], bool]:
+    """Up to ``limit`` packets waiting on ``sock`` (non-blocking), and whether the other end has closed it."""
     packets = []
-    while True:
+    view = memoryview(buffer)
+    while len(packets) < limit:
         try:
-            packet = sock.recv(MAX_PACKET)
+            n = sock.recv_into(buffer)
         except BlockingIOError:
             return packets, False
         except OSError:
             return packets, True
-        if not packet:
+        if not n:
             return packets, True
-        packets.append(packet)
+        packets.append(bytes(view[:n]))
+    return packets, False
+
+
+def wait_for_channel(emulator_address: str, *, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> bool:
+    """Wait until the emulator at ``emulator_address`` listens on its channel, at most ``timeout_s`` and while
+    ``alive()``: the vans started after that use it (a van looks for it once, when it starts). False at once
+    where there can be none."""
+    deadline = time.monotonic() + timeout_s
+    while available() and alive() and time.monotonic() < deadline:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        probe.setblocking(False)
+        try:
+            probe.connect(channel_name(emulator_address))
+            return True
+        except OSError:
+            time.sleep(0.05)
+        finally:
+            probe.close()
+    return False
 
 
 class VanChannel:
@@ -78,27 +111,37 @@ class VanChannel:
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        self.down = False
+        self._buffer = bytearray(MAX_PACKET)
+        self.down = False       # the emulator closed it: routes go over ZeroMQ from then on
 
     @classmethod
-    def connect(cls, emulator_address: str, own_address: str) -> VanChannel | None:
-        """The channel to the emulator at ``emulator_address``, announcing ``own_address``; None where there is
-        none (not Linux, no emulator listening on this host, or one of another user)."""
+    def connect(cls, emulator_address: str, own_address: str, *, wait_s: float = ACK_WAIT_S) -> VanChannel | None:
+        """The channel to the emulator at ``emulator_address``, announcing ``own_address``, once the emulator has
+        taken it; None where there is none (not Linux, no emulator listening on this host, one of another user,
+        or one that did not answer within ``wait_s``)."""
         if not available():
             return None
+        name = channel_name(emulator_address)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.setblocking(False)     # a listener whose queue is full (a squatter's) answers EAGAIN: no hang
         try:
-            sock.connect(channel_name(emulator_address))
+            sock.connect(name)
             if not same_user(sock):
-                log.warning("the WAN emulator's channel %r belongs to another user: parked messages' routes go "
-                            "over ZeroMQ", channel_name(emulator_address)[1:])
+                if name not in _warned:
+                    _warned.add(name)
+                    log.warning("the WAN emulator's channel %r belongs to another user: parked messages' routes go "
+                                "over ZeroMQ", name[1:])
                 sock.close()
                 return None
-            sock.sendall(msgpack.packb({"addr": own_address}))
+            sock.send(msgpack.packb({"addr": own_address}))
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            if not poller.poll(wait_s * 1000) or sock.recv(len(ACK) + 1) != ACK:
+                sock.close()
+                return None
         except OSError:
             sock.close()
             return None
-        sock.setblocking(False)
         return cls(sock)
 
     def fileno(self) -> int:
@@ -115,7 +158,7 @@ class VanChannel:
     def read_releases(self) -> list[bytes] | None:
         """The parked ids released since the last call (an empty list: nothing yet); None once the emulator
         closed the channel."""
-        packets, closed = _read_packets(self._sock)
+        packets, closed = _read_packets(self._sock, self._buffer, PACKETS_PER_PASS)
         ids: list[bytes] = []
         for packet in packets:
             for at in range(0, len(packet) - MARKER_BYTES + 1, MARKER_BYTES):
@@ -131,24 +174,30 @@ class VanChannel:
 
 
 class _Connection:
-    __slots__ = ("sock", "addr", "backlog")
+    __slots__ = ("sock", "fd", "addr", "backlog")
 
     def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.addr = sock, None
+        self.sock, self.fd, self.addr = sock, sock.fileno(), None
         self.backlog: collections.deque[bytes] = collections.deque()
 
 
 class EmulatorChannel:
     """The emulator's end: opened (listening) when the emulator starts, then used by its loop's thread alone,
-    which :meth:`attach` es it to the zmq.Poller where the listener and each van's connection are registered."""
+    which :meth:`attach` es it to the zmq.Poller where the listener and each van's connection are registered.
+
+    Releases a van's buffer has no room for wait here, in order, as they waited in ZeroMQ's queue before (its
+    forward sockets have no high-water mark): the van's own payloads, which it does not read either, hold back
+    its senders."""
 
     def __init__(self, listener: socket.socket) -> None:
         self._listener = listener
         self._poller = None
+        self._buffer = bytearray(MAX_PACKET)
         self._connections: dict[int, _Connection] = {}     # by file descriptor, as the poller names them
         self._by_address: dict[str, _Connection] = {}
         self._waiting: set[_Connection] = set()     # with releases their van's buffer had no room for
-        self.dropped_releases = 0
+        self._paused_until: float | None = None     # the listener rests: the process ran out of files
+        self.refusals = RefusalLog(log)
 
     def attach(self, poller) -> None:
         self._poller = poller
@@ -171,9 +220,20 @@ class EmulatorChannel:
         return cls(listener)
 
     @property
-    def pending(self) -> bool:
-        """Whether releases wait for a van's buffer to drain (the loop then comes back within a millisecond)."""
-        return bool(self._waiting)
+    def waiting(self) -> bool:
+        """Whether the loop must call :meth:`service` soon: releases wait for a van, or the listener rests."""
+        return bool(self._waiting) or self._paused_until is not None
+
+    def service(self, now: float) -> float:
+        """Send what waits, wake the listener after its rest; the seconds until this is due again."""
+        for conn in list(self._waiting):
+            self._flush(conn)
+        if self._paused_until is not None and now >= self._paused_until:
+            self._paused_until = None
+            self._poller.register(self._listener, 1)
+        if self._waiting:
+            return 0.001
+        return self._paused_until - now if self._paused_until is not None else float("inf")
 
     def readable(self, fd: int) -> list[tuple[str, bytes]]:
         """What ``fd`` (a descriptor the poller said is readable) brought: ``(van address, route packet)`` each."""
@@ -181,14 +241,13 @@ class EmulatorChannel:
             self._accept()
             return []
         conn = self._connections.get(fd)
-        if conn is None:                # forgotten earlier in this pass (the same van connected again)
+        if conn is None:                # forgotten earlier in this pass
             return []
-        packets, closed = _read_packets(conn.sock)
+        packets, closed = _read_packets(conn.sock, self._buffer, PACKETS_PER_PASS)
         routes = []
         for packet in packets:
             if conn.addr is None:
-                conn.addr = self._hello(conn, packet)
-                if conn.addr is None:
+                if not self._hello(conn, packet):
                     return routes
             else:
                 routes.append((conn.addr, packet))
@@ -206,14 +265,10 @@ class EmulatorChannel:
         self._flush(conn)
         return True
 
-    def flush(self) -> None:
-        for conn in list(self._waiting):
-            self._flush(conn)
-
     def close(self) -> None:
         for conn in list(self._connections.values()):
             self._forget(conn)
-        if self._poller is not None:
+        if self._poller is not None and self._paused_until is None:
             self._poller.unregister(self._listener)
         self._listener.close()
 
@@ -222,58 +277,62 @@ class EmulatorChannel:
             try:
                 conn.sock.send(conn.backlog[0])
             except BlockingIOError:
-                break
-            except OSError:             # the van is gone: what it was owed goes with it
-                self.dropped_releases += sum(len(p) // MARKER_BYTES for p in conn.backlog)
+                if len(conn.backlog) > 1 and len(conn.backlog[-1]) + len(conn.backlog[-2]) <= MAX_PACKET:
+                    last = conn.backlog.pop()       # what waits takes as few packets as it can
+                    conn.backlog[-1] += last
+                self._waiting.add(conn)
+                return
+            except OSError:             # the van is gone, and what it was owed with it
                 self._forget(conn)
                 return
             conn.backlog.popleft()
-        if not conn.backlog:
-            self._waiting.discard(conn)
-            return
-        self._waiting.add(conn)
-        if len(conn.backlog) > MAX_BACKLOG_PACKETS:
-            lost = sum(len(p) // MARKER_BYTES for p in conn.backlog)
-            self.dropped_releases += lost
-            log.error("WAN emulator dropped %d releases for %s, which has read none of them: its parked messages "
-                      "are lost", lost, conn.addr)
-            self._forget(conn)
+        self._waiting.discard(conn)
 
     def _accept(self) -> None:
-        while True:
+        for _ in range(ACCEPTS_PER_PASS):
             try:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:
-                log.warning("WAN emulator: accepting on its same-host channel failed: %s", exc)
+            except OSError as exc:      # out of files (EMFILE, ENFILE): rest, not spin on a listener still ready
+                self.refusals.note("same-host channel", "WAN emulator cannot accept on its same-host channel (%s); "
+                                   "resting %g s", exc, PAUSE_S)
+                self._poller.unregister(self._listener)
+                self._paused_until = time.monotonic() + PAUSE_S
                 return
             if len(self._connections) >= MAX_CONNECTIONS or not same_user(sock):
-                log.warning("WAN emulator refused a same-host channel: %s", "another user's process"
-                            if len(self._connections) < MAX_CONNECTIONS else f"{MAX_CONNECTIONS} already open")
+                self.refusals.note("same-host channel", "WAN emulator refused a same-host channel: %s",
+                                   "another user's process" if len(self._connections) < MAX_CONNECTIONS
+                                   else f"{MAX_CONNECTIONS} already open")
                 sock.close()
                 continue
             sock.setblocking(False)
             self._connections[sock.fileno()] = _Connection(sock)
             self._poller.register(sock, 1)
 
-    def _hello(self, conn: _Connection, packet: bytes) -> str | None:
+    def _hello(self, conn: _Connection, packet: bytes) -> bool:
         try:
             addr = msgpack.unpackb(packet, raw=False).get("addr")
         except Exception:
             addr = None
         if not (isinstance(addr, str) and addr.startswith("tcp://")):
-            log.warning("WAN emulator closed a same-host channel whose first packet named no tcp:// address")
+            self.refusals.note("same-host channel", "WAN emulator closed a same-host channel whose first packet "
+                               "named no tcp:// address")
             self._forget(conn)
-            return None
-        previous = self._by_address.get(addr)
-        if previous is not None:        # a node restarted at the same address: the new connection is its
-            self._forget(previous)
+            return False
+        try:
+            conn.sock.send(ACK)
+        except OSError:
+            self._forget(conn)
+            return False
+        # a node restarted at the same address: its releases go to the new process; the old connection's routes
+        # are still read until it closes
+        conn.addr = addr
         self._by_address[addr] = conn
-        return addr
+        return True
 
     def _forget(self, conn: _Connection) -> None:
-        if self._connections.pop(conn.sock.fileno(), None) is None:
+        if self._connections.pop(conn.fd, None) is None:
             return
         self._waiting.discard(conn)
         if conn.addr is not None and self._by_address.get(conn.addr) is conn:

@@ -56,9 +56,6 @@ _POLL_MS = 100
 # a message to a node of another DC on this host is parked at its receiver, not relayed through the emulator,
 # from this size: below it the relay costs little and the message keeps one path (control, heartbeats)
 PARK_MIN_BYTES = 64 * 1024
-# a van that parks looks for the emulator's same-host channel this often, for this long after it starts (the
-# emulator may start after it)
-CHANNEL_RETRY_S, CHANNEL_SEARCH_S = 0.1, 30.0
 
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -146,7 +143,6 @@ class ZmqVan(Van):
         self._parking = Parking()           # messages parked here, waiting for the emulator's release
         # routes and releases of parked messages off ZeroMQ, where the emulator is on this host (park_channel)
         self._channel: VanChannel | None = None
-        self._channel_retry_at = self._channel_search_until = 0.0
         self._ctx = context or zmq.Context.instance()
         self._security = security
         self._seal = security.sealing(node_id) if security is not None else None   # Sealed: AES-GCM per message
@@ -220,9 +216,8 @@ class ZmqVan(Van):
             raise ConfigError(f"cannot listen on {tcp_address(self._bind_host, self._port)}: {exc.strerror}"
                               + (" (port already in use)" if exc.errno == zmq.EADDRINUSE else "")) from None
         self._router = router
-        if self._bypass:
+        if self._bypass:        # once: a running stream that changed its path could be overtaken (park_channel)
             self._channel = VanChannel.connect(self._emulator, self.address)
-            self._channel_search_until = time.monotonic() + CHANNEL_SEARCH_S
         self._running = True
         for target, name in ((self._receive_loop, "recv"), (self._send_loop, "send")):
             t = threading.Thread(target=target, name=f"van-{name}-{public_name(self.node_id)}", daemon=True)
@@ -241,7 +236,7 @@ class ZmqVan(Van):
         sock_addr = self._socket_address(addr, dst_dc)
         item = Queued(-msg.priority, next(self._seq), addr, sock_addr, dst_dc, frames, payload_nbytes(frames))
         # with the same-host channel, small messages too: one sender's messages to a receiver keep one path
-        if (self._bypass and sock_addr != addr and (item.nbytes >= PARK_MIN_BYTES or self._channel is not None)
+        if (self._bypass and sock_addr != addr and (item.nbytes >= PARK_MIN_BYTES or self.same_host_channel)
                 and self._same_host(addr)):
             item.park = new_id()
         if self._send_lock.acquire(blocking=False):
@@ -326,8 +321,6 @@ class ZmqVan(Van):
             poller.register(self._channel, zmq.POLLIN)
         try:
             while self._running:
-                if self._channel is None and self._bypass:
-                    self._retry_channel(poller)
                 ready = poller.poll(_POLL_MS)
                 if not ready:
                     continue
@@ -364,18 +357,6 @@ class ZmqVan(Van):
             sock.close(linger=0)
             if self._security is not None:
                 self._security.release(self._ctx)
-
-    def _retry_channel(self, poller: zmq.Poller) -> None:
-        """The receive thread, while the same-host channel is not open yet (the emulator may start after this
-        van): try again every CHANNEL_RETRY_S for CHANNEL_SEARCH_S."""
-        now = time.monotonic()
-        if now < self._channel_retry_at or now > self._channel_search_until:
-            return
-        self._channel_retry_at = now + CHANNEL_RETRY_S
-        channel = VanChannel.connect(self._emulator, self.address)
-        if channel is not None:
-            poller.register(channel, zmq.POLLIN)
-            self._channel = channel
 
     def _read_channel(self, poller: zmq.Poller) -> None:
         """Hand on the parked messages the emulator released over the same-host channel."""
@@ -570,11 +551,14 @@ class ZmqVan(Van):
                 self._count_sent(item, item.wire[0][1:])
             channel = self._channel
             if channel is not None and not channel.down:
-                return channel.send_route(item.wire[1][0])
+                try:
+                    return channel.send_route(item.wire[1][0])
+                except OSError:         # the emulator closed it: this route and the next go over ZeroMQ
+                    channel.down = True
             self._socket_for(item.socket, probe=False).send_multipart(item.wire[1], flags=zmq.NOBLOCK)
         except zmq.Again:
             return False
-        except (zmq.ZMQError, OSError) as exc:
+        except zmq.ZMQError as exc:
             self.dropped_messages += 1
             log.warning("%s cannot park a message at %r: %s; message dropped", public_name(self.node_id), item.addr,
                         exc)
