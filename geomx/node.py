@@ -55,10 +55,19 @@ def make_scheduler(cfg: NodeConfig):
                      measured_liveness=cfg.heartbeat_measured,
                      bind_host=cfg.bind_host, security=cfg.security, drop_rule=drop_rule, run_dir=cfg.run_dir,
                      topology=cfg.topology,
-                     # its frame limit, and parking on one host (one path per receiver with the roles'
-                     # messages: geomx.transport.park_channel); a scheduler always runs the zmq van
-                     van_options=cfg.van_options if cfg.van == "zmq" else None,
+                     van_options=_scheduler_van_options(cfg),
                      metrics=metrics.open_process_writer(cfg.run_dir, cfg.role, cfg.dc))
+
+
+def _scheduler_van_options(cfg: NodeConfig) -> dict | None:
+    """The role's van options (its frame limit) for the zmq van a scheduler always runs, without parking: a
+    scheduler's messages are small, and relayed through the emulator its view of another DC's members is what a
+    WAN gives it, their heartbeats, not a direct connection on this host that shows a killed process at once."""
+    if cfg.van != "zmq":
+        return None
+    options = dict(cfg.van_options)
+    options.pop("emulator_bypass", None)
+    return options
 
 
 def run_role(cfg: NodeConfig) -> int:
