@@ -72,7 +72,8 @@ class NodeInfo:
     @property
     def place(self) -> str:
         """'worker 1 of DC a': its role, rank and DC, the same in every run and unique in its tier (no address,
-        no pid, no random id): what seeds a client's own codec stream, so runs repeat."""
+        no pid, no random id; the scheduler ranks by DC and order, not by ports, geomx.cluster.scheduler.assign_ranks):
+        what seeds a client's own codec stream, so runs repeat."""
         return f"{self.kind} {self.rank} of DC {self.dc}"
 
     def to_wire(self) -> dict:
@@ -127,9 +128,11 @@ class Tier:
         self.po.van.send(self.scheduler_addr, Message(op, fields={Field.TIER: self.name, **fields}, priority=priority),
                          dst_dc=self.scheduler_dc)
 
-    def register(self, requested_rank: int | None) -> None:
+    def register(self, requested_rank: int | None, order: int | None = None) -> None:
+        """``order``: without a requested rank, where this member comes among its DC's members of its role (the
+        scheduler ranks them by DC, then order, then address)."""
         self.send_to_scheduler(Op.REGISTER, tier_role=self.tier_role, kind=self.po.cfg.role, dc=self.po.cfg.network_dc,
-                               addr=self.po.van.address, rank=requested_rank, declared=self.declared,
+                               addr=self.po.van.address, rank=requested_rank, order=order, declared=self.declared,
                                pid=os.getpid(), hostname=socket.gethostname(), token=self.token)
         deadline = self.po.cfg.connect_timeout
         if not self.po.wait_event(self._table_ready, deadline):
@@ -252,10 +255,12 @@ class Postoffice:
             self._metrics_thread.start()
 
     def join(self, name: str, scheduler: tuple[str, int], scheduler_dc: str, tier_role: str, declared: dict,
-             rank: int | None = None, on_table: Callable[[Tier], None] | None = None) -> Tier:
-        """Register with a tier's scheduler and wait for its member table."""
+             rank: int | None = None, on_table: Callable[[Tier], None] | None = None,
+             order: int | None = None) -> Tier:
+        """Register with a tier's scheduler and wait for its member table (``rank``, ``order``: see
+        :meth:`Tier.register`)."""
         tier = self.tiers[name] = Tier(self, name, scheduler, scheduler_dc, tier_role, declared, on_table)
-        tier.register(rank)
+        tier.register(rank, order)
         return tier
 
     def wait_event(self, event: threading.Event, timeout: float) -> bool:

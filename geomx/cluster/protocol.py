@@ -81,6 +81,7 @@ class Field:
     DC = "dc"
     ADDR = "addr"
     RANK = "rank"
+    ORDER = "order"         # where a member that asks for no rank would like to come among its DC's (registration)
     DECLARED = "declared"
     PID = "pid"
     HOSTNAME = "hostname"

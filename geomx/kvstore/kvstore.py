@@ -127,10 +127,12 @@ class KVStore:
         self._dc_tier = dc_tier
         serving: Tier = dc_tier
         if cfg.role == "worker" and cfg.topology == "flat":
+            # ranked after its DC rank among its DC's workers: the same global rank, and so the same codec
+            # streams' seeds (its place), in every run
             serving = self.po.join("global", cfg.global_scheduler, CENTRAL_DC, "worker",
                                    {"num_global_servers": cfg.num_global_servers,
                                     "num_global_workers": cfg.num_global_workers,
-                                    "num_all_workers": cfg.num_all_workers})
+                                    "num_all_workers": cfg.num_all_workers}, order=dc_tier.me.rank)
         self._client = KVClient(self.po, serving, master=self.is_master_worker)
         if self.is_master_worker:
             self._send_mode()
