@@ -219,6 +219,12 @@ def test_wan_rejects_unemulated_profile_and_single_step():
     assert main(["bench", "wan", "--steps", "1"]) == 2                    # ConfigError -> exit status 2
 
 
+def test_wan_refuses_a_profile_and_a_custom_link_together(capsys):
+    """Both named, the custom rate won and the profile was ignored in silence (found by a review)."""
+    assert main(["bench", "wan", "--profile", "regional", "--wan-rate", "1gbit", "--wan-rtt", "2ms"]) == 2
+    assert "give --profile regional or --wan-rate/--wan-rtt, not both" in capsys.readouterr().err
+
+
 def test_helpers():
     assert common.train_script_path().name == "train_cnn.py"
     assert common.train_script_path("train_lm.py").name == "train_lm.py"

@@ -387,12 +387,16 @@ def cmd_wan(args) -> int:
         raise ConfigError(f"{given} {target:g}: the {args.workload} workload evaluates "
                           f"{'validation loss' if expected == '--target-loss' else 'test accuracy'}: give "
                           f"{expected}")
+    if args.profile and (args.wan_rate or args.wan_rtt):
+        # both named: one would be ignored in silence (the rate used to win over the profile)
+        raise ConfigError(f"give --profile {args.profile} or --wan-rate/--wan-rtt, not both")
+    profile = args.profile or ("transpacific" if not (args.wan_rate or args.wan_rtt) else None)
     if args.from_runs:
         result = retabulate(from_runs=args.from_runs, configs=args.configs, target=target,
                             out_dir=args.out_dir, command=command_line(args), target_step=args.target_step,
                             budget_s=args.budget_s)
     else:
-        result = bench_wan(profile=args.profile, wan_rate=args.wan_rate, wan_rtt=args.wan_rtt, configs=args.configs,
+        result = bench_wan(profile=profile, wan_rate=args.wan_rate, wan_rtt=args.wan_rtt, configs=args.configs,
                            steps=args.steps, eval_every=args.eval_every, dcs=args.dcs,
                            workers_per_dc=args.workers_per_dc, model=args.model, seed=args.seed,
                            target=target, run_dir=args.run_dir, out_dir=args.out_dir,
@@ -409,9 +413,9 @@ def add_parser(bsub) -> argparse.ArgumentParser:
 
     p = bsub.add_parser("wan", help="configurations (flat PS, HiPS FSA, MixedSync, ...) over an emulated WAN: "
                                     "time to accuracy, WAN bytes, efficiency")
-    p.add_argument("--profile", default="transpacific",
+    p.add_argument("--profile", default=None,
                    choices=sorted(n for n, pr in PROFILES.items() if pr.emulated),
-                   help="WAN profile (default transpacific)")
+                   help="WAN profile (default transpacific, unless --wan-rate/--wan-rtt describe the link)")
     p.add_argument("--wan-rate", help="custom WAN rate instead of --profile, e.g. 1gbit (with --wan-rtt)")
     p.add_argument("--wan-rtt", help="custom WAN round-trip time, e.g. 2ms (with --wan-rate)")
     p.add_argument("--configs", help=f"comma-separated rows (default all: {', '.join(CONFIGS)}); "
