@@ -99,6 +99,23 @@ def steps_to_target(*, seed: int, lr: float, momentum: float, aggregate, steps: 
     return None
 
 
+def wan_codec(p: argparse.ArgumentParser, text: str) -> dict:
+    """--compression: one codec's JSON dict. This replays the WAN hop alone, so a per-tier form ({"lan": ...,
+    "wan": ...}) or GeoMX's string forms are refused by name, not met with a KeyError."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        p.error(f"--compression {text!r} is not JSON ({exc.msg})")
+    if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
+        p.error(f"--compression {text!r}: give one codec's dict with its type, e.g. "
+                f"'{{\"type\": \"bsc\", \"threshold\": 0.01}}' (this replays the WAN hop only: no per-tier form)")
+    try:
+        make_codec(spec)
+    except Exception as exc:        # the registry names the unknown type or option
+        p.error(f"--compression {text!r}: {exc}")
+    return spec
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lr", type=float, nargs="+", default=[0.2, 0.4])
@@ -112,7 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--frozen", action="store_true",
                    help="also a row that never updates the tensors at or above the bound")
     args = p.parse_args(argv)
-    spec = json.loads(args.compression)
+    spec = wan_codec(p, args.compression)
     torch.set_num_threads(1)
     print(f"steps to {args.target_acc} (evaluated every 2 steps; '-' = not within {args.steps}); "
           f"mean counts '-' as {args.steps + 2}")

@@ -3,6 +3,7 @@ import importlib.util
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 _PATH = Path(__file__).resolve().parent.parent / "examples" / "recipe_grid.py"
 _spec = importlib.util.spec_from_file_location("recipe_grid", _PATH)
@@ -33,3 +34,15 @@ def test_bi_sparse_sends_about_one_percent_per_dc_and_keeps_the_rest_for_later()
     # small tensors stay dense
     small = [s[:1000] for s in sums]
     np.testing.assert_array_equal(hips.mean(1, small), grid.dense_mean(1, small))
+
+
+@pytest.mark.parametrize("text, said", [
+    ('{"lan": {"type": "fp16"}, "wan": {"type": "bsc"}}', "give one codec's dict with its type"),
+    ("bsc", "is not JSON"),
+    ('{"type": "nosuch"}', "nosuch"),
+])
+def test_a_compression_the_replay_cannot_run_is_refused_by_name(text, said, capsys):
+    """A per-tier dict, GeoMX's string form or an unknown codec ended in a KeyError or a traceback."""
+    with pytest.raises(SystemExit) as exc:
+        grid.main(["--compression", text, "--seeds", "0", "--steps", "2"])
+    assert exc.value.code == 2 and said in capsys.readouterr().err
