@@ -110,8 +110,8 @@ def wan_codec(p: argparse.ArgumentParser, text: str) -> dict:
         p.error(f"--compression {text!r}: give one codec's dict with its type, e.g. "
                 f"'{{\"type\": \"bsc\", \"threshold\": 0.01}}' (this replays the WAN hop only: no per-tier form)")
     try:
-        make_codec(spec)
-    except Exception as exc:        # the registry names the unknown type or option
+        SparseHiPS(spec, 0)         # the registry names an unknown type or option, ErrorFeedback a codec it refuses
+    except Exception as exc:
         p.error(f"--compression {text!r}: {exc}")
     return spec
 

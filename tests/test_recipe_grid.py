@@ -40,6 +40,7 @@ def test_bi_sparse_sends_about_one_percent_per_dc_and_keeps_the_rest_for_later()
     ('{"lan": {"type": "fp16"}, "wan": {"type": "bsc"}}', "give one codec's dict with its type"),
     ("bsc", "is not JSON"),
     ('{"type": "nosuch"}', "nosuch"),
+    ('{"type": "dgc"}', "keeps its own residual"),      # a codec the replay's error feedback refuses
 ])
 def test_a_compression_the_replay_cannot_run_is_refused_by_name(text, said, capsys):
     """A per-tier dict, GeoMX's string form or an unknown codec ended in a KeyError or a traceback."""

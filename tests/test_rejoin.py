@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from geomx.errors import ConfigError, KVError
+from geomx.profiles import CENTRAL_DC
 from inproc import DEADLINE_S, HipsCluster
 
 ONES = np.ones(4, np.float32)
@@ -343,3 +344,34 @@ def test_a_worker_or_dc_lost_again_and_again_is_restarted_at_most_three_times_an
         rejoins.tend([], None, set(), lambda old, log: None, said.append, 9.0)
     assert said == [f"geomx: DC b was lost again after {MAX_RESTARTS} restarts; the run goes on without it "
                     f"(--rejoin-after restarts a worker or DC at most {MAX_RESTARTS} times)"]
+
+
+def test_a_restarted_local_server_takes_its_own_dcs_place_and_ranks_follow_dc_and_order(monkeypatch):
+    """Registrations carry their ``order`` to the scheduler, which ranks by DC, then order, then address (a
+    member's place seeds its codec streams, so it must repeat from run to run). A restarted DC's local server
+    took the lowest dropped rank, another DC's place when two were dropped (found by a review): it takes its
+    own DC's."""
+    from geomx.cluster.protocol import Field, Op
+    from geomx.cluster.scheduler import Scheduler, dc_rule
+    from geomx.transport.inproc import Hub
+    from geomx.transport.message import Message
+
+    sched = Scheduler(tier="global", dc="central", expected={"server": 1, "worker": 3}, port=0, van="inproc",
+                      van_options={"hub": Hub()}, drop_rule=dc_rule(1))
+    sent = []
+    monkeypatch.setattr(sched, "_send", lambda entry, op, **fields: sent.append((entry["id"], op, fields)))
+
+    def register(node: str, dc: str, port: int, *, kind: str = "server", role: str = "worker", order=None):
+        sched._on_message(Message(Op.REGISTER, src=node, fields={
+            Field.TIER: "global", Field.TIER_ROLE: role, Field.KIND: kind, Field.DC: dc, Field.ADDR:
+            f"mem://hub:{port}", Field.ORDER: order, Field.DECLARED: {}, Field.TOKEN: "t"}))
+
+    register("c", "c", 1000)                    # the lowest port: ranked first by address alone
+    register("b", "b", 2000, order=0)
+    register("a", "a", 3000)
+    register("g", CENTRAL_DC, 500, kind="global_server", role="server")
+    ranks = {node: sched._members[node]["rank"] for node in "abcg"}
+    assert ranks == {"a": 0, "b": 1, "c": 2, "g": 0} and sched._members["b"]["order"] == 0
+    sched._departed.update(a="silent", b="silent")
+    register("b-again", "b", 2001)
+    assert sched._members["b-again"]["rank"] == 1 and sched._refilled == {"b": "b-again"}

@@ -2,7 +2,8 @@
 
 One scheduler per tier (each DC, the central party, the global tier). It waits until every expected member
 has registered, checks that they all count the topology the same way, assigns ranks (a requested rank is
-honoured; the rest are numbered in (host, port) order) and sends everyone the member table. Afterwards it
+honoured; the rest go by DC, then by the order a member registered with, then in (host, port) order:
+:func:`assign_ranks`) and sends everyone the member table. Afterwards it
 releases barriers, watches heartbeats (a silent member aborts the tier with a message naming it) and, once
 every worker has said goodbye, tells the servers to shut down.
 
@@ -225,17 +226,19 @@ class Scheduler:
 
     def _rejoin(self, entry: dict) -> None:
         """``entry`` registered with the running tier: give it the place (and rank) of a dropped member of its
-        kind, send it the member table and tell the others it joined (the servers count it in from the round it
-        starts at, see kvserver.py)."""
+        kind and DC (one of its order first), send it the member table and tell the others it joined (the servers
+        count it in from the round it starts at, see kvserver.py). Never another DC's place: a DC's local server
+        restarted in another's counted that DC's workers in place of its own."""
         vacant = sorted((e for i, e in self._members.items() if i in self._departed and i not in self._refilled
-                         and e["kind"] == entry["kind"] and e["tier_role"] == entry["tier_role"]),
-                        key=lambda e: e["rank"])
+                         and e["kind"] == entry["kind"] and e["tier_role"] == entry["tier_role"]
+                         and e["dc"] == entry["dc"]),
+                        key=lambda e: (e.get("order") != entry.get("order"), e["rank"]))
         if entry["rank"] is not None:
             vacant = [e for e in vacant if e["rank"] == entry["rank"]]
         if self.drop_rule is None or not vacant:
             wanted = f" with rank {entry['rank']}" if entry["rank"] is not None else ""
-            self._reject(entry, f"the {self.tier} tier is already complete: no dropped {entry['kind']}{wanted} whose "
-                                f"place {self._label(entry)} could take")
+            self._reject(entry, f"the {self.tier} tier is already complete: no dropped {entry['kind']}{wanted} of DC "
+                                f"{entry['dc']} whose place {self._label(entry)} could take")
             return
         place = vacant[0]
         entry["rank"] = place["rank"]

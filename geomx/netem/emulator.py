@@ -308,18 +308,18 @@ class WanEmulator:
                     wake = self._engine.pump(now)
                     self._send_releases()
                 left = min(wake - time.monotonic(), _POLL_S)
-                if channel is not None and channel.waiting:     # a van's buffer was full, or out of files
+                if channel is not None and channel.waiting:     # its listener rests: the process ran out of files
                     left = min(left, channel.service(time.monotonic()))
                 # zmq's poll counts whole milliseconds: under one, take what has arrived, then sleep the rest
                 ready = poller.poll(int(left * 1000) if left >= 0.001 else 0)
                 if ready:
-                    for sock, _ in ready:
+                    for sock, events in ready:
                         if sock is router:
                             self._receive_routed(router)
                         elif sock is handshakes.socket:
                             handshakes.read()
                         else:
-                            for van, packet in channel.readable(sock):
+                            for van, packet in channel.ready(sock, events):
                                 self._route_safely(packet, van=van)
                     # what arrived takes its line when it arrived, whenever the engine is pumped: pump when its
                     # first delivery can be due, not now (a pass of its own cost a message ~10% of the loop)

@@ -25,6 +25,7 @@ ZeroMQ as before, and a van whose channel the emulator closed goes back to ZeroM
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import os
 import select
@@ -35,6 +36,7 @@ import time
 from collections.abc import Callable
 
 import msgpack
+import zmq
 
 from geomx.transport.parking import MARKER_BYTES, RELEASE, read_marker
 from geomx.transport.refusals import RefusalLog
@@ -50,6 +52,8 @@ PACKETS_PER_PASS = 64                   # read from one connection before the lo
 ACCEPTS_PER_PASS = 16
 PAUSE_S = 1.0                           # the listener rests this long when the process is out of files
 _UCRED = struct.Struct("3i")            # pid, uid, gid
+# a send the kernel cannot take now (EAGAIN, or no memory for the packet): wait for the socket, not give up on it
+_SEND_LATER = (errno.EAGAIN, errno.ENOBUFS, errno.ENOMEM)
 _warned: set[str] = set()
 
 
@@ -91,7 +95,9 @@ def _read_packets(sock: socket.socket, buffer: bytearray, limit: int) -> tuple[l
 def wait_for_channel(emulator_address: str, *, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> bool:
     """Wait until the emulator at ``emulator_address`` listens on its channel, at most ``timeout_s`` and while
     ``alive()``: the vans started after that use it (a van looks for it once, when it starts). False at once
-    where there can be none."""
+    where there can be none, and as soon as the emulator takes TCP connections without a channel (it opens the
+    channel before its port: one that could not, an older version)."""
+    host, _, port = emulator_address.removeprefix("tcp://").rpartition(":")
     deadline = time.monotonic() + timeout_s
     while available() and alive() and time.monotonic() < deadline:
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -100,9 +106,14 @@ def wait_for_channel(emulator_address: str, *, timeout_s: float, alive: Callable
             probe.connect(channel_name(emulator_address))
             return True
         except OSError:
-            time.sleep(0.05)
+            pass
         finally:
             probe.close()
+        try:
+            socket.create_connection((host, int(port)), timeout=0.5).close()
+            return False
+        except (OSError, ValueError):
+            time.sleep(0.05)
     return False
 
 
@@ -151,8 +162,10 @@ class VanChannel:
         """Hand one route to the emulator; False: its buffer is full, try again later. OSError once it is gone."""
         try:
             self._sock.send(route)
-        except BlockingIOError:
-            return False
+        except OSError as exc:
+            if exc.errno in _SEND_LATER:
+                return False
+            raise
         return True
 
     def read_releases(self) -> list[bytes] | None:
@@ -174,11 +187,12 @@ class VanChannel:
 
 
 class _Connection:
-    __slots__ = ("sock", "fd", "addr", "backlog")
+    __slots__ = ("sock", "fd", "addr", "backlog", "writable_wanted")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock, self.fd, self.addr = sock, sock.fileno(), None
         self.backlog: collections.deque[bytes] = collections.deque()
+        self.writable_wanted = False        # polled for POLLOUT: releases wait for room in the van's buffer
 
 
 class EmulatorChannel:
@@ -187,7 +201,7 @@ class EmulatorChannel:
 
     Releases a van's buffer has no room for wait here, in order, as they waited in ZeroMQ's queue before (its
     forward sockets have no high-water mark): the van's own payloads, which it does not read either, hold back
-    its senders."""
+    its senders. The connection is then polled for room too, so the loop sleeps until the van reads."""
 
     def __init__(self, listener: socket.socket) -> None:
         self._listener = listener
@@ -195,13 +209,12 @@ class EmulatorChannel:
         self._buffer = bytearray(MAX_PACKET)
         self._connections: dict[int, _Connection] = {}     # by file descriptor, as the poller names them
         self._by_address: dict[str, _Connection] = {}
-        self._waiting: set[_Connection] = set()     # with releases their van's buffer had no room for
         self._paused_until: float | None = None     # the listener rests: the process ran out of files
         self.refusals = RefusalLog(log)
 
     def attach(self, poller) -> None:
         self._poller = poller
-        poller.register(self._listener, 1)      # zmq.POLLIN
+        poller.register(self._listener, zmq.POLLIN)
 
     @classmethod
     def open(cls, emulator_address: str) -> EmulatorChannel | None:
@@ -221,27 +234,33 @@ class EmulatorChannel:
 
     @property
     def waiting(self) -> bool:
-        """Whether the loop must call :meth:`service` soon: releases wait for a van, or the listener rests."""
-        return bool(self._waiting) or self._paused_until is not None
+        """Whether the loop must call :meth:`service`: the listener rests (the process ran out of files)."""
+        return self._paused_until is not None
 
     def service(self, now: float) -> float:
-        """Send what waits, wake the listener after its rest; the seconds until this is due again."""
-        for conn in list(self._waiting):
-            self._flush(conn)
+        """Wake the listener after its rest; the seconds until this is due again."""
         if self._paused_until is not None and now >= self._paused_until:
             self._paused_until = None
-            self._poller.register(self._listener, 1)
-        if self._waiting:
-            return 0.001
+            self._poller.register(self._listener, zmq.POLLIN)
         return self._paused_until - now if self._paused_until is not None else float("inf")
 
-    def readable(self, fd: int) -> list[tuple[str, bytes]]:
-        """What ``fd`` (a descriptor the poller said is readable) brought: ``(van address, route packet)`` each."""
+    @property
+    def backlogged(self) -> int:
+        """Packets of releases waiting for room in their vans' buffers."""
+        return sum(len(conn.backlog) for conn in self._connections.values())
+
+    def ready(self, fd: int, events: int) -> list[tuple[str, bytes]]:
+        """Serve ``fd``, a descriptor the poller named with ``events``: accept, send what waits for room; what
+        it brought, ``(van address, route packet)`` each."""
         if fd == self._listener.fileno():
             self._accept()
             return []
         conn = self._connections.get(fd)
         if conn is None:                # forgotten earlier in this pass
+            return []
+        if events & zmq.POLLOUT:
+            self._flush(conn)
+        if not events & zmq.POLLIN or conn.fd not in self._connections:
             return []
         packets, closed = _read_packets(conn.sock, self._buffer, PACKETS_PER_PASS)
         routes = []
@@ -276,17 +295,26 @@ class EmulatorChannel:
         while conn.backlog:
             try:
                 conn.sock.send(conn.backlog[0])
-            except BlockingIOError:
+            except OSError as exc:
+                if exc.errno == errno.EMSGSIZE and len(conn.backlog[0]) > MARKER_BYTES:
+                    head = conn.backlog.popleft()      # larger than the socket's buffer: in halves
+                    half = len(head) // MARKER_BYTES // 2 * MARKER_BYTES
+                    conn.backlog.extendleft((head[half:], head[:half]))
+                    continue
+                if exc.errno not in _SEND_LATER:   # the van is gone, and what it was owed with it
+                    self._forget(conn)
+                    return
                 if len(conn.backlog) > 1 and len(conn.backlog[-1]) + len(conn.backlog[-2]) <= MAX_PACKET:
                     last = conn.backlog.pop()       # what waits takes as few packets as it can
                     conn.backlog[-1] += last
-                self._waiting.add(conn)
-                return
-            except OSError:             # the van is gone, and what it was owed with it
-                self._forget(conn)
+                if not conn.writable_wanted:
+                    conn.writable_wanted = True
+                    self._poller.modify(conn.sock, zmq.POLLIN | zmq.POLLOUT)
                 return
             conn.backlog.popleft()
-        self._waiting.discard(conn)
+        if conn.writable_wanted:
+            conn.writable_wanted = False
+            self._poller.modify(conn.sock, zmq.POLLIN)
 
     def _accept(self) -> None:
         for _ in range(ACCEPTS_PER_PASS):
@@ -308,7 +336,7 @@ class EmulatorChannel:
                 continue
             sock.setblocking(False)
             self._connections[sock.fileno()] = _Connection(sock)
-            self._poller.register(sock, 1)
+            self._poller.register(sock, zmq.POLLIN)
 
     def _hello(self, conn: _Connection, packet: bytes) -> bool:
         try:
@@ -334,7 +362,6 @@ class EmulatorChannel:
     def _forget(self, conn: _Connection) -> None:
         if self._connections.pop(conn.fd, None) is None:
             return
-        self._waiting.discard(conn)
         if conn.addr is not None and self._by_address.get(conn.addr) is conn:
             del self._by_address[conn.addr]
         self._poller.unregister(conn.sock)
