@@ -328,10 +328,10 @@ class EmulatorChannel:
                 self._poller.unregister(self._listener)
                 self._paused_until = time.monotonic() + PAUSE_S
                 return
-            if len(self._connections) >= MAX_CONNECTIONS or not same_user(sock):
-                self.refusals.note("same-host channel", "WAN emulator refused a same-host channel: %s",
-                                   "another user's process" if len(self._connections) < MAX_CONNECTIONS
-                                   else f"{MAX_CONNECTIONS} already open")
+            why = (f"{MAX_CONNECTIONS} already open" if len(self._connections) >= MAX_CONNECTIONS
+                   else "another user's process" if not same_user(sock) else None)
+            if why is not None:
+                self.refusals.note("same-host channel", "WAN emulator refused a same-host channel: %s", why)
                 sock.close()
                 continue
             sock.setblocking(False)

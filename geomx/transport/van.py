@@ -367,9 +367,13 @@ class ZmqVan(Van):
             log.warning("%s: the WAN emulator closed its same-host channel", public_name(self.node_id))
             return
         for ident in ids:
-            msg = self._parking.release(ident)
-            if msg is not None:
-                self.deliver(msg)
+            self._release(ident)
+
+    def _release(self, ident: bytes) -> None:
+        """The emulator released parked message ``ident``: hand it on, or remember the release until it comes."""
+        msg = self._parking.release(ident)
+        if msg is not None:
+            self.deliver(msg)
 
     @staticmethod
     def _drop_rest(sock: zmq.Socket) -> None:
@@ -385,12 +389,12 @@ class ZmqVan(Van):
         if mark is None:
             msg = self._read_message(sock, peer, first)
         elif mark[0] == RELEASE:
-            msg = self._parking.release(mark[1])
+            self._release(mark[1])
             while sock.getsockopt(zmq.RCVMORE):     # the emulator sends the releases due at once together
                 more = read_marker(sock.recv(copy=False).buffer)
-                if msg is not None:
-                    self.deliver(msg)
-                msg = self._parking.release(more[1]) if more is not None and more[0] == RELEASE else None
+                if more is not None and more[0] == RELEASE:
+                    self._release(more[1])
+            return
         else:
             msg = self._read_message(sock, peer, sock.recv(copy=False) if first.more else None)
             if msg is not None:
@@ -549,12 +553,11 @@ class ZmqVan(Van):
                 self._socket_for(item.addr, probe=False).send_multipart(item.wire[0], flags=zmq.NOBLOCK, copy=False)
                 item.parked = True
                 self._count_sent(item, item.wire[0][1:])
-            channel = self._channel
-            if channel is not None and not channel.down:
+            if self.same_host_channel:
                 try:
-                    return channel.send_route(item.wire[1][0])
+                    return self._channel.send_route(item.wire[1][0])
                 except OSError:         # the emulator closed it: this route and the next go over ZeroMQ
-                    channel.down = True
+                    self._channel.down = True
             self._socket_for(item.socket, probe=False).send_multipart(item.wire[1], flags=zmq.NOBLOCK)
         except zmq.Again:
             return False
