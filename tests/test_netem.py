@@ -398,6 +398,40 @@ def test_high_priority_message_overtakes_bulk_message_at_next_chunk_boundary():
     timing_attempts(measure)
 
 
+def test_in_backward_order_uploads_finish_while_backward_still_makes_gradients_and_at_minus_index_none_does():
+    """Why FSA's priorities put the last layers highest (geomx.sync.wire_order). Four gradients of 256 KiB (210 ms
+    each on a 10 Mbit/s line), made 100 ms apart as backward makes them. Each made below the one before, the first
+    has crossed (215 ms) before the last is made (300 ms). When each new one outranks those before (priority
+    -index, backward making the last layers first), each overtakes the one on the line at its next chunk: none
+    arrives until the last made has crossed whole (about 520 ms), and the downlink would idle meanwhile. The
+    model's times are checked, free of the machine's noise."""
+    rate, one_way, size = 10e6, 0.005, 256 * 1024
+    arrivals = {}
+    for order in ("backward order", "minus index"):
+        sched = RecordingScheduler()
+        epoch = time.monotonic()
+        link = EmulatedLink(name="x", rate_bps=rate, one_way_delay_s=one_way, scheduler=sched, epoch=epoch)
+        got, sent = [], []
+        try:
+            for k in range(4):
+                time.sleep(max(0.0, epoch + 0.1 * k - time.monotonic()))
+                sent.append(time.monotonic() - epoch)
+                link.enqueue(size, -k if order == "backward order" else k, lambda k=k, got=got: got.append(k))
+            deadline = time.monotonic() + 5.0
+            while len(got) < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            link.close()
+        arrivals[order] = (got, [t - epoch for t in sched.times], sent[-1])
+    got, times, last_sent = arrivals["backward order"]
+    assert got == [0, 1, 2, 3]
+    assert times[0] == pytest.approx(size * 8 / rate + one_way, abs=0.01) and times[0] < last_sent
+    got, times, last_sent = arrivals["minus index"]
+    assert got == [3, 2, 1, 0]
+    assert times[0] > last_sent + size * 8 / rate
+    assert times[-1] == pytest.approx(4 * size * 8 / rate + one_way, abs=0.02)   # the same bytes, the same end
+
+
 def test_two_flows_on_one_link_share_its_rate():
     rate = 50e6
 

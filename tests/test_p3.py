@@ -150,6 +150,51 @@ def test_p3_slices_each_parameter_into_keys_of_its_slice_size_and_still_ends_on_
     assert all(p.stop - p.start <= 40 for parts in layouts.values() if parts for p in parts)
 
 
+def test_fsa_pushes_gradients_in_the_order_backward_makes_them_and_p3_starts_with_its_tail_whole(monkeypatch):
+    """geomx.sync.wire_order: FSA's gradients cross in the order backward makes them, the last layers highest, each
+    parameter at one priority in every worker; P3's do too while its tail holds every byte (its first step); later
+    steps' priorities, from the pace of the replies, are
+    tests/test_wire_order.py's. The priorities are read where they enter the kvstore."""
+    from geomx.kvstore.kvstore import KVStore
+    from geomx.sync.wire_order import backward_order
+
+    pushed: dict[int, list[tuple[str, int]]] = {}          # by kvstore
+    original = KVStore.pushpull
+
+    def recording(self, key, value, out=None, priority=0, **kw):
+        pushed.setdefault(id(self), []).append((key, priority))
+        return original(self, key, value, out, priority, **kw)
+
+    monkeypatch.setattr(KVStore, "pushpull", recording)
+    fractions: list[float] = []
+    _train("fsa")
+    names = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+    expected = dict(zip(names, backward_order(6), strict=True))
+    assert all(prio == expected[key] for pushes in pushed.values() for key, prio in pushes)
+    assert len(pushed) == 2 and all(len(pushes) == 6 * STEPS for pushes in pushed.values())
+    pushed.clear()
+    _train("p3", lambda _worker, _step, opt: fractions.append(opt.sync.order.tail_fraction))
+    for pushes in pushed.values():                        # the first step: the tail whole, FSA's order
+        assert all(prio == expected[key] for key, prio in pushes[:6])
+    assert all(0.0 <= f <= 1.0 for f in fractions) and fractions[0] == 1.0
+
+
+def test_p3_saves_the_tails_share_and_refuses_a_share_outside_zero_to_one():
+    def observe(_worker, step, opt):
+        if step == STEPS - 1:
+            state = opt.sync.state_dict()
+            assert state["tail_fraction"] == opt.sync.order.tail_fraction
+            opt.sync.load_state_dict({**state, "tail_fraction": 0.25})
+            assert opt.sync.order.tail_fraction == 0.25
+            with pytest.raises(ConfigError, match="tail_fraction must be a share of the bytes in \\[0, 1\\], got 1.5"):
+                opt.sync.load_state_dict({**state, "tail_fraction": 1.5})
+            saved.append(step)
+
+    saved: list[int] = []
+    _train("p3", observe)
+    assert saved == [STEPS - 1, STEPS - 1]
+
+
 def test_p3_is_refused_without_the_servers_optimizer_or_without_the_model_naming_the_fix():
     from geomx.torch import DistributedOptimizer
 

@@ -33,7 +33,7 @@ def _add_topology_flags(p: argparse.ArgumentParser) -> None:
     # an exact flag, so that --p3 is not read as an abbreviation of --p3-slice (argparse takes unique prefixes)
     algorithm.add_argument("--p3", dest="sync", action="store_const", const="p3",
                            help="the same as --sync p3 (GeoMX's ENABLE_P3=1): the next forward pass overlaps the "
-                                "rest of each round, first layers first")
+                                "rest of each round, layer by layer")
     p.add_argument("--hfa-k1", type=int, help="hfa/diloco: local steps between DC averages (default 1)")
     p.add_argument("--hfa-k2", type=int, help="hfa/diloco: DC averages between global averages (default 1)")
     p.add_argument("--hfa-overlap", type=int, metavar="D",

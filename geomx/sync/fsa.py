@@ -1,11 +1,13 @@
 """FSA, fully synchronous gradient aggregation: the default policy of ``DistributedOptimizer``, in the same place
 PyTorch's DDP puts its default ``allreduce_hook``.
 
-Every gradient is pushed from a backward hook as soon as backward produced it (priority ``-index``: first
-layers first, the tensors the next forward pass needs first); ``step()`` waits for every result and either
-steps the wrapped optimizer on the mean gradient over all workers of all DCs (worker-side update) or copies the
-weights the global servers computed (a server optimizer). MixedSync (``dist_async``) is the same policy: only
-the servers' answer differs.
+Every gradient is pushed from a backward hook as soon as backward produced it, at a priority that makes them
+cross in the order backward made them, the last layers first (``step()`` waits for them all, so another order
+buys nothing, and each upload finishing in turn lets its reply come down while backward still runs:
+geomx.sync.wire_order).
+``step()`` waits for every result and either steps the wrapped optimizer on the mean gradient over all workers of
+all DCs (worker-side update) or copies the weights the global servers computed (a server optimizer). MixedSync
+(``dist_async``) is the same policy: only the servers' answer differs.
 
 Gradient accumulation: with ``backward_passes_per_step`` k, the hook pushes after the k-th backward pass,
 the sum of the k passes (``.grad`` accumulates them, as in single-process PyTorch: scale the loss by 1 / k for
@@ -21,6 +23,7 @@ import torch
 from geomx.errors import ConfigError
 from geomx.sync.fusion import Fusion, GradientBuckets
 from geomx.sync.settings import check_backward_passes, check_saved_algorithm
+from geomx.sync.wire_order import backward_order
 
 
 class FSA:
@@ -38,6 +41,7 @@ class FSA:
     def setup(self, kv, params: list[tuple[str, torch.nn.Parameter]], *, num_samples: float | None = None) -> None:
         self.kv, self.params = kv, params
         self.server_updates = kv.server_updates
+        self.priorities = backward_order(len(params))
         self._index = {id(p): i for i, (_, p) in enumerate(params)}
         for _, p in params:
             if p.requires_grad:
@@ -54,7 +58,7 @@ class FSA:
             return None
         trainable = [i for i, (_, p) in enumerate(self.params) if p.requires_grad]
         fusion = Fusion.of(self.kv, "gradients", [self.params[i] for i in trainable])
-        return GradientBuckets(fusion, trainable) if fusion.buckets else None
+        return GradientBuckets(fusion, trainable, self.priorities) if fusion.buckets else None
 
     def step(self, optimizer: torch.optim.Optimizer, *, compute_s: float = 0.0) -> float:
         """Wait for every parameter's result, then update (locally, or by copying the servers' weights)."""
@@ -137,5 +141,5 @@ class FSA:
         # before step() (a further backward pass is refused above)
         if grad.device.type != "cpu" or not grad.is_contiguous():
             grad = grad.detach().cpu().contiguous()
-        self._handles[i] = (self.kv.pushpull(self.params[i][0], grad, out=grad, priority=-i), grad)
+        self._handles[i] = (self.kv.pushpull(self.params[i][0], grad, out=grad, priority=self.priorities[i]), grad)
 

@@ -182,7 +182,7 @@ class Fusion:
         """``kv.pushpull`` of every tensor times ``scale``, the results landing in ``into``; returns the
         handles (a bucket's results are unpacked into ``into`` before its handle finishes). Under a codec that
         is not element-wise (:meth:`fuses`) every tensor travels alone. ``first_tensors_first``: priority -index
-        (a bucket's: its first tensor's), as FSA's gradients travel."""
+        (a bucket's: its first tensor's), for rounds whose tensors are all sent at once."""
         def priority(i: int) -> int:
             return -i if first_tensors_first else 0
 
@@ -271,12 +271,14 @@ def _unpacker(bucket: Bucket, buf: torch.Tensor, into: list[torch.Tensor]):
 
 class GradientBuckets:
     """FSA's gradients through a :class:`Fusion`: a bucket is pushed once backward has produced every member's
-    gradient (DDP's buckets; the last layers' bucket fills first), with the priority of its first member, and
+    gradient (DDP's buckets; the last layers' bucket fills first), at its members' highest priority, and
     each member's reply is a view of the bucket's buffer, where the bucket's reply lands."""
 
-    def __init__(self, fusion: Fusion, indices: list[int]) -> None:
-        """``indices``: the parameter index of each tensor the fusion was planned over."""
+    def __init__(self, fusion: Fusion, indices: list[int], priorities: list[int]) -> None:
+        """``indices``: the parameter index of each tensor the fusion was planned over; ``priorities``: each
+        parameter's, by parameter index."""
         self.fusion = fusion
+        self.priorities = priorities
         self.bucket_of = {indices[m]: b for b in fusion.buckets for m in b.members}
         self._members = {id(b): [indices[m] for m in b.members] for b in fusion.buckets}
         self._filled: dict[int, dict[int, torch.Tensor]] = {}     # id(bucket) -> parameter index -> gradient
@@ -299,6 +301,6 @@ class GradientBuckets:
         # the bucket's members by their index in the fusion's plan, as pack and slices read them
         grads = {fused: filled[param] for fused, param in zip(b.members, members, strict=True)}
         buf = self.fusion.pack(b, grads)
-        h = kv.pushpull(b.key, buf, out=buf, priority=-members[0])
+        h = kv.pushpull(b.key, buf, out=buf, priority=max(self.priorities[m] for m in members))
         for param, (g, start, stop) in zip(members, b.slices(grads), strict=True):
             handles[param] = (h, buf[start:stop].view_as(g))

@@ -4,10 +4,12 @@ synchronization, layer by layer.
 FSA's ``step()`` waits for every parameter's reply before the next forward pass may start. Under P3 the servers
 run the optimizer (each reply is a parameter's new weights), ``step()`` only makes sure every gradient is on its
 way, and each module waits for its own parameters' replies in a forward pre-hook, just before it needs them. The
-gradients travel first layers first (priority ``-index`` at the worker's send queue, in the local and global
-servers' queues and on the emulated WAN's links), so the first layers' weights come back first and the forward
-pass starts while the last layers' are still on the wire. The model after k steps is FSA's, bit for bit: the
-same replies land, only later.
+gradients travel tail first (:class:`geomx.sync.wire_order.TailFirst`, priorities honoured at the worker's send
+queue, in the local and global servers' queues and on the emulated WAN's links): the last layers, as many bytes
+as the uplink carries during a backward pass, in the order backward makes them, then the others first layers
+first. So the uplink finishes whole uploads while backward runs, their replies come down meanwhile, the first
+layers' weights come back first once it ends, and the forward pass starts while the rest are still on the wire.
+The model after k steps is FSA's, bit for bit: the same replies land, only later.
 
 Gradients leave from, and replies land in, buffers of P3's own (never ``.grad``, which the next backward pass or
 ``zero_grad(set_to_none=False)`` writes while the round is still on its way), and every parameter
@@ -24,6 +26,7 @@ from geomx.compat import check_kvstore
 from geomx.errors import ConfigError
 from geomx.sync.fsa import FSA
 from geomx.sync.settings import check
+from geomx.sync.wire_order import TailFirst
 
 
 class P3(FSA):
@@ -43,6 +46,7 @@ class P3(FSA):
     def setup(self, kv, params: list[tuple[str, torch.nn.Parameter]], *, num_samples: float | None = None) -> None:
         super().setup(kv, params, num_samples=num_samples)
         check_kvstore(kv, self.name)
+        self.order = TailFirst([p.numel() * p.element_size() for _, p in params])
 
     def attach_module(self, module: torch.nn.Module | None) -> None:
         """Hook every module that owns parameters: before its forward runs, its parameters' replies land."""
@@ -65,6 +69,7 @@ class P3(FSA):
         """Every gradient on its way; nothing waited for here (the forward pre-hooks wait). Returns the seconds
         the pre-hooks waited since the last step."""
         self._push_the_rest()
+        self.order.end_backward(time.monotonic())
         self._landing.update(self._handles)
         self._handles.clear()
         self._passes.clear()
@@ -85,7 +90,15 @@ class P3(FSA):
 
     def state_dict(self) -> dict:
         self._wait_in_forward(list(self._landing))
-        return super().state_dict()
+        return {**super().state_dict(), "tail_fraction": self.order.tail_fraction}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if "tail_fraction" in state:            # absent from a checkpoint of before the tail-first order
+            fraction = state["tail_fraction"]
+            if not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+                raise ConfigError(f"p3 state: tail_fraction must be a share of the bytes in [0, 1], got {fraction!r}")
+            self.order = TailFirst(self.order.sizes, tail_fraction=fraction)
 
     # internals ----------------------------------------------------------------------------------------------
     def _push(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> None:
@@ -94,7 +107,10 @@ class P3(FSA):
         # a copy of its own: step() returns with the push maybe still unsent (sent without a copy), and the next
         # backward pass, or zero_grad(set_to_none=False), writes .grad in place; the reply lands in it as well
         sent = grad.detach().to("cpu", copy=True).contiguous()
-        self._handles[i] = (self.kv.pushpull(self.params[i][0], sent, out=sent, priority=-i), sent)
+        priority = self.order.begin_push(i, time.monotonic())
+        handle = self.kv.pushpull(self.params[i][0], sent, out=sent, priority=priority)
+        handle.add_done_callback(lambda _h, i=i: self.order.landed(i, time.monotonic()))
+        self._handles[i] = (handle, sent)
 
     def _wait_in_forward(self, indices: list[int]) -> None:
         """Land ``indices`` between steps; the wait is counted at the next step()."""

@@ -33,10 +33,11 @@ update count, as MXNet's servers ran the optimizer's scheduler); ``zero_grad(set
 (HFA/DiLoCo base model and outer momentum, DGA's gradient history, ESync's round), the step count and this worker's
 compression streams (codec memory, error-feedback residuals), and ``load_state_dict`` restores them.
 
-Tuning: gradients are pushed with priority ``-index`` (first layers first), so the tensors the next forward
-pass needs first travel first on a congested link. ``backward_passes_per_step`` k > 1 sums k backward passes
-locally before pushing (fewer, larger WAN rounds; scale the loss by 1 / k for their mean); one more backward
-pass before ``step()`` raises an error naming this option (geomx.sync.fsa). A policy object sums its own
+Tuning: gradients cross a congested link in the order backward makes them (FSA waits for every reply, and
+gradients that overtook one another would leave the downlink idle until backward ends); P3 sends the last
+layers first and the rest first layers first (geomx.sync.wire_order). ``backward_passes_per_step`` k > 1 sums
+k backward passes locally before pushing (fewer, larger WAN rounds; scale the loss by 1 / k for their mean); one
+more backward pass before ``step()`` raises an error naming this option (geomx.sync.fsa). A policy object sums its own
 (``sync=geomx.FSA(backward_passes_per_step=k)``): a different value given here beside it is refused.
 """
 from __future__ import annotations

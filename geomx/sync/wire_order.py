@@ -1,0 +1,111 @@
+"""In what order a step's gradients cross a congested link: the priorities FSA and P3 push them with.
+
+Backward makes the last layers' gradients first. The links honour priorities strictly (the van's queue, the
+emulator's chunks): a message overtakes every lower one still waiting, even one half sent. So if each new
+gradient outranks the ones before it (priority ``-index``, first layers first, which GeoMX and P3 give every
+push), each overtakes the ones already on the wire. Nothing finishes its upload while backward runs, no reply
+comes back meanwhile, and the downlink idles until backward ends. Then the whole model comes down after it.
+
+* FSA waits for every reply before the next forward pass, so the order replies come in buys it nothing. Its
+  gradients go in the order backward makes them (:func:`backward_order`: the last layers highest). Each upload
+  finishes in turn and its reply comes down during backward. A parameter has the same priority in every worker,
+  so where several workers share a link (the flat PS's) the same gradient of each crosses together and the
+  server answers it while the next ones travel; one priority for all would send them in the order they
+  reached the link, one worker's whole model first (that made the flat PS's step 1.19 s instead of 0.94, tiny
+  compute over ``transpacific``). Measured on the tiny LM over a link where a step's upload takes about twice
+  its backward pass, FSA's step fell from 1.26 to 1.00 s (docs/benchmarks.md, "Gradients in the order backward
+  makes them").
+* P3 wants the first layers' replies first, once backward has ended, because the next forward pass needs them
+  first. It also wants the uplink to finish whole uploads during backward. :class:`TailFirst` does both. The
+  last layers, about as many bytes as the uplink carries during a backward pass, go in the order backward
+  makes them. The other layers go after them, first layers first. The share of the tail is measured every step
+  from the pace the previous step's replies came in.
+
+Every gradient's priority is below 0, the default of control messages (heartbeats go at 1000).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# the tail is sized a quarter above the measured estimate: too large a tail only delays the first layers behind
+# its last uploads (the order tends to FSA's), too small a one leaves the downlink idle (P3's old order). The
+# estimate also moves halfway to each new step's figure, so one odd step cannot swing it.
+TAIL_MARGIN = 1.25
+SMOOTHING = 0.5
+MIN_LANDINGS = 3           # replies after backward ended needed to read the link's pace from
+
+
+def backward_order(count: int) -> list[int]:
+    """FSA's priority of each of ``count`` parameters: the last highest, as backward makes them (-1 down to
+    -count)."""
+    return [i - count for i in range(count)]
+
+
+def tail_first_priorities(sizes: Sequence[int], tail_fraction: float) -> list[int]:
+    """P3's priority of each parameter: the last parameters holding at most ``tail_fraction`` of the bytes keep
+    :func:`backward_order`'s; every other one goes below them all, first layers first."""
+    count, total = len(sizes), sum(sizes)
+    priorities = [-count - 1 - i for i in range(count)]
+    in_tail = 0
+    for i in range(count - 1, -1, -1):
+        in_tail += sizes[i]
+        if in_tail > tail_fraction * total:
+            break
+        priorities[i] = i - count
+    return priorities
+
+
+def uploadable_share(*, backward_s: float, landings: Sequence[tuple[float, int]], total_bytes: int) -> float:
+    """The share of a step's bytes the uplink can carry during a backward pass of ``backward_s`` seconds.
+
+    ``landings``: (time, bytes) of the step's replies that landed after its backward pass ended, in time order.
+    Those wait for the link one behind the other, so their pace is the link's rate. Fewer than
+    :data:`MIN_LANDINGS` of them means the link kept up with backward: it carries everything (1.0)."""
+    if len(landings) < MIN_LANDINGS or total_bytes <= 0:
+        return 1.0
+    span = landings[-1][0] - landings[0][0]
+    if span <= 0:
+        return 1.0
+    rate = sum(nbytes for _, nbytes in landings[1:]) / span
+    return min(1.0, rate * backward_s / total_bytes)
+
+
+class TailFirst:
+    """P3's order (see the module docstring), its state a step's timings and the tail's share of the bytes.
+
+    Call :meth:`begin_push` at each push (it returns the priority), :meth:`landed` when a reply lands, and
+    :meth:`end_backward` when the step's last gradient is on its way. The tail's share starts at 1.0 (every
+    gradient in the order backward makes it, FSA's order) and follows the estimate from the second step on."""
+
+    def __init__(self, sizes: Sequence[int], *, tail_fraction: float = 1.0) -> None:
+        self.sizes = [int(s) for s in sizes]
+        self.tail_fraction = float(tail_fraction)
+        self._priorities = tail_first_priorities(self.sizes, self.tail_fraction)
+        self._first_push: float | None = None       # this step's first push
+        self._backward_end: float | None = None     # the previous step's end of backward
+        self._backward_s = 0.0
+        self._landed: list[tuple[float, int]] = []  # the previous step's replies: (time, index)
+
+    def begin_push(self, i: int, now: float) -> int:
+        if self._first_push is None:              # the step's first push: the previous step's replies are in
+            self._first_push = now
+            self._update()
+        return self._priorities[i]
+
+    def landed(self, i: int, now: float) -> None:
+        self._landed.append((now, i))             # list.append is atomic: called from the receive thread
+
+    def end_backward(self, now: float) -> None:
+        if self._first_push is not None:
+            self._backward_s = now - self._first_push
+        self._backward_end, self._first_push = now, None
+
+    def _update(self) -> None:
+        landed, self._landed = self._landed, []
+        if self._backward_end is None:
+            return
+        after = sorted((t, self.sizes[i]) for t, i in landed if t > self._backward_end)
+        share = uploadable_share(backward_s=self._backward_s, landings=after, total_bytes=sum(self.sizes))
+        target = min(1.0, TAIL_MARGIN * share)
+        self.tail_fraction += SMOOTHING * (target - self.tail_fraction)
+        self._priorities = tail_first_priorities(self.sizes, self.tail_fraction)
