@@ -409,26 +409,27 @@ def test_in_backward_order_uploads_finish_while_backward_still_makes_gradients_a
     arrivals = {}
     for order in ("backward order", "minus index"):
         sched = RecordingScheduler()
-        epoch = time.monotonic()
-        link = EmulatedLink(name="x", rate_bps=rate, one_way_delay_s=one_way, scheduler=sched, epoch=epoch)
-        got, sent = [], []
+        link = EmulatedLink(name="x", rate_bps=rate, one_way_delay_s=one_way, scheduler=sched)
+        got = []
+        epoch = time.monotonic()           # the link built: each message is stamped with the time it was made
         try:
             for k in range(4):
                 time.sleep(max(0.0, epoch + 0.1 * k - time.monotonic()))
-                sent.append(time.monotonic() - epoch)
-                link.enqueue(size, -k if order == "backward order" else k, lambda k=k, got=got: got.append(k))
+                link.enqueue(size, -k if order == "backward order" else k, lambda k=k, got=got: got.append(k),
+                             at=epoch + 0.1 * k)
             deadline = time.monotonic() + 5.0
             while len(got) < 4 and time.monotonic() < deadline:
                 time.sleep(0.01)
         finally:
             link.close()
-        arrivals[order] = (got, [t - epoch for t in sched.times], sent[-1])
-    got, times, last_sent = arrivals["backward order"]
+        arrivals[order] = (got, [t - epoch for t in sched.times])
+    last_made = 0.3
+    got, times = arrivals["backward order"]
     assert got == [0, 1, 2, 3]
-    assert times[0] == pytest.approx(size * 8 / rate + one_way, abs=0.01) and times[0] < last_sent
-    got, times, last_sent = arrivals["minus index"]
+    assert times[0] == pytest.approx(size * 8 / rate + one_way, abs=0.01) and times[0] < last_made
+    got, times = arrivals["minus index"]
     assert got == [3, 2, 1, 0]
-    assert times[0] > last_sent + size * 8 / rate
+    assert times[0] > last_made + size * 8 / rate
     assert times[-1] == pytest.approx(4 * size * 8 / rate + one_way, abs=0.02)   # the same bytes, the same end
 
 

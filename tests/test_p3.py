@@ -179,7 +179,7 @@ def test_fsa_pushes_gradients_in_the_order_backward_makes_them_and_p3_starts_wit
     assert all(0.0 <= f <= 1.0 for f in fractions) and fractions[0] == 1.0
 
 
-def test_p3_saves_the_tails_share_and_refuses_a_share_outside_zero_to_one():
+def test_p3_saves_the_tails_share_and_a_refused_share_leaves_its_state_as_it_was():
     def observe(_worker, step, opt):
         if step == STEPS - 1:
             state = opt.sync.state_dict()
@@ -187,12 +187,32 @@ def test_p3_saves_the_tails_share_and_refuses_a_share_outside_zero_to_one():
             opt.sync.load_state_dict({**state, "tail_fraction": 0.25})
             assert opt.sync.order.tail_fraction == 0.25
             with pytest.raises(ConfigError, match="tail_fraction must be a share of the bytes in \\[0, 1\\], got 1.5"):
-                opt.sync.load_state_dict({**state, "tail_fraction": 1.5})
+                opt.sync.load_state_dict({**state, "steps": 99, "tail_fraction": 1.5})
+            assert opt.sync.steps == state["steps"] and opt.sync.order.tail_fraction == 0.25
             saved.append(step)
 
     saved: list[int] = []
     _train("p3", observe)
     assert saved == [STEPS - 1, STEPS - 1]
+    fresh = P3()                                    # loaded before setup: the share waits for the parameters
+    fresh.load_state_dict({"algorithm": "p3", "steps": 3, "tail_fraction": 0.5})
+    assert fresh.steps == 3 and fresh._saved_tail_fraction == 0.5
+
+
+def test_p3_reports_each_reply_and_each_end_of_backward_to_its_order(monkeypatch):
+    from geomx.sync.wire_order import TailFirst
+
+    calls = {"landed": 0, "end_backward": 0}
+    for name in calls:
+        original = getattr(TailFirst, name)
+
+        def counting(self, *args, name=name, original=original, **kw):
+            calls[name] += 1
+            return original(self, *args, **kw)
+
+        monkeypatch.setattr(TailFirst, name, counting)
+    _train("p3")
+    assert calls == {"landed": 2 * 6 * STEPS, "end_backward": 2 * STEPS}     # 2 workers, 6 parameters
 
 
 def test_p3_is_refused_without_the_servers_optimizer_or_without_the_model_naming_the_fix():

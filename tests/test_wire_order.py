@@ -4,8 +4,11 @@ first, on the emulator's strict-priority link: tests/test_netem.py
 (test_in_backward_order_uploads_finish_while_backward_still_makes_gradients_and_at_minus_index_none_does)."""
 import pytest
 
-from geomx.sync.wire_order import (MIN_LANDINGS, SMOOTHING, TAIL_MARGIN, TailFirst, backward_order,
-                                   tail_first_priorities, uploadable_share)
+import numpy as np
+
+from geomx.errors import ConfigError
+from geomx.sync.wire_order import (CUT_STEPS, MIN_LANDINGS, SMOOTHING, TAIL_MARGIN, TailFirst, backward_order,
+                                   check_tail_fraction, tail_first_priorities, uploadable_share)
 
 
 def test_fsas_order_puts_the_last_layers_highest_and_every_gradient_below_control_messages():
@@ -72,7 +75,8 @@ def test_the_tail_starts_whole_then_moves_halfway_to_a_quarter_above_each_steps_
         expected += SMOOTHING * (target - expected)
     assert order.tail_fraction == pytest.approx(expected, rel=1e-6)
     in_tail = [i for i in range(40) if order.begin_push(i, start) == i - 40]
-    assert in_tail == list(range(40 - int(expected * 40), 40))
+    cut = round(expected * CUT_STEPS) / CUT_STEPS          # the cut moves in sixteenths of the bytes
+    assert in_tail == list(range(40 - int(cut * 40 + 1e-9), 40))
 
 
 def test_replies_that_landed_during_backward_do_not_count_toward_the_pace():
@@ -84,3 +88,34 @@ def test_replies_that_landed_during_backward_do_not_count_toward_the_pace():
     share = uploadable_share(backward_s=0.3, landings=[(1.31, 100_000), (1.33, 100_000), (1.35, 100_000)],
                              total_bytes=1_000_000)
     assert order.tail_fraction == pytest.approx(1.0 + SMOOTHING * (min(1.0, TAIL_MARGIN * share) - 1.0))
+
+
+def test_workers_whose_estimates_differ_a_little_cut_the_tail_alike():
+    sizes = [100_000] * 32
+    a, b = TailFirst(sizes, tail_fraction=0.49), TailFirst(sizes, tail_fraction=0.52)
+    assert [a.begin_push(i, 0.0) for i in range(32)] == [b.begin_push(i, 0.0) for i in range(32)]
+
+
+def test_a_parameter_step_pushes_without_a_gradient_goes_below_the_tail_and_such_a_step_leaves_the_share():
+    order = TailFirst([100_000] * 10, tail_fraction=0.5)
+    assert order.begin_push(9, 1.0, from_backward=False) == tail_first_priorities(order.sizes, 0.0)[9] == -20
+    order.end_backward(1.0)                          # a step with no backward push: no pass to measure
+    for k in range(5):
+        order.landed(k, 1.5 + 0.01 * k)
+    order.begin_push(9, 2.0)
+    assert order.tail_fraction == 0.5
+
+
+def test_a_frozen_parameter_counts_no_bytes_toward_the_tail():
+    # sizes 0 for frozen parameters: the tail of half the bytes is the last trainable layer, not the frozen one
+    assert tail_first_priorities([100, 0, 100], 0.5) == [-4, -2, -1]
+
+
+@pytest.mark.parametrize("value", [True, float("nan"), 1.5, -0.1, "0.5", None])
+def test_a_saved_tail_share_that_is_not_a_number_in_zero_to_one_is_refused_naming_it(value):
+    with pytest.raises(ConfigError, match=r"tail_fraction must be a share of the bytes in \[0, 1\], got"):
+        check_tail_fraction(value)
+
+
+def test_a_saved_tail_share_of_any_real_type_is_taken():
+    assert check_tail_fraction(np.float32(0.25)) == 0.25 and check_tail_fraction(1) == 1.0

@@ -32,7 +32,7 @@ from geomx.transport.message import Message
 
 log = logging.getLogger("geomx.global_server")
 
-_ANNOUNCE_PRIORITY = 1000      # checkpoint_at: before any push waiting beside it (pushes carry -layer index)
+_ANNOUNCE_PRIORITY = 1000      # checkpoint_at: before any push waiting beside it (gradients go below 0)
 _TORCH_IMPORT_DEADLINE_S = 120.0  # a loaded 2-core machine imports torch in seconds; a stuck import must not hang us
 
 

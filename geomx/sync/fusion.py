@@ -271,7 +271,8 @@ def _unpacker(bucket: Bucket, buf: torch.Tensor, into: list[torch.Tensor]):
 
 class GradientBuckets:
     """FSA's gradients through a :class:`Fusion`: a bucket is pushed once backward has produced every member's
-    gradient (DDP's buckets; the last layers' bucket fills first), at its members' highest priority, and
+    gradient (DDP's buckets; the last layers' bucket fills first), at the priority of the member backward makes
+    last (its lowest: a bucket may wrap around tensors that travel alone, and goes when it is full), and
     each member's reply is a view of the bucket's buffer, where the bucket's reply lands."""
 
     def __init__(self, fusion: Fusion, indices: list[int], priorities: list[int]) -> None:
@@ -301,6 +302,6 @@ class GradientBuckets:
         # the bucket's members by their index in the fusion's plan, as pack and slices read them
         grads = {fused: filled[param] for fused, param in zip(b.members, members, strict=True)}
         buf = self.fusion.pack(b, grads)
-        h = kv.pushpull(b.key, buf, out=buf, priority=max(self.priorities[m] for m in members))
+        h = kv.pushpull(b.key, buf, out=buf, priority=min(self.priorities[m] for m in members))
         for param, (g, start, stop) in zip(members, b.slices(grads), strict=True):
             handles[param] = (h, buf[start:stop].view_as(g))

@@ -26,7 +26,7 @@ from geomx.compat import check_kvstore
 from geomx.errors import ConfigError
 from geomx.sync.fsa import FSA
 from geomx.sync.settings import check
-from geomx.sync.wire_order import TailFirst
+from geomx.sync.wire_order import TailFirst, check_tail_fraction
 
 
 class P3(FSA):
@@ -39,6 +39,7 @@ class P3(FSA):
         self.slice_elements = check(self.name, {"slice": slice}).slice
         self._landing: dict[int, tuple] = {}     # parameter index -> (handle, buffer): replies not yet applied
         self._waited = 0.0                       # seconds forward pre-hooks waited since the last step()
+        self._in_step = False                    # step() is pushing what backward did not
 
     def __repr__(self) -> str:
         return f"P3(backward_passes_per_step={self.backward_passes_per_step}, slice={self.slice_elements})"
@@ -46,7 +47,9 @@ class P3(FSA):
     def setup(self, kv, params: list[tuple[str, torch.nn.Parameter]], *, num_samples: float | None = None) -> None:
         super().setup(kv, params, num_samples=num_samples)
         check_kvstore(kv, self.name)
-        self.order = TailFirst([p.numel() * p.element_size() for _, p in params])
+        saved = getattr(self, "_saved_tail_fraction", 1.0)     # load_state_dict before setup
+        self.order = TailFirst([p.numel() * p.element_size() if p.requires_grad else 0 for _, p in params],
+                               tail_fraction=saved)
 
     def attach_module(self, module: torch.nn.Module | None) -> None:
         """Hook every module that owns parameters: before its forward runs, its parameters' replies land."""
@@ -68,7 +71,11 @@ class P3(FSA):
     def step(self, optimizer: torch.optim.Optimizer, *, compute_s: float = 0.0) -> float:
         """Every gradient on its way; nothing waited for here (the forward pre-hooks wait). Returns the seconds
         the pre-hooks waited since the last step."""
-        self._push_the_rest()
+        self._in_step = True                    # what is pushed now had no gradient from backward
+        try:
+            self._push_the_rest()
+        finally:
+            self._in_step = False
         self.order.end_backward(time.monotonic())
         self._landing.update(self._handles)
         self._handles.clear()
@@ -93,12 +100,15 @@ class P3(FSA):
         return {**super().state_dict(), "tail_fraction": self.order.tail_fraction}
 
     def load_state_dict(self, state: dict) -> None:
+        # checked before anything is set: a refused state leaves the policy as it was
+        fraction = check_tail_fraction(state["tail_fraction"]) if "tail_fraction" in state else None
         super().load_state_dict(state)
-        if "tail_fraction" in state:            # absent from a checkpoint of before the tail-first order
-            fraction = state["tail_fraction"]
-            if not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
-                raise ConfigError(f"p3 state: tail_fraction must be a share of the bytes in [0, 1], got {fraction!r}")
+        if fraction is None:                  # a checkpoint of before the tail-first order
+            return
+        if hasattr(self, "order"):
             self.order = TailFirst(self.order.sizes, tail_fraction=fraction)
+        else:
+            self._saved_tail_fraction = fraction
 
     # internals ----------------------------------------------------------------------------------------------
     def _push(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> None:
@@ -107,7 +117,7 @@ class P3(FSA):
         # a copy of its own: step() returns with the push maybe still unsent (sent without a copy), and the next
         # backward pass, or zero_grad(set_to_none=False), writes .grad in place; the reply lands in it as well
         sent = grad.detach().to("cpu", copy=True).contiguous()
-        priority = self.order.begin_push(i, time.monotonic())
+        priority = self.order.begin_push(i, time.monotonic(), from_backward=not self._in_step)
         handle = self.kv.pushpull(self.params[i][0], sent, out=sent, priority=priority)
         handle.add_done_callback(lambda _h, i=i: self.order.landed(i, time.monotonic()))
         self._handles[i] = (handle, sent)

@@ -5,6 +5,9 @@ emulator's chunks): a message overtakes every lower one still waiting, even one 
 gradient outranks the ones before it (priority ``-index``, first layers first, which GeoMX and P3 give every
 push), each overtakes the ones already on the wire. Nothing finishes its upload while backward runs, no reply
 comes back meanwhile, and the downlink idles until backward ends. Then the whole model comes down after it.
+(The emulator lets a message overtake at its next 64 KiB chunk, more finely than a real TCP stream, which sends
+what its socket holds in order; over a real WAN the overtaking happens in the van's queue, behind ZeroMQ's pipe
+of 16 messages, so the same holds for what waits there.)
 
 * FSA waits for every reply before the next forward pass, so the order replies come in buys it nothing. Its
   gradients go in the order backward makes them (:func:`backward_order`: the last layers highest). Each upload
@@ -25,7 +28,11 @@ Every gradient's priority is below 0, the default of control messages (heartbeat
 """
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
+
+from geomx.errors import ConfigError
 
 # the tail is sized a quarter above the measured estimate: too large a tail only delays the first layers behind
 # its last uploads (the order tends to FSA's), too small a one leaves the downlink idle (P3's old order). The
@@ -33,6 +40,7 @@ from collections.abc import Sequence
 TAIL_MARGIN = 1.25
 SMOOTHING = 0.5
 MIN_LANDINGS = 3           # replies after backward ended needed to read the link's pace from
+CUT_STEPS = 16             # the tail is cut at a multiple of 1/16 of the bytes
 
 
 def backward_order(count: int) -> list[int]:
@@ -70,42 +78,64 @@ def uploadable_share(*, backward_s: float, landings: Sequence[tuple[float, int]]
     return min(1.0, rate * backward_s / total_bytes)
 
 
+def check_tail_fraction(value) -> float:
+    """A saved tail share, checked: a real number in [0, 1] (not a bool, not a string)."""
+    share = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
+    if not 0.0 <= share <= 1.0:
+        raise ConfigError(f"p3 state: tail_fraction must be a share of the bytes in [0, 1], got {value!r}")
+    return share
+
+
 class TailFirst:
     """P3's order (see the module docstring), its state a step's timings and the tail's share of the bytes.
 
     Call :meth:`begin_push` at each push (it returns the priority), :meth:`landed` when a reply lands, and
-    :meth:`end_backward` when the step's last gradient is on its way. The tail's share starts at 1.0 (every
-    gradient in the order backward makes it, FSA's order) and follows the estimate from the second step on."""
+    :meth:`end_backward` when the step's last gradient is on its way. ``sizes``: each parameter's bytes, 0 for
+    one that is never pushed (frozen). The tail's share starts at 1.0 (every gradient in the order backward makes
+    it, FSA's order) and follows the estimate from the second step on. Each worker measures its own; the cut
+    between tail and rest moves in sixteenths of the bytes, so that workers whose estimates differ a little (the
+    same links, other timings) still cut alike and a parameter keeps one priority across them."""
 
     def __init__(self, sizes: Sequence[int], *, tail_fraction: float = 1.0) -> None:
         self.sizes = [int(s) for s in sizes]
-        self.tail_fraction = float(tail_fraction)
-        self._priorities = tail_first_priorities(self.sizes, self.tail_fraction)
-        self._first_push: float | None = None       # this step's first push
+        self.tail_fraction = check_tail_fraction(tail_fraction)
+        self._priorities = tail_first_priorities(self.sizes, _cut(self.tail_fraction))
+        self._below_tail = tail_first_priorities(self.sizes, 0.0)
+        self._pushing = False                       # this step's first push was made
+        self._first_push: float | None = None       # this step's first push from backward
         self._backward_end: float | None = None     # the previous step's end of backward
-        self._backward_s = 0.0
+        self._backward_s: float | None = None       # its length (None: no gradient came from backward)
         self._landed: list[tuple[float, int]] = []  # the previous step's replies: (time, index)
 
-    def begin_push(self, i: int, now: float) -> int:
-        if self._first_push is None:              # the step's first push: the previous step's replies are in
-            self._first_push = now
+    def begin_push(self, i: int, now: float, *, from_backward: bool = True) -> int:
+        """Parameter ``i``'s priority. ``from_backward`` False: pushed by ``step()`` (no gradient this step), after
+        backward, so below the tail whatever its place, as every push made then."""
+        if not self._pushing:                     # the step's first push: the previous step's replies are in
+            self._pushing = True
             self._update()
+        if not from_backward:
+            return self._below_tail[i]
+        if self._first_push is None:
+            self._first_push = now
         return self._priorities[i]
 
     def landed(self, i: int, now: float) -> None:
         self._landed.append((now, i))             # list.append is atomic: called from the receive thread
 
     def end_backward(self, now: float) -> None:
-        if self._first_push is not None:
-            self._backward_s = now - self._first_push
-        self._backward_end, self._first_push = now, None
+        self._backward_s = None if self._first_push is None else now - self._first_push
+        self._backward_end, self._first_push, self._pushing = now, None, False
 
     def _update(self) -> None:
         landed, self._landed = self._landed, []
-        if self._backward_end is None:
+        if self._backward_end is None or self._backward_s is None:    # the first step, or one without backward
             return
         after = sorted((t, self.sizes[i]) for t, i in landed if t > self._backward_end)
         share = uploadable_share(backward_s=self._backward_s, landings=after, total_bytes=sum(self.sizes))
         target = min(1.0, TAIL_MARGIN * share)
         self.tail_fraction += SMOOTHING * (target - self.tail_fraction)
-        self._priorities = tail_first_priorities(self.sizes, self.tail_fraction)
+        self._priorities = tail_first_priorities(self.sizes, _cut(self.tail_fraction))
+
+
+def _cut(tail_fraction: float) -> float:
+    return round(tail_fraction * CUT_STEPS) / CUT_STEPS
