@@ -304,6 +304,14 @@ def test_a_restarted_worker_refused_its_place_is_not_restarted_again_and_the_run
     assert not (run_dir / "a-worker-1.rejoin-2.log").exists()
 
 
+def _partition_missed_training(output: str) -> bool:
+    """The launcher's console shows no training step from the partition's start to its end: the partition came
+    and went during set-up (its clock starts with the emulator), so nothing could be dropped for it."""
+    start = output.find("(partition) at ")
+    end = output.find("ended at", start)
+    return start < 0 or end < 0 or "] step " not in output[start:end]
+
+
 @pytest.mark.parametrize("fault", ["partition:b@4+4", "stop:b-server@4+60"], ids=["cut-off", "frozen-server"])
 def test_a_dc_cut_off_or_whose_local_server_froze_is_dropped_restarted_by_the_launcher_and_rejoins(tmp_path, fault):
     """Under the default measured heartbeat deadlines (about 2 s here) neither fault is waited out: a 4 s WAN
@@ -316,9 +324,16 @@ def test_a_dc_cut_off_or_whose_local_server_froze_is_dropped_restarted_by_the_la
 
     from harness import launch
 
-    code, run_dir, output = launch(tmp_path, REJOIN_SCRIPT, dcs=2, workers_per_dc=1, wan="regional", timeout=120,
-                                   inject=[fault], launcher_flags={"rejoin_after": 0.5}, min_workers_per_dc=1)
-    assert code == 0, output
+    for attempt in range(3):
+        code, run_dir, output = launch(tmp_path, REJOIN_SCRIPT, dcs=2, workers_per_dc=1, wan="regional",
+                                       timeout=120, inject=[fault], launcher_flags={"rejoin_after": 0.5},
+                                       min_workers_per_dc=1, name=f"run{attempt}")
+        assert code == 0, output
+        if fault.startswith("partition") and _partition_missed_training(output):
+            continue        # the partition's clock starts with the emulator: set-up on a loaded host outlasted it
+        break
+    else:
+        pytest.fail(f"in 3 launches the partition ended before training began:\n{output}")
     assert "geomx: DC b drops out (" in output and "geomx: restarted DC b at" in output, output
     scheduler_log = (run_dir / "global-scheduler.log").read_text()
     assert "local server of DC b" in scheduler_log and "rejoined in the place of" in scheduler_log, scheduler_log
