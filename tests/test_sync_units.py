@@ -12,7 +12,7 @@ from geomx.cli.topology import load_topology
 from geomx.errors import ConfigError
 from geomx.optim import DCASGD
 from geomx.sync import create, settings_from_env
-from geomx.sync.fusion import Fusion
+from geomx.sync.fusion import Fusion, GradientBuckets
 from geomx.sync.slowdown import Slowdown
 
 
@@ -360,6 +360,36 @@ def test_fusion_packs_small_tensors_of_one_dtype_in_order_and_lets_half_a_bucket
     # the plan depends only on names, shapes and dtypes: every worker plans the same buckets
     again = Fusion("x", names, _tensors(*specs), bucket_bytes=1024)
     assert again.buckets == fusion.buckets and again.alone == fusion.alone
+
+
+def test_a_bucket_goes_at_the_priority_of_the_member_backward_makes_last_below_the_tensors_it_wraps_around():
+    """FSA's order (geomx.sync.wire_order.backward_order): the bucket of t0, t1, t4, t8 fills when backward makes
+    t0, after t2, t6 and t7, which travel alone; at its highest member's priority (t8's) it would overtake them."""
+    from geomx.sync.wire_order import backward_order
+
+    f32 = torch.float32
+    specs = [(100, f32), (50, f32), (1000, f32), (30, f32), (20, f32), (10, f32), (7, torch.int64), (200, f32),
+             (10, f32), (100, f32)]
+    tensors = _tensors(*specs)
+    fusion = Fusion("x", [f"t{i}" for i in range(10)], tensors, bucket_bytes=1024)
+    priorities = backward_order(10)
+    buckets = GradientBuckets(fusion, list(range(10)), priorities)
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.pushed: list[tuple[str, int]] = []
+
+        def pushpull(self, key, value, out=None, priority=0):
+            self.pushed.append((key, priority))
+            return object()
+
+    kv, handles = Recorder(), {}
+    for i in reversed(range(10)):                 # backward makes the last tensors first
+        if i in buckets.bucket_of:
+            buckets.add(kv, i, tensors[i], handles)
+    first_bucket = next(b for b in fusion.buckets if 0 in b.members)
+    assert (first_bucket.key, priorities[0]) in kv.pushed
+    assert priorities[0] < min(priorities[i] for i in fusion.alone)     # below every tensor sent alone before it
 
 
 def test_fusion_of_zero_bytes_sends_every_tensor_alone(monkeypatch):
