@@ -304,19 +304,20 @@ def test_a_restarted_worker_refused_its_place_is_not_restarted_again_and_the_run
     assert not (run_dir / "a-worker-1.rejoin-2.log").exists()
 
 
-def _partition_missed_training(output: str) -> bool:
-    """The launcher's console shows no training step from the partition's start to its end: the partition came
-    and went during set-up (its clock starts with the emulator), so nothing could be dropped for it."""
-    start = output.find("(partition) at ")
-    end = output.find("ended at", start)
-    return start < 0 or end < 0 or "] step " not in output[start:end]
+def _fault_came_before_training(output: str) -> bool:
+    """The launcher's console announced the fault before any worker's first step: it hit set-up (the globals
+    importing torch for the servers' optimizer take seconds on a loaded host), not a running job."""
+    fault = min((i for i in (output.find("geomx: injected "), output.find("geomx: the WAN emulator ")) if i >= 0),
+                default=-1)
+    step = output.find("] step ")
+    return fault >= 0 and (step < 0 or step > fault)
 
 
-@pytest.mark.parametrize("fault", ["partition:b@4+4", "stop:b-server@4+60"], ids=["cut-off", "frozen-server"])
+@pytest.mark.parametrize("fault", ["partition:b@5+4", "stop:b-server@5+60"], ids=["cut-off", "frozen-server"])
 def test_a_dc_cut_off_or_whose_local_server_froze_is_dropped_restarted_by_the_launcher_and_rejoins(tmp_path, fault):
     """Under the default measured heartbeat deadlines (about 2 s here) neither fault is waited out: a 4 s WAN
-    cut of DC b, or DC b's local server frozen (SIGSTOP, alive but silent). The global tier drops DC b and DC a
-    trains on. The launcher counts DC b lost, kills what is left of it (the frozen server: its place must be
+    cut of DC b from 5 s on, or DC b's local server frozen (SIGSTOP, alive but silent). The global tier drops DC b
+    and DC a trains on. The launcher counts DC b lost, kills what is left of it (the frozen server: its place must be
     free) or lets its roles end (once the cut heals they hear they were dropped), and restarts the DC
     (--rejoin-after); its worker rejoins from the running job's round and model, and both DCs' workers end on the
     same weights after every round."""
@@ -329,11 +330,11 @@ def test_a_dc_cut_off_or_whose_local_server_froze_is_dropped_restarted_by_the_la
                                        timeout=120, inject=[fault], launcher_flags={"rejoin_after": 0.5},
                                        min_workers_per_dc=1, name=f"run{attempt}")
         assert code == 0, output
-        if fault.startswith("partition") and _partition_missed_training(output):
-            continue        # the partition's clock starts with the emulator: set-up on a loaded host outlasted it
+        if _fault_came_before_training(output):
+            continue        # set-up on a loaded host outlasted the fault's time: launch again
         break
     else:
-        pytest.fail(f"in 3 launches the partition ended before training began:\n{output}")
+        pytest.fail(f"in 3 launches the fault came before training began:\n{output}")
     assert "geomx: DC b drops out (" in output and "geomx: restarted DC b at" in output, output
     scheduler_log = (run_dir / "global-scheduler.log").read_text()
     assert "local server of DC b" in scheduler_log and "rejoined in the place of" in scheduler_log, scheduler_log
