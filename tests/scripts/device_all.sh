@@ -13,8 +13,9 @@
 # 2026-11-27 (an H200, the first version of this script): 377 s; P3 1.00-1.41x, CU of the tiny rows 0.41-0.43.
 # 2026-11-28 (session 33, with PAIRS): P3 1.33-1.50x over regional (batches 64-128), 1.24-1.28x over
 # transatlantic (512, 640); CU of the small 8-bit row 0.61 on 16 cores (docs/benchmarks.md, "The device machine again").
-# Next: the CU rows (now D=1, D=2 kept, control) and transatlantic between 320 and 512, e.g.
-#   PAIRS="transatlantic:small:384 transatlantic:small:448" P3_STEPS=16 REPEATS=1 P3_S=220 TOTAL_S=440
+# Next (session 40): P3 against FSA in its new order (gradients cross as backward makes them, docs/benchmarks.md
+# "Gradients in the order backward makes them") at session 33's pairs, then the CU rows, e.g.
+#   PAIRS="regional:small:96 transatlantic:small:512" P3_STEPS=16 REPEATS=1 P3_S=220 TOTAL_S=440
 # (a transatlantic pair of 16 steps takes about 90 s: a share under that is cut and leaves no result).
 # Every part gets at most its own cap and what is left of TOTAL_S, so the whole ends inside one call's limit.
 # Knobs: MODEL (small), PAIRS (PROFILE:MODEL:BATCH ..., skips the probe that picks them), BATCHES (candidates,

@@ -11,18 +11,23 @@
 # FLAT_STEPS steps only: its speed is not the question), hips-fsa-server and hips-p3, every worker on the GPU
 # (--device); tables and JSON go to $OUT.
 # Knobs: DEVICE (cuda), PAIRS ("regional:small:16 regional:small:64 transatlantic:small:16 transatlantic:small:64"),
-# STEPS (30), FLAT_STEPS (2), PYTHON (python3), EACH_S (seconds allowed per pair, 150), WARMUP (4: the workers'
-# warm-up steps; a run of 16 steps otherwise warms up for one, and at batch 96 both rows diverged in session 33).
+# STEPS (30), FLAT_STEPS (WARMUP, and never fewer: examples/train_lm.py refuses a warm-up longer than its row's
+# steps, which had failed every pair's flat row since WARMUP came in), PYTHON (python3), EACH_S (seconds allowed
+# per pair, 150), WARMUP (4: the workers' warm-up steps; a run of 16 steps otherwise warms up for one, and at
+# batch 96 both rows diverged in session 33).
 set -u
 source "$(dirname "$0")/device_env.sh" /tmp/geomx-device-p3
+warmup=${WARMUP:-4}
+flat_steps=${FLAT_STEPS:-$warmup}
+(( flat_steps < warmup )) && flat_steps=$warmup
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 for pair in ${PAIRS:-regional:small:16 regional:small:64 transatlantic:small:16 transatlantic:small:64}; do
   IFS=: read -r prof model batch <<< "$pair"
   name="p3-$prof-$model-b$batch"
   echo "== $name"
   timeout "${EACH_S:-150}" "$py" -m geomx.cli.main bench wan --workload lm --model "$model" --profile "$prof" \
-    --configs hips-fsa-server,hips-p3 --steps "${STEPS:-30}" --row-steps "flat=${FLAT_STEPS:-2}" \
-    --eval-every "${STEPS:-30}" --train-args "--device ${DEVICE:-cuda} --batch-size $batch --warmup ${WARMUP:-4}" \
+    --configs hips-fsa-server,hips-p3 --steps "${STEPS:-30}" --row-steps "flat=$flat_steps" \
+    --eval-every "${STEPS:-30}" --train-args "--device ${DEVICE:-cuda} --batch-size $batch --warmup $warmup" \
     --output "$out/$name.md" --json "$out/$name.json" > "$out/$name.log" 2>&1
   echo "exit $?"
   grep '^|' "$out/$name.log" | cut -d'|' -f2,11-13,16-17
