@@ -317,9 +317,11 @@ def _fault_came_before_training(run_dir) -> bool:
     the partition's own, and a little before the launcher's, which times a stop."""
     import json
 
+    from geomx.metrics import read_records
+
     epoch = json.loads((run_dir / "wan_links.json").read_text())["t0_unix"]
-    ready = [json.loads(line)["t"] for path in (run_dir / "metrics").glob("worker-*.jsonl")
-             for line in path.read_text().splitlines() if '"kind": "model"' in line]
+    ready = [rec["t"] for path in (run_dir / "metrics").glob("worker-*.jsonl") for rec in read_records(path)
+             if rec["kind"] == "model"]
     return not ready or min(ready) > epoch + FAULT_AT_S - 0.5
 
 

@@ -40,6 +40,7 @@ class P3(FSA):
         self._landing: dict[int, tuple] = {}     # parameter index -> (handle, buffer): replies not yet applied
         self._waited = 0.0                       # seconds forward pre-hooks waited since the last step()
         self._in_step = False                    # step() is pushing what backward did not
+        self._saved_tail_fraction = 1.0          # the tail's share set-up starts from (a state loaded before it)
 
     def __repr__(self) -> str:
         return f"P3(backward_passes_per_step={self.backward_passes_per_step}, slice={self.slice_elements})"
@@ -47,9 +48,8 @@ class P3(FSA):
     def setup(self, kv, params: list[tuple[str, torch.nn.Parameter]], *, num_samples: float | None = None) -> None:
         super().setup(kv, params, num_samples=num_samples)
         check_kvstore(kv, self.name)
-        saved = getattr(self, "_saved_tail_fraction", 1.0)     # load_state_dict before setup
         self.order = TailFirst([p.numel() * p.element_size() if p.requires_grad else 0 for _, p in params],
-                               tail_fraction=saved)
+                               tail_fraction=self._saved_tail_fraction)
 
     def attach_module(self, module: torch.nn.Module | None) -> None:
         """Hook every module that owns parameters: before its forward runs, its parameters' replies land."""
@@ -105,10 +105,9 @@ class P3(FSA):
         super().load_state_dict(state)
         if fraction is None:                  # a checkpoint of before the tail-first order
             return
-        if hasattr(self, "order"):
+        self._saved_tail_fraction = fraction
+        if hasattr(self, "order"):              # set up already
             self.order = TailFirst(self.order.sizes, tail_fraction=fraction)
-        else:
-            self._saved_tail_fraction = fraction
 
     # internals ----------------------------------------------------------------------------------------------
     def _push(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> None:

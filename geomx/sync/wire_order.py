@@ -53,13 +53,14 @@ def tail_first_priorities(sizes: Sequence[int], tail_fraction: float) -> list[in
     """P3's priority of each parameter: the last parameters holding at most ``tail_fraction`` of the bytes keep
     :func:`backward_order`'s; every other one goes below them all, first layers first."""
     count, total = len(sizes), sum(sizes)
+    in_backward_order = backward_order(count)
     priorities = [-count - 1 - i for i in range(count)]
     in_tail = 0
     for i in range(count - 1, -1, -1):
         in_tail += sizes[i]
         if in_tail > tail_fraction * total:
             break
-        priorities[i] = i - count
+        priorities[i] = in_backward_order[i]
     return priorities
 
 
