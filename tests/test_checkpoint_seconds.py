@@ -122,6 +122,41 @@ def test_every_worker_and_both_global_servers_save_the_declared_steps_and_a_resu
     assert _saved(resumed_dir) == {name: [8, 10] for name in roles}
 
 
+def test_a_global_server_that_never_hears_checkpoint_at_saves_the_declared_rounds_from_the_pushes_marks(tmp_path):
+    """Fault injection: global server 0's ``checkpoint_at`` announcements are lost. Global server 1 still saves
+    every declared round, because each push carries the latest round its client heard, and a client hears of
+    round r (in rank 0's replies of round r - 1) before it pushes round r. (A CI run on a loaded machine had the
+    announcement arrive after global server 1 completed the round: it skipped it, and the job had no step that
+    every role had kept.)"""
+    cluster = _deployment(tmp_path, True)
+    rank0 = next(s for s in cluster.global_servers if s.rank == 0)
+    rank0._announce_checkpoint = lambda round_: None
+    try:
+        _train(cluster, tmp_path, 1, STEPS)
+    finally:
+        cluster.close()
+    assert _saved(tmp_path) == {name: [3, 5, 7, 9]
+                                for name in ("worker-0", "worker-1", "global-server-0", "global-server-1")}
+
+
+def test_a_pushs_checkpoint_mark_counts_once_and_only_where_the_key_could_have_heard_of_it(caplog):
+    from geomx.cluster.server_checkpoint import ServerCheckpoints
+
+    checkpoints = ServerCheckpoints(rank=1, every=0, directory=None)
+    checkpoints.rounds["w0"] = 3
+    assert not checkpoints.hear(6, key="w0", src="client")     # beyond 3 + 2: no client could know it yet
+    assert "marks checkpoint round 6, but the key has completed 3 rounds here" in caplog.text
+    for mark in (True, "5", 0, -1):
+        assert not checkpoints.hear(mark, key="w0", src="client")
+    assert checkpoints.latest_declared == 0
+    assert checkpoints.hear(5, key="w0", src="client") is False     # declared (it writes nothing: no directory)
+    assert checkpoints.latest_declared == 5
+    caplog.clear()
+    checkpoints.rounds["w0"] = 5
+    assert not checkpoints.hear(5)      # checkpoint_at arriving after the marks: no second declaration, no warning
+    assert "skipped" not in caplog.text
+
+
 def test_the_timekeeper_declares_two_rounds_ahead_once_the_interval_passed_and_the_last_round_is_done():
     now = [0.0]
     clock = CheckpointClock(10.0, now=lambda: now[0])

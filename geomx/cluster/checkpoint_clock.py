@@ -13,10 +13,13 @@ others once they heard it; a local server passes the latest it heard on to its w
 pushes round m + 2 only once it has every reply of round m + 1 (FSA waits for them in ``step()``, P3 in the
 next forward pass), rank 0's keys included, and rank 0 has completed no key's round M + 1 yet. So:
 
-* no server has completed round r: its pushes of round r come from workers that finished step M + 1, which
-  waited for rank 0's replies of round M + 1, sent after the declaration. ``checkpoint_at`` goes out first and
-  will be handled before those pushes in practice; a server that hears it only after completing round r of a
-  key skips that checkpoint (logged, never partial), and a resume falls back to the previous common step;
+* no server has completed round r: its pushes of round r come from clients that finished step M + 1, which
+  waited for rank 0's replies of round M + 1, sent after the declaration. ``checkpoint_at`` goes out first, but
+  another path may overtake it (it did on a loaded CI machine), so every push also carries the latest round its
+  client heard (a local server's, the latest its upstream client heard): a server hears of r at the latest
+  with the first push of round r it receives, before any key of it can complete round r
+  (``ServerCheckpoints.hear``). A server that still heard only after completing round r of a key skips that
+  checkpoint (logged, never partial);
 * every worker hears r before it finishes step r: it needs rank 0's replies of round r - 1 = M + 1, all marked
   r. The next declaration waits until every key of rank 0 completed round r, so no reply marks a later round
   before every worker (and local server) has all replies of round r - 1: a reply carries only the latest round,

@@ -250,6 +250,7 @@ class KVClient:
         goes as it is (a wrong dtype is the server's to refuse)."""
         rank = self._owner_of(key)
         tensors, fields = self._encode(key, value, count)
+        self._mark_checkpoint_round(fields)
         self._pushes[key] = self._pushes.get(key, 0) + 1
         return self._request(Op.PUSH, key, rank, fields, tensors, priority, None)
 
@@ -270,6 +271,7 @@ class KVClient:
         if scope == "dc":
             return self._request(Op.DC_PUSHPULL, key, rank, {}, [value], priority, lambda m: m.tensors[0], out)
         tensors, fields = self._encode(key, value, count)
+        self._mark_checkpoint_round(fields)
         self._pushes[key] = self._pushes.get(key, 0) + 1
         return self._request(Op.PUSHPULL, key, rank, fields, tensors, priority, self._value_of(key), out)
 
@@ -326,6 +328,12 @@ class KVClient:
             handle._finish(result)
         except Exception as exc:
             handle._finish(error=exc)
+
+    def _mark_checkpoint_round(self, fields: dict) -> None:
+        """A push carries the latest checkpoint round this client heard: a global server then hears of it no later
+        than the pushes of that round, whatever overtakes rank 0's ``checkpoint_at`` (checkpoint_clock.py)."""
+        if self.latest_checkpoint_round:
+            fields[Field.CHECKPOINT_ROUND] = self.latest_checkpoint_round
 
     def _note_checkpoint_round(self, round_) -> None:
         if isinstance(round_, int) and not isinstance(round_, bool) and round_ > 0:

@@ -308,7 +308,7 @@ class GlobalServer(KVServer):
             if not isinstance(round_, int) or isinstance(round_, bool) or round_ < 1:
                 super().handle_other(msg, client)
             elif self.checkpoints is not None:      # None: this server owns no key, or rounds are asynchronous
-                self.checkpoints.declare(round_)
+                self.checkpoints.hear(round_)
         else:
             super().handle_other(msg, client)
 
@@ -320,6 +320,13 @@ class GlobalServer(KVServer):
                 self.po.van.send(server.addr, Message(Op.CHECKPOINT_AT, fields={Field.ROUND: round_},
                                                       priority=_ANNOUNCE_PRIORITY), dst_dc=server.dc)
         log.info("global server %d: checkpoint declared at round %d", self.rank, round_)
+
+    def note_push_fields(self, st, msg: Message) -> None:
+        """A push names the latest checkpoint round its client heard: this server may not have heard of it yet
+        (checkpoint_clock.py)."""
+        round_ = msg.get(Field.CHECKPOINT_ROUND)
+        if round_ is not None and self.checkpoints is not None:
+            self.checkpoints.hear(round_, key=st.key, src=msg.src)
 
     def reply_notices(self) -> dict:
         latest = self.checkpoints.latest_declared if self.checkpoints is not None else 0

@@ -307,6 +307,10 @@ class KVServer:
     def on_command(self, msg: Message, client: NodeInfo) -> None:
         raise Refused(f"unknown command {msg.get('name')!r}")
 
+    def note_push_fields(self, st: KeyState, msg: Message) -> None:
+        """An accepted push's fields, before its round may complete (a global server hears of checkpoint rounds
+        there); nothing by default."""
+
     def accept_push(self, st: KeyState, src: str, number: int, value: np.ndarray, priority: int, *,
                     reusable: bool = False) -> None:
         """Default (synchronous) aggregation: sum the round, complete it when everyone pushed. ``reusable``: see
@@ -479,6 +483,7 @@ class KVServer:
             st.waiting.append((msg, number + st.refused.get(msg.src, 0)))
         reusable = msg.private and len(msg.tensors) == 1 and value is msg.tensors[0]
         msg.tensors = []        # a held pushpull must not keep its pushed tensor alive (the round has it)
+        self.note_push_fields(st, msg)
         self.accept_push(st, msg.src, number, value, msg.priority, reusable=reusable)
         self.serve_waiting(st)
 

@@ -28,9 +28,9 @@ Data (a client and a server; requests carry ``req``, the reply echoes it):
 
 ==================  =========================  =============================================================
 ``init``            client -> server           key; master (with the value) or layout [shape, dtype]
-``push``            client -> server           key, the gradient (maybe compressed: cm, n)
+``push``            client -> server           key, the gradient (maybe compressed: cm, n); checkpoint_round
 ``pull``            client -> server           key, after (the client's pushes it must reflect)
-``pushpull``        client -> server           key, gradient: push and pull in one message
+``pushpull``        client -> server           key, gradient: push and pull in one message; checkpoint_round
 ``dc_pushpull``     worker -> local server     key, value: a DC-only round (HFA)
 ``cmd``             master -> global servers   name (a Command), args
 ``key_owner``       master -> global servers   key, owner (the rank that holds the key)
@@ -115,7 +115,7 @@ class Field:
     CODEC = "cm"          # compressed payload: {"c": codec name, "m": codec meta, "n": sender count}
     COUNT = "n"           # a dense push of a mean: how many workers' sum it stands for
     ROUND = "round"       # checkpoint_at: the round every key is checkpointed as of
-    CHECKPOINT_ROUND = "checkpoint_round"   # a value reply: the latest round the global servers checkpoint at
+    CHECKPOINT_ROUND = "checkpoint_round"   # a value reply, a push: the latest round the global servers checkpoint at
 
 
 class Command:

@@ -9,8 +9,10 @@ checkpoint round, every ``every`` synchronous rounds of every key and at each ro
 round* (values are never mutated once set, so the value is kept by reference; the optimizer and codec state
 are copied), and once every key it owns has reached the round it writes them in one file, atomically
 (geomx.statefile: msgpack, never pickle): ``global-server-<rank>-round-<N>.state``, keeping its last ``keep``.
-A declared round that some key has already passed when the server hears of it is skipped with a warning (a
-partial checkpoint would be wrong); a resume then takes the latest round every role saved before it.
+A server hears of a declared round from rank 0 (``checkpoint_at``) or from the first push of that round that
+carries it (``hear``). A declared round that some key has already passed when the server hears of it is skipped
+with a warning (a partial checkpoint would be wrong); a resume then takes the latest round every role saved
+before it.
 
 Per key it saves the value and the update policy's state (a server optimizer's), and the part of the key's
 compression state that serves every client alike (``WireKeyState.shared_state_dict``: the stream of a round's
@@ -50,6 +52,7 @@ import numpy as np
 from geomx import statefile
 from geomx.cluster.checkpoint_clock import CheckpointClock
 from geomx.errors import ConfigError
+from geomx.transport.ids import public_name
 from geomx.part_state import NotRecuttable, base_key, part_range, recut, recut_stream, saved_pieces
 
 log = logging.getLogger("geomx.server_checkpoint")
@@ -203,6 +206,22 @@ class ServerCheckpoints:
         if self.holds_model:
             return owned
         return len(self._taken) if max(self._taken.values(), default=0) >= 2 else owned
+
+    def hear(self, round_, *, key=None, src: str | None = None) -> bool:
+        """A round declared by the timekeeper, heard from rank 0's ``checkpoint_at`` or (``key``) marked on a push
+        of ``key`` from ``src``: declared here unless heard already. A push's mark is taken only if it is possible:
+        a client marks round r on its pushes once it has rank 0's replies of round r - 1, and it pushes no
+        round of ``key`` before it has this server's reply of the round before, so ``key`` has completed at
+        least r - 2 rounds here. (A mark beyond that, from a faulty client, would make this server skip the real
+        declarations up to it.)"""
+        if not isinstance(round_, int) or isinstance(round_, bool) or round_ <= self.latest_declared:
+            return False
+        if key is not None and round_ > self.rounds.get(key, 0) + 2:
+            log.warning("global server %d: push of key %r from %s marks checkpoint round %d, but the key has "
+                        "completed %d rounds here: mark ignored", self.rank, key, public_name(src or ""), round_,
+                        self.rounds.get(key, 0))
+            return False
+        return self.declare(round_)
 
     def declare(self, round_: int) -> bool:
         """Checkpoint every key as of ``round_`` (the timekeeper's declaration). Skipped, with a warning, when a
