@@ -21,7 +21,7 @@ class Workload:
 
 
 WORKLOADS = {w.name: w for w in (
-    Workload("digits", "train_cnn.py", "--model", ("wide", "cnn", "deep"), "wide",
+    Workload("digits", "train_cnn.py", "--model", ("wide", "cnn", "deep", "vgg"), "wide",
              "examples/train_cnn.py on scikit-learn's 8x8 digits (test accuracy)"),
     Workload("lm", "train_lm.py", "--model-size", ("tiny", "small", "base"), "tiny",
              "examples/train_lm.py, a byte-level GPT on the Python standard library's source (validation loss)",
