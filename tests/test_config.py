@@ -3,6 +3,7 @@ kvstore modes, WAN profiles, topology files and flags. ``python -m geomx.node`` 
 real processes; everything else is checked in-process."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -552,6 +553,35 @@ def test_the_launcher_sizes_parts_for_the_wan_one_value_for_every_role(tmp_path,
     assert parts(wan="lan") == {None}                        # no WAN: the kvstore's default (16 MiB)
     monkeypatch.setenv("GEOMX_PARTITION_BYTES", "1048576")  # the user's choice wins (inherited by every role)
     assert parts(wan="transpacific") == {None}
+
+
+def test_where_the_launcher_sizes_parts_for_the_wan_they_are_p3s_slices_unless_a_slice_is_given(tmp_path,
+                                                                                               monkeypatch):
+    """P3's 50k-element slices are finer than the parts sized for an emulated WAN (256 KiB at least): they cost
+    messages and bought nothing measured (docs/benchmarks.md, "P3's slices and the WAN's parts"), so there
+    GEOMX_P3_SLICE is 0 unless --p3-slice, the TOML or the launcher's environment sets it."""
+    from geomx.cli.launch import plan
+    from geomx.cli.topology import load_topology
+    from geomx.sync.settings import settings_from_env
+
+    monkeypatch.delenv("GEOMX_PARTITION_BYTES", raising=False)
+    monkeypatch.delenv("GEOMX_P3_SLICE", raising=False)
+
+    def slices(**kw):
+        specs = plan(load_topology(None, **kw), ["python", "x.py"], tmp_path, ports=list(range(20000, 20006)))
+        workers = [s for s in specs if s.env.get("DMLC_ROLE") == "worker"]
+        assert len(workers) == 5                              # the master worker and 2 x 2
+        return {settings_from_env({**os.environ, **s.env}).slice for s in workers}   # what each worker reads
+
+    assert slices(wan="regional", sync="p3") == {0}
+    assert slices(wan="lan", sync="p3") == {50_000}           # no WAN, parts of 16 MiB: P3 slices them
+    assert slices(wan="regional", sync="p3", sync_slice=1000) == {1000}
+    assert slices(wan="regional", sync={"algorithm": "p3", "slice": 3000}) == {3000}    # the file's
+    # GeoMX's spelling in the launcher's environment, which every role inherits: its slice too, if it sets one
+    monkeypatch.setenv("ENABLE_P3", "1")
+    assert slices(wan="regional") == {0}
+    monkeypatch.setenv("GEOMX_P3_SLICE", "2000")
+    assert slices(wan="regional") == {2000}
 
 
 @pytest.mark.parametrize("argv, said", [

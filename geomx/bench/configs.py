@@ -23,6 +23,9 @@ class BenchConfig:
     env: dict = field(default_factory=dict)          # extra environment of every process
     train_args: tuple[str, ...] = ()                 # extra arguments of examples/train_cnn.py
     slowdown: tuple[str, ...] = ()                   # geomx launch --slowdown entries (DC[:RANK]=FACTOR)
+    # the sync options this row sets itself, as a flag would; env holds the algorithm's defaults too, which the
+    # launcher may choose otherwise for the WAN (Topology.sync_given)
+    sync_given: tuple[str, ...] = ()
 
 
 CONFIGS: dict[str, BenchConfig] = {}
@@ -189,7 +192,12 @@ register(BenchConfig("hips-fsa-server", "HiPS FSA, servers' optimizer (dist_sync
 register(BenchConfig("hips-p3", "HiPS P3, servers' optimizer (dist_sync)", env=launch_env({"algorithm": "p3"}),
                      train_args=SERVER_OPTIMIZER))
 register(BenchConfig("hips-p3-unsliced", "HiPS P3 without slices (each parameter one key), servers' optimizer",
-                     env=launch_env({"algorithm": "p3", "slice": 0}), train_args=SERVER_OPTIMIZER))
+                     env=launch_env({"algorithm": "p3", "slice": 0}), train_args=SERVER_OPTIMIZER,
+                     sync_given=("slice",)))
+# hips-p3 travels in the parts sized for the WAN (geomx launch sets GEOMX_P3_SLICE=0 over an emulated WAN)
+register(BenchConfig("hips-p3-sliced", "HiPS P3 in slices of 50,000 elements, servers' optimizer",
+                     env=launch_env({"algorithm": "p3", "slice": 50_000}), train_args=SERVER_OPTIMIZER,
+                     sync_given=("slice",)))
 # heterogeneous DCs: DC b computes 3x slower
 SLOW = ("b=3",)
 register(BenchConfig("hips-fsa-slow", "HiPS FSA, DC b 3x slower", slowdown=SLOW))

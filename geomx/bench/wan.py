@@ -48,6 +48,7 @@ def run_config(config: BenchConfig, *, profile: str | None, wan_rate: str | None
         raise ConfigError(f"WAN profile {topo.profile.name!r} is not emulated: the WAN benchmark needs the emulator "
                           f"(choose another --profile)")
     topo.env.update(config.env)
+    topo.sync_given = frozenset(config.sync_given)
     command = [sys.executable, str(train_script_path(workload.script)), workload.model_flag, model, "--steps",
                str(steps), "--eval-every", str(eval_every), "--seed", str(seed), *train_args, *config.train_args]
     return launch(topo, command, run_dir, timeout, f"WAN bench ({config.name})")

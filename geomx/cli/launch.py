@@ -39,10 +39,12 @@ from geomx.netem import outages as outage_plan
 from geomx.netem.emulator import STATS_FILE
 from geomx.cli.fault_domains import MIN_DCS_ENV, MIN_WORKERS_ENV, DcRole, Losses
 from geomx.profiles import CENTRAL_DC
+from geomx.sync.settings import OPTIONS as SYNC_OPTIONS
 from geomx.sync.slowdown import ENV as SLOWDOWN_ENV
 from geomx.transport.park_channel import wait_for_channel
 from geomx.transport.security import ENCRYPTION_LABELS, encryption_of
 
+P3_SLICE_ENV = SYNC_OPTIONS["slice"][0]     # GEOMX_P3_SLICE
 INFRA_EXIT_GRACE_S = 30.0
 
 
@@ -136,6 +138,13 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
             # parts sized for the WAN (geomx.kvstore.partition.wan_partition_bytes), one value for every role
             from geomx.kvstore.partition import wan_partition_bytes
             base["GEOMX_PARTITION_BYTES"] = str(wan_partition_bytes(topo.slowest_link_bps))
+            # those parts are P3's slices too: its default slices (50k elements), finer, only cost messages (up to
+            # 8% of a step on 2 cores, never faster: docs/benchmarks.md, "P3's slices and the WAN's parts"). Not
+            # where --p3-slice or the file gave one, nor over one the launcher's environment passes on; only P3
+            # reads the variable
+            written = P3_SLICE_ENV in base          # the sync table's default, written out
+            if (written and "slice" not in topo.sync_given) or not (written or os.environ.get(P3_SLICE_ENV)):
+                base[P3_SLICE_ENV] = "0"
         specs.append(RoleSpec("wan-emulator", "emulator", node, {
             **base, "GEOMX_ROLE": "emulator", "GEOMX_EMULATOR_HOST": h, "GEOMX_EMULATOR_PORT": str(p_emu),
             "GEOMX_EMULATOR_DCS": ",".join([CENTRAL_DC, *topo.dc_names]),

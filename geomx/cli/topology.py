@@ -96,6 +96,8 @@ class Topology:
     profile: WanProfile = field(default_factory=lambda: get_profile("regional"))
     host: str = "127.0.0.1"
     env: dict[str, str] = field(default_factory=dict)   # extra variables for every role
+    # the sync options the flags or the file gave (env holds every option of the algorithm, defaults written out)
+    sync_given: frozenset[str] = frozenset()
     slowdown: dict[tuple[str, int], float] = field(default_factory=dict)   # (dc, rank) -> factor
     wan_links: dict = field(default_factory=dict)   # (src, dst) -> link_matrix.LinkSpec: per-link overrides
     tcp: TcpPath = field(default_factory=TcpPath)   # loss, streams, window, slow start: every link's TCP
@@ -253,6 +255,7 @@ def load_topology(path: str | None = None, **flags) -> Topology:
     sync = _sync_table(data, where)
     if sync:        # before validate: --sync's GEOMX_SYNC is what the roles read, not one the launcher inherits
         topo.env.update(launch_env(sync, where))
+        topo.sync_given = frozenset(sync) - {"algorithm"}
     topo.validate()
     topo.slowdown = parse_slowdown(data.get("slowdown"), topo.dc_names, topo.workers_per_dc, where)
     if data.get("wan_links"):

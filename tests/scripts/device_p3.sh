@@ -14,7 +14,8 @@
 # STEPS (30), FLAT_STEPS (WARMUP, and never fewer: examples/train_lm.py refuses a warm-up longer than its row's
 # steps, which had failed every pair's flat row since WARMUP came in), PYTHON (python3), EACH_S (seconds allowed
 # per pair, 150), WARMUP (4: the workers' warm-up steps; a run of 16 steps otherwise warms up for one, and at
-# batch 96 both rows diverged in session 33).
+# batch 96 both rows diverged in session 33), CONFIGS (hips-fsa-server,hips-p3: P3 in the parts sized for the WAN;
+# add hips-p3-sliced for its 50,000-element slices, the cut of the GPU runs before session 41).
 set -u
 source "$(dirname "$0")/device_env.sh" /tmp/geomx-device-p3
 warmup=${WARMUP:-4}
@@ -26,7 +27,7 @@ for pair in ${PAIRS:-regional:small:16 regional:small:64 transatlantic:small:16 
   name="p3-$prof-$model-b$batch"
   echo "== $name"
   timeout "${EACH_S:-150}" "$py" -m geomx.cli.main bench wan --workload lm --model "$model" --profile "$prof" \
-    --configs hips-fsa-server,hips-p3 --steps "${STEPS:-30}" --row-steps "flat=$flat_steps" \
+    --configs "${CONFIGS:-hips-fsa-server,hips-p3}" --steps "${STEPS:-30}" --row-steps "flat=$flat_steps" \
     --eval-every "${STEPS:-30}" --train-args "--device ${DEVICE:-cuda} --batch-size $batch --warmup $warmup" \
     --output "$out/$name.md" --json "$out/$name.json" > "$out/$name.log" 2>&1
   echo "exit $?"
