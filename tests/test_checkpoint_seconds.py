@@ -144,16 +144,19 @@ def test_a_pushs_checkpoint_mark_counts_once_and_only_where_the_key_could_have_h
 
     checkpoints = ServerCheckpoints(rank=1, every=0, directory=None)
     checkpoints.rounds["w0"] = 3
-    assert not checkpoints.hear(6, key="w0", src="client")     # beyond 3 + 2: no client could know it yet
-    assert "marks checkpoint round 6, but the key has completed 3 rounds here" in caplog.text
+    assert not checkpoints.hear(7, key="w0", src="client")     # beyond 3 + 3: no client could know it yet
+    assert not checkpoints.hear(8, key="w0", src="client")
+    assert caplog.text.count("marks checkpoint round 7, but the key has completed 3 rounds here") == 1
+    assert "round 8" not in caplog.text                         # one warning per server, not one per push
     for mark in (True, "5", 0, -1):
         assert not checkpoints.hear(mark, key="w0", src="client")
     assert checkpoints.latest_declared == 0
-    assert checkpoints.hear(5, key="w0", src="client") is False     # declared (it writes nothing: no directory)
-    assert checkpoints.latest_declared == 5
+    # r = M + 2 heard in a reply of round M while this key, one round behind, completed M - 1 = 3 rounds
+    assert checkpoints.hear(6, key="w0", src="client") is False     # declared (it writes nothing: no directory)
+    assert checkpoints.latest_declared == 6
     caplog.clear()
-    checkpoints.rounds["w0"] = 5
-    assert not checkpoints.hear(5)      # checkpoint_at arriving after the marks: no second declaration, no warning
+    checkpoints.rounds["w0"] = 6
+    assert not checkpoints.hear(6)      # checkpoint_at arriving after the marks: no second declaration, no warning
     assert "skipped" not in caplog.text
 
 

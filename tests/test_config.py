@@ -577,6 +577,7 @@ def test_where_the_launcher_sizes_parts_for_the_wan_they_are_p3s_slices_unless_a
     assert slices(wan="lan", sync="p3") == {50_000}           # no WAN, parts of 16 MiB: P3 slices them
     assert slices(wan="regional", sync="p3", sync_slice=1000) == {1000}
     assert slices(wan="regional", sync={"algorithm": "p3", "slice": 3000}) == {3000}    # the file's
+    assert slices(wan="regional", env={"ENABLE_P3": "1", "GEOMX_P3_SLICE": "4000"}) == {4000}   # its [env] table's
     # GeoMX's spelling in the launcher's environment, which every role inherits: its slice too, if it sets one
     monkeypatch.setenv("ENABLE_P3", "1")
     assert slices(wan="regional") == {0}

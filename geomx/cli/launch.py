@@ -139,10 +139,10 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
             from geomx.kvstore.partition import wan_partition_bytes
             base["GEOMX_PARTITION_BYTES"] = str(wan_partition_bytes(topo.slowest_link_bps))
             # those parts are P3's slices too: its default slices (50k elements), finer, only cost messages (up to
-            # 8% of a step on 2 cores, never faster: docs/benchmarks.md, "P3's slices and the WAN's parts"). Not
-            # where --p3-slice or the file gave one, nor over one the launcher's environment passes on; only P3
-            # reads the variable
-            written = P3_SLICE_ENV in base          # the sync table's default, written out
+            # 7% of a step on 2 cores, never faster: docs/benchmarks.md, "P3's slices and the WAN's parts"). Not
+            # where --p3-slice, the sync table or the [env] table gave one (sync_given), nor over one the
+            # launcher's environment passes on; only P3 reads the variable
+            written = P3_SLICE_ENV in base          # the sync table's default written out, or the [env] table's
             if (written and "slice" not in topo.sync_given) or not (written or os.environ.get(P3_SLICE_ENV)):
                 base[P3_SLICE_ENV] = "0"
         specs.append(RoleSpec("wan-emulator", "emulator", node, {

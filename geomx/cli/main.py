@@ -57,8 +57,8 @@ def _add_topology_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--p3-slice", type=int, metavar="ELEMENTS",
                    help="p3: each parameter travels in slices of at most this many elements, each its own key, so "
                         "a layer's first slices are answered while its last still travel (0: only the deployment's "
-                        "parts; default over an emulated WAN 0, as the parts sized for it are P3's slices, else "
-                        "50000, P3's)")
+                        "parts; default 0 where geomx launch sizes the parts for an emulated WAN, which are P3's "
+                        "slices then, else 50000, P3's)")
     p.add_argument("--wan-loss", metavar="P", help="packet loss on every emulated link, a fraction or percentage "
                                                    "(0.0001, 0.01%%), or 'profile' for the WAN profile's own: caps "
                                                    "each TCP stream at the Mathis rate")

@@ -256,6 +256,8 @@ def load_topology(path: str | None = None, **flags) -> Topology:
     if sync:        # before validate: --sync's GEOMX_SYNC is what the roles read, not one the launcher inherits
         topo.env.update(launch_env(sync, where))
         topo.sync_given = frozenset(sync) - {"algorithm"}
+    else:           # the [env] table's own option variables
+        topo.sync_given = frozenset(name for name, (var, *_) in OPTIONS.items() if var in topo.env)
     topo.validate()
     topo.slowdown = parse_slowdown(data.get("slowdown"), topo.dc_names, topo.workers_per_dc, where)
     if data.get("wan_links"):

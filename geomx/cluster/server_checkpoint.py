@@ -95,6 +95,7 @@ class ServerCheckpoints:
         self._saved_shapes: dict[Any, tuple] = {}              # ... and their shapes (older files: the value's)
         self._ranks_saved: list[int] = []                      # the global servers that saved the round
         self._afresh = False                                   # nothing saved to resume from: streams afresh
+        self._warned_mark = False                              # hear() warned of an impossible mark
         self.resume_from, self.resume_round = resume_from, resume_round
 
     def resumed_state(self, key, shape: tuple) -> dict | None:
@@ -209,17 +210,21 @@ class ServerCheckpoints:
 
     def hear(self, round_, *, key=None, src: str | None = None) -> bool:
         """A round declared by the timekeeper, heard from rank 0's ``checkpoint_at`` or (``key``) marked on a push
-        of ``key`` from ``src``: declared here unless heard already. A push's mark is taken only if it is possible:
-        a client marks round r on its pushes once it has rank 0's replies of round r - 1, and it pushes no
-        round of ``key`` before it has this server's reply of the round before, so ``key`` has completed at
-        least r - 2 rounds here. (A mark beyond that, from a faulty client, would make this server skip the real
-        declarations up to it.)"""
+        of ``key`` from ``src``: declared here unless heard already. A push's mark is taken only if it is possible.
+        Rank 0 declares r = M + 2 after completing round M of a key, and every key had completed round M - 1 by
+        then (no client pushes round M before it has every reply of round M - 1). So a reply marked r is of round
+        M or later, a client that has one pushes round M or later, and it pushes round M of ``key`` only once
+        it has this server's reply of round M - 1: ``key`` has completed at least r - 3 rounds here. A mark
+        beyond that, from a faulty client, would make this server skip the real declarations up to it: ignored,
+        with one warning per server."""
         if not isinstance(round_, int) or isinstance(round_, bool) or round_ <= self.latest_declared:
             return False
-        if key is not None and round_ > self.rounds.get(key, 0) + 2:
-            log.warning("global server %d: push of key %r from %s marks checkpoint round %d, but the key has "
-                        "completed %d rounds here: mark ignored", self.rank, key, public_name(src or ""), round_,
-                        self.rounds.get(key, 0))
+        if key is not None and round_ > self.rounds.get(key, 0) + 3:
+            if not self._warned_mark:
+                self._warned_mark = True
+                log.warning("global server %d: push of key %r from %s marks checkpoint round %d, but the key has "
+                            "completed %d rounds here: mark ignored (and any such mark from now on, silently)",
+                            self.rank, key, public_name(src or ""), round_, self.rounds.get(key, 0))
             return False
         return self.declare(round_)
 
