@@ -37,14 +37,19 @@ def _gradient(step: int, worker: int, key: str, weights: np.ndarray) -> np.ndarr
     return weights * np.float32(0.5) + noise
 
 
-def _deployment(directory, server_optimizer: bool, **resume) -> HipsCluster:
+def _deployment(directory, server_optimizer: bool, *, optimizer_after_init: bool = False, initial=None,
+                **resume) -> HipsCluster:
+    """``optimizer_after_init``: MXNet's order (its Module initializes the keys, then sets the optimizer).
+    ``initial``: key -> the master's value (default: ones)."""
     cluster = HipsCluster(dcs=("a", "b"), per_dc=1, global_servers=2,
                           global_server_fields={"checkpoint_seconds": TINY_S, "checkpoint_dir": str(directory),
                                                 **resume})
-    if server_optimizer:
+    if server_optimizer and not optimizer_after_init:
         cluster.master.set_optimizer("SGD", lr=0.1, momentum=0.9)   # momentum: optimizer state to carry over
     for key in KEYS:
-        cluster.init_everywhere(key, np.full(SHAPE, 1.0, np.float32))
+        cluster.init_everywhere(key, np.full(SHAPE, 1.0, np.float32) if initial is None else initial[key])
+    if server_optimizer and optimizer_after_init:
+        cluster.master.set_optimizer("SGD", lr=0.1, momentum=0.9)
     for server in cluster.global_servers:
         assert server.keys, "each global server owns a key"
         server.checkpoints.keep = 100          # keep every checkpoint: the test compares them all
@@ -120,6 +125,32 @@ def test_every_worker_and_both_global_servers_save_the_declared_steps_and_a_resu
         assert all(np.array_equal(mine.values[k], theirs.values[k]) for k in KEYS)
     # the resumed job's rounds count on from step 5: its declarations name steps every role reaches together
     assert _saved(resumed_dir) == {name: [8, 10] for name in roles}
+
+
+def test_a_job_resumed_in_mxnets_order_init_then_set_optimizer_ends_on_the_model_of_the_job_that_went_on(tmp_path):
+    """The global servers took set_optimizer after the keys' init (MXNet's order) by configuring themselves
+    afresh, and with that a new checkpoint keeper: a resumed job's keys then counted their rounds from 0, not from
+    the step resumed at, and the optimizer's state saved (the momentum) was never loaded."""
+    straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
+    cluster = _deployment(straight_dir, True)
+    try:
+        expected = _train(cluster, straight_dir, 1, STEPS)
+    finally:
+        cluster.close()
+    # as MXNet resumes: the master initializes every key with the weights it loaded (those of step 5)
+    from geomx import statefile
+    saved = {entry["key"]: np.asarray(entry["value"], np.float32) for rank in (0, 1) for entry in
+             statefile.load(straight_dir / f"global-server-{rank}-round-5.state")["keys"]}
+    cluster = _deployment(resumed_dir, True, optimizer_after_init=True, initial=saved,
+                          resume_from=str(straight_dir), resume_step=5)
+    try:
+        got = _train(cluster, resumed_dir, 6, STEPS, resume_from=straight_dir)
+    finally:
+        cluster.close()
+    for mine, theirs in zip(got, expected, strict=True):
+        assert all(np.array_equal(mine.values[k], theirs.values[k]) for k in KEYS)
+    assert _saved(resumed_dir) == {name: [8, 10] for name in ("worker-0", "worker-1", "global-server-0",
+                                                                "global-server-1")}
 
 
 def test_a_global_server_that_never_hears_checkpoint_at_saves_the_declared_rounds_from_the_pushes_marks(tmp_path,

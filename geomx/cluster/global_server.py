@@ -155,6 +155,8 @@ class GlobalServer(KVServer):
         self._configure()
         for st in self.keys.values():
             self.policy.init_key(st)
+            if self.checkpoints is not None:     # made afresh by _configure: resumed keys count on, state and all
+                self._resume_key(st)
         log.info("global server %d: %s %s after %d key(s) were initialized", self.rank, name, args, len(self.keys))
         self.reply(msg)
 
