@@ -1,5 +1,6 @@
 """Fault injection (geomx launch --inject): faults land at their times on the named process groups, are undone
 after their duration, and a deployment survives a short freeze."""
+import json
 import re
 import subprocess
 import time
@@ -116,7 +117,6 @@ def test_a_deployment_survives_a_wan_partition_and_a_slowed_dc_and_its_links_sho
     wait through both, then go on; the links' per-second series show nothing delivered on b's links in second 4
     (4.0-5.0 s) and at most 500 bytes (plus what was on the wire when it began: a message or two) on a's in
     second 7, where they carry ~1,700 normally (192-374 measured); the launcher says when each began and ended."""
-    import json
 
     code, run_dir, output = launch(tmp_path, SHORT_TRAINING, dcs=2, workers_per_dc=1, wan="regional", timeout=90,
                                    env={"GEOMX_HEARTBEAT_TIMEOUT": "10"},
@@ -138,11 +138,40 @@ def test_a_deployment_survives_a_wan_partition_and_a_slowed_dc_and_its_links_sho
         assert sum(series[9:]) > 0, (name, series)
 
 
+# the long cuts come 7 s into the emulator's clock, into 240 rounds (about 17 s): one at 2 s could fall into
+# set-up on a loaded host (DC b's registration with the global tier then held until the cut ended, and the tier
+# failed as incomplete instead), as test_rejoin's faults once did
+CUT_AT_S = 7
+LONG_TRAINING = SHORT_TRAINING.replace("kv.init(\"w\", np.zeros(10, np.float32))\n",
+                                       "kv.init(\"w\", np.zeros(10, np.float32))\n"
+                                       "print(f\"keys initialized at {time.time():.3f}\", flush=True)\n")
+LONG_TRAINING = LONG_TRAINING.replace("range(120)", "range(240)")
+
+
+def _launch_cut(tmp_path, env: dict):
+    """A 60 s cut of DC b at CUT_AT_S under a 4 s heartbeat deadline; launched again (up to 3 times) when some
+    worker had not initialized its keys half a second before the cut (by the emulator's clock, ``t0_unix`` in
+    wan_links.json): the cut hit set-up, not a running job."""
+    assert LONG_TRAINING.count("keys initialized at") == 1 and "range(240)" in LONG_TRAINING
+    for attempt in range(3):
+        code, run_dir, output = launch(tmp_path, LONG_TRAINING, dcs=2, workers_per_dc=1, wan="regional",
+                                       timeout=90, env={"GEOMX_HEARTBEAT_TIMEOUT": "4", **env},
+                                       inject=[f"partition:b@{CUT_AT_S}+60"], name=f"run{attempt}")
+        links = run_dir / "wan_links.json"
+        if not links.exists():
+            return code, run_dir, output
+        epoch = json.loads(links.read_text())["t0_unix"]
+        ready = [float(log.read_text().split("keys initialized at ")[1].split()[0])
+                 for log in run_dir.glob("?-worker-0.log") if "keys initialized at " in log.read_text()]
+        if len(ready) == 2 and max(ready) <= epoch + CUT_AT_S - 0.5:
+            return code, run_dir, output
+    pytest.fail(f"in 3 launches the cut came before every worker was set up:\n{output}")
+
+
 def test_a_partition_longer_than_the_heartbeat_deadline_drops_the_cut_off_dc_and_the_other_trains_on(tmp_path):
     """A cut that outlasts the heartbeat deadline (4 s here): the global scheduler drops DC b, whose local server
     gives up on its side; DC a's rounds go on (their mean is still 1: DC a weighs for both) to the end."""
-    code, run_dir, output = launch(tmp_path, SHORT_TRAINING, dcs=2, workers_per_dc=1, wan="regional", timeout=90,
-                                   env={"GEOMX_HEARTBEAT_TIMEOUT": "4"}, inject=["partition:b@2+60"])
+    code, run_dir, output = _launch_cut(tmp_path, {})
     check_ok((code, run_dir, output))
     assert "geomx: DC b drops out (" in output and "the run goes on with 1 of 2 DCs" in output, output
     scheduler_log = (run_dir / "global-scheduler.log").read_text()
@@ -153,10 +182,8 @@ def test_a_partition_longer_than_the_heartbeat_deadline_stops_the_run_naming_the
     """The same cut where every DC is needed (GEOMX_MIN_DCS=2) is reported, not waited out: the run stops, naming
     DC b's local server (which side gives up first is a race: the schedulers lose its heartbeats, or it loses the
     global scheduler's answers), and the launcher's headline says the partition was under way."""
-    code, run_dir, output = launch(tmp_path, SHORT_TRAINING, dcs=2, workers_per_dc=1, wan="regional", timeout=90,
-                                   env={"GEOMX_HEARTBEAT_TIMEOUT": "4", "GEOMX_MIN_DCS": "2"},
-                                   inject=["partition:b@2+60"])
+    code, run_dir, output = _launch_cut(tmp_path, {"GEOMX_MIN_DCS": "2"})
     assert code == 1, output
-    assert "during the injected partition of DC b (2-62 s)" in output, output
+    assert f"during the injected partition of DC b ({CUT_AT_S}-{CUT_AT_S + 60} s)" in output, output
     assert ("local server of DC b" in output and "stopped sending heartbeats" in output) or \
         ("stopped answering heartbeats" in output and "server of DC b gives up" in output), output

@@ -75,19 +75,28 @@ def test_a_worker_whose_heartbeats_stop_is_dropped_within_about_two_seconds_with
 
     from inproc import HipsCluster
 
+    from geomx.cluster.scheduler import CHECK_S
+    from harness import wait_until
+    from inproc import DEADLINE_S
+
     # the in-memory van has no connections to watch: the heartbeats alone give the silent worker away
     cluster = HipsCluster(dcs=("a", "b"), per_dc=2, heartbeat_interval=0.1, measured_liveness=True)
     try:
         cluster.init_everywhere("w", np.zeros(4, np.float32))
-        time.sleep(MIN_GAPS * 0.1 + 0.5)        # enough gaps measured
-        a1 = cluster.workers["a"][1]
+        a1, liveness = cluster.workers["a"][1], cluster.schedulers["dc:a"].liveness
+        member = a1.po.node_id
+        # enough gaps measured (waited on, not slept: on a loaded machine 0.1 s heartbeats come later)
+        wait_until(lambda: len(liveness._gaps.get(member, ())) >= MIN_GAPS, DEADLINE_S, "measured gaps")
         stopped = time.monotonic()
-        a1.po._hb_stop.set()                    # a frozen heartbeat thread (fixed deadline here: 60 s)
+        a1.po._hb_stop.set()                    # a frozen heartbeat thread (before MIN_GAPS gaps: 60 s)
         local = cluster.local["a"]
         while len(local.dc_tier.workers()) == 2 and time.monotonic() - stopped < 30:
             time.sleep(0.02)
-        after = time.monotonic() - stopped
-        print(f"dropped {after:.2f} s after its last heartbeat")
-        assert len(local.dc_tier.workers()) == 1 and after < 4.0, after
+        after, deadline = time.monotonic() - stopped, liveness.deadline(member)
+        print(f"dropped {after:.2f} s after its last heartbeat (its measured deadline {deadline:.2f} s)")
+        assert len(local.dc_tier.workers()) == 1, after
+        # measured, not the 60 s cap (about 2 s on an idle machine; more where heartbeats came unevenly), and
+        # acted on within a check or two of it
+        assert FLOOR_S <= deadline < 10.0 and after < deadline + 2 * CHECK_S + 0.5, (after, deadline)
     finally:
         cluster.close()

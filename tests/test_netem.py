@@ -788,8 +788,9 @@ def test_an_outage_holds_the_line_and_what_was_on_the_wire_until_it_ends():
     try:
         for name, at in [("before", 0.0), ("on the wire", 0.27), ("during", 0.4)]:
             time.sleep(max(0.0, epoch + at - time.monotonic()))
-            sent[name] = time.monotonic() - epoch
-            link.enqueue(100, 0, lambda n=name: got.append(n))
+            now = time.monotonic()
+            sent[name] = now - epoch
+            link.enqueue(100, 0, lambda n=name: got.append(n), at=now)     # stamped: no lock wait counts
         deadline = time.monotonic() + 3.0
         while len(got) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)

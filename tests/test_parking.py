@@ -79,8 +79,10 @@ def test_small_messages_keep_their_order_with_parked_ones_on_the_link(deployment
     high-priority one overtakes the big one at a chunk boundary, parked or not. Over ZeroMQ the small ones are
     relayed (one socket from the emulator keeps the order); with the same-host channel they are parked too
     (one channel keeps it), and no route crosses ZeroMQ."""
-    em, a, c, inbox = deployment(rate_bps=5e7)
-    a.send(c.address, Message("big", tensors=[np.zeros(BIG, np.float32)]), dst_dc=CENTRAL_DC)     # 160 ms
+    # a line slow enough that the urgent one, sent 30 ms later, still finds the big one on it under load (at
+    # 160 ms a stall of the emulator's process over ~130 ms would have let the big one through whole)
+    em, a, c, inbox = deployment(rate_bps=1e7)
+    a.send(c.address, Message("big", tensors=[np.zeros(BIG, np.float32)]), dst_dc=CENTRAL_DC)     # 800 ms
     a.send(c.address, Message("after", tensors=[np.zeros(SMALL, np.float32)]), dst_dc=CENTRAL_DC)
     time.sleep(0.03)
     urgent = Message("urgent", tensors=[np.zeros(SMALL, np.float32)])
