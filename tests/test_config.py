@@ -578,6 +578,10 @@ def test_where_the_launcher_sizes_parts_for_the_wan_they_are_p3s_slices_unless_a
     assert slices(wan="regional", sync="p3", sync_slice=1000) == {1000}
     assert slices(wan="regional", sync={"algorithm": "p3", "slice": 3000}) == {3000}    # the file's
     assert slices(wan="regional", env={"ENABLE_P3": "1", "GEOMX_P3_SLICE": "4000"}) == {4000}   # its [env] table's
+    # ... with --sync p3 as well: an option only the [env] table sets is no longer written over with the default
+    assert slices(wan="regional", sync="p3", env={"GEOMX_P3_SLICE": "4000"}) == {4000}
+    with pytest.raises(ConfigError, match=r"p3 slice \(GEOMX_P3_SLICE\).*got -4"):    # and checked as a flag is
+        load_topology(None, sync="p3", env={"GEOMX_P3_SLICE": "-4"})
     # GeoMX's spelling in the launcher's environment, which every role inherits: its slice too, if it sets one
     monkeypatch.setenv("ENABLE_P3", "1")
     assert slices(wan="regional") == {0}

@@ -29,8 +29,8 @@ from geomx.errors import ConfigError
 from geomx.netem.link_matrix import assignments, parse_link_overrides
 from geomx.netem.tcp_model import TcpPath, tcp_path
 from geomx.profiles import CENTRAL_DC, WanProfile, custom_profile, get_profile, parse_duration, parse_rate
-from geomx.sync.settings import (ALGORITHMS, GEOMX_HFA_ENV, GEOMX_P3_ENV, OPTIONS, SYNC_ENV, algorithms_taking,
-                                 launch_env, settings_from_env)
+from geomx.sync.settings import (ALGORITHM_OPTIONS, ALGORITHMS, GEOMX_HFA_ENV, GEOMX_P3_ENV, OPTIONS, SYNC_ENV,
+                                 algorithms_taking, launch_env, settings_from_env)
 from geomx.sync.slowdown import parse_factor
 
 # sync option -> the geomx launch flag that sets it (load_topology's sync_<option>); errors name the flag
@@ -254,6 +254,10 @@ def load_topology(path: str | None = None, **flags) -> Topology:
     refuse_launcher_variables(topo.env, f"the [env] table{where}", ENV_TABLE_VARIABLES)
     sync = _sync_table(data, where)
     if sync:        # before validate: --sync's GEOMX_SYNC is what the roles read, not one the launcher inherits
+        # an option of the algorithm that only the [env] table sets is the table's, not the default written out
+        # over it (checked as the flags' are)
+        sync = {**{name: topo.env[OPTIONS[name][0]] for name in ALGORITHM_OPTIONS.get(sync.get("algorithm"), ())
+                   if OPTIONS[name][0] in topo.env and name not in sync}, **sync}
         topo.env.update(launch_env(sync, where))
         topo.sync_given = frozenset(sync) - {"algorithm"}
     else:           # the [env] table's own option variables
