@@ -142,8 +142,8 @@ def plan(topo: Topology, command: list[str], run_dir: Path, ports: list[int] | N
             # 7% of a step on 2 cores, never faster: docs/benchmarks.md, "P3's slices and the WAN's parts"). Not
             # where --p3-slice, the sync table or the [env] table gave one (sync_given), nor over one the
             # launcher's environment passes on; only P3 reads the variable
-            written = P3_SLICE_ENV in base          # the sync table's default written out, or the [env] table's
-            if (written and "slice" not in topo.sync_given) or not (written or os.environ.get(P3_SLICE_ENV)):
+            inherited = P3_SLICE_ENV not in base and os.environ.get(P3_SLICE_ENV)
+            if "slice" not in topo.sync_given and not inherited:
                 base[P3_SLICE_ENV] = "0"
         specs.append(RoleSpec("wan-emulator", "emulator", node, {
             **base, "GEOMX_ROLE": "emulator", "GEOMX_EMULATOR_HOST": h, "GEOMX_EMULATOR_PORT": str(p_emu),

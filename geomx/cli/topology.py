@@ -253,15 +253,16 @@ def load_topology(path: str | None = None, **flags) -> Topology:
     topo.env = {str(k): str(v) for k, v in env.items()}
     refuse_launcher_variables(topo.env, f"the [env] table{where}", ENV_TABLE_VARIABLES)
     sync = _sync_table(data, where)
+    in_env = {name: topo.env[var] for name, (var, *_) in OPTIONS.items() if var in topo.env}   # [env]'s options
     if sync:        # before validate: --sync's GEOMX_SYNC is what the roles read, not one the launcher inherits
         # an option of the algorithm that only the [env] table sets is the table's, not the default written out
         # over it (checked as the flags' are)
-        sync = {**{name: topo.env[OPTIONS[name][0]] for name in ALGORITHM_OPTIONS.get(sync.get("algorithm"), ())
-                   if OPTIONS[name][0] in topo.env and name not in sync}, **sync}
+        taken = ALGORITHM_OPTIONS.get(sync.get("algorithm"), ())
+        sync = {**{name: value for name, value in in_env.items() if name in taken}, **sync}
         topo.env.update(launch_env(sync, where))
         topo.sync_given = frozenset(sync) - {"algorithm"}
-    else:           # the [env] table's own option variables
-        topo.sync_given = frozenset(name for name, (var, *_) in OPTIONS.items() if var in topo.env)
+    else:
+        topo.sync_given = frozenset(in_env)
     topo.validate()
     topo.slowdown = parse_slowdown(data.get("slowdown"), topo.dc_names, topo.workers_per_dc, where)
     if data.get("wan_links"):

@@ -21,7 +21,7 @@ import numpy as np
 
 from geomx.cluster.compressed import CODEC_FIELD, ClientWire, dense_push
 from geomx.cluster.digest import value_digest
-from geomx.cluster.protocol import Field, Op
+from geomx.cluster.protocol import Field, Op, is_round
 from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
 from geomx.compression import CompressionPolicy
 from geomx.errors import ConfigError, DeadlineError, GeomxError, KVError, PeerLostError
@@ -336,7 +336,7 @@ class KVClient:
             fields[Field.CHECKPOINT_ROUND] = self.latest_checkpoint_round
 
     def _note_checkpoint_round(self, round_) -> None:
-        if isinstance(round_, int) and not isinstance(round_, bool) and round_ > 0:
+        if is_round(round_):
             self.checkpoint_rounds.add(round_)
             self.latest_checkpoint_round = max(self.latest_checkpoint_round, round_)
 

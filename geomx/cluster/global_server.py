@@ -20,7 +20,7 @@ from geomx.cluster.postoffice import NodeInfo, Postoffice, Tier
 from geomx.cluster.round_policies import round_policy_name
 from geomx.cluster.checkpoint_clock import CheckpointClock
 from geomx.cluster.server_checkpoint import ServerCheckpoints
-from geomx.cluster.protocol import Command, Field, Op
+from geomx.cluster.protocol import Command, Field, Op, is_round
 from geomx.compat import conflict
 from geomx.compression import CompressionPolicy
 from geomx.config import MIXEDSYNC, MODES, REDUCTIONS, NodeConfig, checkpoint_directory, round_divisor
@@ -307,7 +307,7 @@ class GlobalServer(KVServer):
                 self.reply(held, redirect=owner)
         elif msg.op == Op.CHECKPOINT_AT and client.kind == "global_server" and client.rank == 0:
             round_ = msg.get(Field.ROUND)
-            if not isinstance(round_, int) or isinstance(round_, bool) or round_ < 1:
+            if not is_round(round_):
                 super().handle_other(msg, client)
             elif self.checkpoints is not None:      # None: this server owns no key, or rounds are asynchronous
                 self.checkpoints.hear(round_)

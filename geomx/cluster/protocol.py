@@ -124,3 +124,9 @@ class Command:
     SET_OPTIMIZER = "set_optimizer"
     SET_COMPRESSION = "set_compression"
     GLOBAL_BARRIER = "global_barrier"
+
+
+def is_round(value) -> bool:
+    """A round number as a message may carry it (``round``, ``checkpoint_round``): a whole number >= 1, not a
+    bool."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

@@ -51,6 +51,7 @@ import numpy as np
 
 from geomx import statefile
 from geomx.cluster.checkpoint_clock import CheckpointClock
+from geomx.cluster.protocol import is_round
 from geomx.errors import ConfigError
 from geomx.transport.ids import public_name
 from geomx.part_state import NotRecuttable, base_key, part_range, recut, recut_stream, saved_pieces
@@ -217,7 +218,7 @@ class ServerCheckpoints:
         it has this server's reply of round M - 1: ``key`` has completed at least r - 3 rounds here. A mark
         beyond that, from a faulty client, would make this server skip the real declarations up to it: ignored,
         with one warning per server."""
-        if not isinstance(round_, int) or isinstance(round_, bool) or round_ <= self.latest_declared:
+        if not is_round(round_) or round_ <= self.latest_declared:
             return False
         if key is not None and round_ > self.rounds.get(key, 0) + 3:
             if not self._warned_mark:
