@@ -215,6 +215,29 @@ def test_p3_reports_each_reply_and_each_end_of_backward_to_its_order(monkeypatch
     assert calls == {"landed": 2 * 6 * STEPS, "end_backward": 2 * STEPS}     # 2 workers, 6 parameters
 
 
+def test_p3_reports_each_part_of_a_sliced_parameter_as_it_lands_with_its_share_of_the_bytes(monkeypatch):
+    """A parameter in 8 keys lands in 8 replies, each an eighth of its bytes: the order reads the link's pace
+    from parts, since a big parameter's parts land over a long time, many of them before backward ends."""
+    from geomx.sync.wire_order import TailFirst
+
+    seen: dict[tuple[int, int], list[int]] = {}            # (order, parameter) -> the parts each landing named
+    original = TailFirst.landed
+
+    def recording(self, i, now, *, parts=1):
+        seen.setdefault((id(self), i), []).append(parts)
+        return original(self, i, now, parts=parts)
+
+    monkeypatch.setattr(TailFirst, "landed", recording)
+    layouts: dict = {}
+    _train(lambda: P3(slice=40), layouts=layouts)
+    names = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+    counts = [len(layouts[name]) if layouts[name] else 1 for name in names]
+    assert counts[2] == 8 and counts[1] == 1
+    assert len({order for order, _ in seen}) == 2                                  # both workers
+    for (_, i), parts in seen.items():
+        assert parts == [counts[i]] * (counts[i] * STEPS), names[i]
+
+
 def test_p3_is_refused_without_the_servers_optimizer_or_without_the_model_naming_the_fix():
     from geomx.torch import DistributedOptimizer
 

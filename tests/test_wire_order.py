@@ -17,13 +17,26 @@ def test_fsas_order_puts_the_last_layers_highest_and_every_gradient_below_contro
 
 
 def test_the_last_layers_holding_the_tails_share_keep_the_backward_order_and_the_rest_go_below_first_first():
-    sizes = [100, 300, 200, 250, 150]            # 1,000 bytes; the last two hold 400
-    assert tail_first_priorities(sizes, 0.4) == [-6, -7, -8, -2, -1]
+    sizes = [400, 200, 60, 60, 60, 60, 60, 100]  # 1,000 bytes; the last six hold 400
+    assert tail_first_priorities(sizes, 0.4) == [-9, -10, -6, -5, -4, -3, -2, -1]
     # a layer that would take the tail past its share stays out of it
-    assert tail_first_priorities(sizes, 0.39) == [-6, -7, -8, -9, -1]
+    assert tail_first_priorities(sizes, 0.39) == [-9, -10, -11, -5, -4, -3, -2, -1]
     # every tail layer outranks every other, the last highest; among the rest the first layers go first
     prio = tail_first_priorities(sizes, 0.4)
-    assert min(prio[3:]) > max(prio[:3]) and prio[4] > prio[3] and prio[0] > prio[1] > prio[2]
+    assert min(prio[2:]) > max(prio[:2]) and prio[7] > prio[6] > prio[2] and prio[0] > prio[1]
+
+
+def test_the_margins_hedge_adds_small_layers_past_the_estimate_but_no_layer_bigger_than_itself():
+    # a share of 0.875 is an estimate of 0.7 and a hedge of 0.175 (TAIL_MARGIN 1.25)
+    assert TAIL_MARGIN == 1.25
+    # VGG's shape: a first fully connected layer of 80% of the bytes ends at 0.86, inside the share but past the
+    # estimate, by more than the hedge: in the tail, every convolution's gradient would wait behind it
+    vgg = [30, 30, 30, 800, 50, 10]
+    assert tail_first_priorities(vgg, 0.875) == [-7, -8, -9, -10, -2, -1]
+    # the same layer ending inside the estimate is taken, however big
+    assert tail_first_priorities([300, 600, 50, 50], 0.875) == [-5, -3, -2, -1]
+    # small layers past the estimate are the hedge's to take: 60 bytes each, a hedge of 80
+    assert tail_first_priorities([400, 200, 60, 60, 60, 60, 60, 100], 0.4)[2:] == backward_order(8)[2:]
 
 
 def test_a_whole_tail_is_fsas_order_and_no_tail_is_first_layers_first():
@@ -90,6 +103,21 @@ def test_replies_that_landed_during_backward_do_not_count_toward_the_pace():
     assert order.tail_fraction == pytest.approx(1.0 + SMOOTHING * (min(1.0, TAIL_MARGIN * share) - 1.0))
 
 
+def test_a_big_parameters_parts_count_toward_the_pace_as_each_lands_not_all_at_its_last():
+    # an 800 kB parameter in 8 parts: six land during backward (it ends at 1.1), two after it, then a 100 kB reply
+    order = TailFirst([800_000, 100_000, 100_000])
+    order.end_backward(0.3)
+    _step(order, 1.0, backward_s=0.1, replies_after=[])
+    for t in (1.02, 1.03, 1.05, 1.06, 1.08, 1.09, 1.12, 1.14):
+        order.landed(0, t, parts=8)
+    order.landed(1, 1.16)
+    order.begin_push(2, 2.0)
+    share = uploadable_share(backward_s=0.1, landings=[(1.12, 100_000), (1.14, 100_000), (1.16, 100_000)],
+                             total_bytes=1_000_000)
+    assert share == pytest.approx(0.5)          # the link's 5 MB/s for 0.1 s; the whole 800 kB at 1.14 read 1.0
+    assert order.tail_fraction == pytest.approx(1.0 + SMOOTHING * (TAIL_MARGIN * share - 1.0))
+
+
 def test_workers_whose_estimates_differ_a_little_cut_the_tail_alike():
     sizes = [100_000] * 32
     a, b = TailFirst(sizes, tail_fraction=0.49), TailFirst(sizes, tail_fraction=0.52)
@@ -107,8 +135,9 @@ def test_a_parameter_step_pushes_without_a_gradient_goes_below_the_tail_and_such
 
 
 def test_a_frozen_parameter_counts_no_bytes_toward_the_tail():
-    # sizes 0 for frozen parameters: the tail of half the bytes is the last trainable layer, not the frozen one
-    assert tail_first_priorities([100, 0, 100], 0.5) == [-4, -2, -1]
+    # sizes 0 for frozen parameters: a tail of half the bytes (the estimate, times the margin) is the last
+    # trainable layer and the frozen one, not the first layer
+    assert tail_first_priorities([100, 0, 100], 0.5 * TAIL_MARGIN) == [-4, -2, -1]
 
 
 @pytest.mark.parametrize("value", [True, float("nan"), 1.5, -0.1, "0.5", None])

@@ -41,6 +41,8 @@ class Handle:
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[Handle], None]] = []
         self._lock = threading.Lock()
+        # a partitioned key's request: each part's own (its reply lands on its own), [] for a single request
+        self.parts: list[Handle] = []
         self.error_raised = False        # wait() raised an error: the caller has it, kv.close() must not again
 
     def done(self) -> bool:
@@ -73,6 +75,7 @@ class Handle:
     def then(self, fn: Callable[[Any], Any], what: str | None = None) -> Handle:
         """A handle that finishes with ``fn(result)`` once this one has finished (errors pass through)."""
         nxt = Handle(self._po, what or self.what, self.server)
+        nxt.parts = self.parts
 
         def go(h: Handle) -> None:
             if h.error is not None:
@@ -112,6 +115,7 @@ def gather(handles: list[Handle], combine: Callable[[list], Any], what: str) -> 
     """A handle that finishes with ``combine(results)`` once all ``handles`` have, or with the first error."""
     first = handles[0]
     joined = Handle(first._po, what, first.server)
+    joined.parts = list(handles)
     left = [len(handles)]
     lock = threading.Lock()
 

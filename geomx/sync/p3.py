@@ -118,7 +118,12 @@ class P3(FSA):
         sent = grad.detach().to("cpu", copy=True).contiguous()
         priority = self.order.begin_push(i, time.monotonic(), from_backward=not self._in_step)
         handle = self.kv.pushpull(self.params[i][0], sent, out=sent, priority=priority)
-        handle.add_done_callback(lambda _h, i=i: self.order.landed(i, time.monotonic()))
+        # each part's landing, with its share of the bytes: the pace of the replies is read from them, and a
+        # big parameter's parts land over a long time, most of them maybe before backward ends
+        parts = handle.parts or [handle]
+        count = len(parts)
+        for part in parts:
+            part.add_done_callback(lambda _h, i=i: self.order.landed(i, time.monotonic(), parts=count))
         self._handles[i] = (handle, sent)
 
     def _wait_in_forward(self, indices: list[int]) -> None:

@@ -22,7 +22,11 @@ of 16 messages, so the same holds for what waits there.)
   first. It also wants the uplink to finish whole uploads during backward. :class:`TailFirst` does both. The
   last layers, about as many bytes as the uplink carries during a backward pass, go in the order backward
   makes them. The other layers go after them, first layers first. The share of the tail is measured every step
-  from the pace the previous step's replies came in.
+  from the pace the previous step's replies came in, each part of a parameter counted as it lands (a big
+  parameter's parts land over a long time, most maybe during backward). A layer too big for the margin's hedge
+  ends the tail (:func:`tail_first_priorities`): on a VGG-shaped model (compute in the convolutions, bytes in the
+  first fully connected layer) that lets the convolutions' few bytes cross first once backward makes them, and
+  their forward pass, most of the step's, run while the big layer still travels.
 
 Every gradient's priority is below 0, the default of control messages (heartbeats go at 1000).
 """
@@ -51,14 +55,27 @@ def backward_order(count: int) -> list[int]:
 
 def tail_first_priorities(sizes: Sequence[int], tail_fraction: float) -> list[int]:
     """P3's priority of each parameter: the last parameters holding at most ``tail_fraction`` of the bytes keep
-    :func:`backward_order`'s; every other one goes below them all, first layers first."""
+    :func:`backward_order`'s; every other one goes below them all, first layers first.
+
+    ``tail_fraction`` holds :data:`TAIL_MARGIN`'s hedge: the estimate times the margin. The hedge adds the few
+    layers an estimate that runs low would have left out. A parameter bigger than the hedge itself that ends past
+    the estimate is not one of those: in the tail its upload would outlast backward by more than the hedge
+    covers, and every first layer would wait behind it. So the tail ends before it (VGG's first fully connected
+    layer, 81% of the bytes). At the bottom of the rest it still fills the uplink whenever nothing else waits, in
+    parts that land one by one. A whole tail (1.0) is FSA's order, whatever the sizes."""
     count, total = len(sizes), sum(sizes)
     in_backward_order = backward_order(count)
+    if tail_fraction >= 1.0:
+        return in_backward_order
     priorities = [-count - 1 - i for i in range(count)]
+    estimate = tail_fraction / TAIL_MARGIN
+    hedge = tail_fraction - estimate
     in_tail = 0
     for i in range(count - 1, -1, -1):
         in_tail += sizes[i]
         if in_tail > tail_fraction * total:
+            break
+        if in_tail > estimate * total and sizes[i] > hedge * total:
             break
         priorities[i] = in_backward_order[i]
     return priorities
@@ -106,7 +123,7 @@ class TailFirst:
         self._first_push: float | None = None       # this step's first push from backward
         self._backward_end: float | None = None     # the previous step's end of backward
         self._backward_s: float | None = None       # its length (None: no gradient came from backward)
-        self._landed: list[tuple[float, int]] = []  # the previous step's replies: (time, index)
+        self._landed: list[tuple[float, float]] = []  # the previous step's replies: (time, bytes)
 
     def begin_push(self, i: int, now: float, *, from_backward: bool = True) -> int:
         """Parameter ``i``'s priority. ``from_backward`` False: pushed by ``step()`` (no gradient this step), after
@@ -120,8 +137,9 @@ class TailFirst:
             self._first_push = now
         return self._priorities[i]
 
-    def landed(self, i: int, now: float) -> None:
-        self._landed.append((now, i))             # list.append is atomic: called from the receive thread
+    def landed(self, i: int, now: float, *, parts: int = 1) -> None:
+        """A reply of parameter ``i`` landed: the whole of it, or one of its ``parts`` (of equal bytes)."""
+        self._landed.append((now, self.sizes[i] / parts))   # list.append is atomic: called from the receive thread
 
     def end_backward(self, now: float) -> None:
         self._backward_s = None if self._first_push is None else now - self._first_push
@@ -131,7 +149,7 @@ class TailFirst:
         landed, self._landed = self._landed, []
         if self._backward_end is None or self._backward_s is None:    # the first step, or one without backward
             return
-        after = sorted((t, self.sizes[i]) for t, i in landed if t > self._backward_end)
+        after = sorted((t, nbytes) for t, nbytes in landed if t > self._backward_end)
         share = uploadable_share(backward_s=self._backward_s, landings=after, total_bytes=sum(self.sizes))
         target = min(1.0, TAIL_MARGIN * share)
         self.tail_fraction += SMOOTHING * (target - self.tail_fraction)
