@@ -326,12 +326,14 @@ def test_every_registered_row_has_sync_settings_and_a_compression_the_workers_ac
     would surface an hour into a campaign. Each row's environment must give valid sync settings and its
     ``--compression`` a policy that parses."""
     from geomx.bench.configs import CONFIGS
+    from geomx.cli.topology import load_topology
     from geomx.compression import parse_policy
     from geomx.sync.settings import settings_from_env
 
     assert len(CONFIGS) > 30
     for name, config in CONFIGS.items():
-        settings_from_env(config.env)
+        topo = load_topology(None, mode=config.mode, sync=dict(config.sync) or None)     # as geomx bench wan does
+        settings_from_env({**topo.env, **config.env})
         args = list(config.train_args)
         if "--compression" in args:
             spec = json.loads(args[args.index("--compression") + 1])

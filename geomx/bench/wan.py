@@ -42,13 +42,12 @@ def run_config(config: BenchConfig, *, profile: str | None, wan_rate: str | None
 
     topo = load_topology(None, dcs=dcs, workers_per_dc=workers_per_dc, wan=None if wan_rate else profile,
                          wan_rate=wan_rate, wan_rtt=wan_rtt, topology=config.topology, mode=config.mode,
-                         mixedsync=config.mixedsync,
+                         mixedsync=config.mixedsync, sync=dict(config.sync) or None,
                          slowdown=list(config.slowdown) or None)
     if not topo.profile.emulated:
         raise ConfigError(f"WAN profile {topo.profile.name!r} is not emulated: the WAN benchmark needs the emulator "
                           f"(choose another --profile)")
     topo.env.update(config.env)
-    topo.sync_given = frozenset(config.sync_given)
     command = [sys.executable, str(train_script_path(workload.script)), workload.model_flag, model, "--steps",
                str(steps), "--eval-every", str(eval_every), "--seed", str(seed), *train_args, *config.train_args]
     return launch(topo, command, run_dir, timeout, f"WAN bench ({config.name})")
