@@ -331,13 +331,19 @@ def test_every_registered_row_has_sync_settings_and_a_compression_the_workers_ac
     from geomx.sync.settings import settings_from_env
 
     assert len(CONFIGS) > 30
+    given = {}
     for name, config in CONFIGS.items():
-        topo = load_topology(None, mode=config.mode, sync=dict(config.sync) or None)     # as geomx bench wan does
+        topo = load_topology(None, mode=config.mode, mixedsync=config.mixedsync, topology=config.topology,
+                             sync=dict(config.sync) or None)                       # as geomx bench wan does
         settings_from_env({**topo.env, **config.env})
+        given[name] = topo.sync_given
         args = list(config.train_args)
         if "--compression" in args:
             spec = json.loads(args[args.index("--compression") + 1])
             assert parse_policy(spec) is not None, name
+    # P3's rows: the launcher keeps a slice the row sets and picks the WAN's parts for the one that sets none
+    assert "slice" in given["hips-p3-sliced"] and "slice" in given["hips-p3-unsliced"]
+    assert "slice" not in given["hips-p3"]
 
 
 def _run_of_curves(metric: str, *curves):

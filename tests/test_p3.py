@@ -215,27 +215,29 @@ def test_p3_reports_each_reply_and_each_end_of_backward_to_its_order(monkeypatch
     assert calls == {"landed": 2 * 6 * STEPS, "end_backward": 2 * STEPS}     # 2 workers, 6 parameters
 
 
-def test_p3_reports_each_part_of_a_sliced_parameter_as_it_lands_with_its_share_of_the_bytes(monkeypatch):
-    """A parameter in 8 keys lands in 8 replies, each an eighth of its bytes: the order reads the link's pace
-    from parts, since a big parameter's parts land over a long time, many of them before backward ends."""
+def test_p3_reports_each_part_of_a_sliced_parameter_as_it_lands_with_its_share_of_the_elements(monkeypatch):
+    """A parameter in 8 keys lands in 8 replies, each with its own share of the elements (whole rows: the last
+    part may be smaller): the order reads the link's pace from parts, since a big parameter's parts land over a
+    long time, many of them before backward ends."""
     from geomx.sync.wire_order import TailFirst
 
-    seen: dict[tuple[int, int], list[int]] = {}            # (order, parameter) -> the parts each landing named
+    seen: dict[tuple[int, int], list[float]] = {}          # (order, parameter) -> the share each landing held
     original = TailFirst.landed
 
-    def recording(self, i, now, *, parts=1):
-        seen.setdefault((id(self), i), []).append(parts)
-        return original(self, i, now, parts=parts)
+    def recording(self, i, now, *, share=1.0):
+        seen.setdefault((id(self), i), []).append(share)
+        return original(self, i, now, share=share)
 
     monkeypatch.setattr(TailFirst, "landed", recording)
     layouts: dict = {}
     _train(lambda: P3(slice=40), layouts=layouts)
     names = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
-    counts = [len(layouts[name]) if layouts[name] else 1 for name in names]
-    assert counts[2] == 8 and counts[1] == 1
+    shares = [[(p.stop - p.start) / parts[-1].stop for p in parts] if (parts := layouts[name]) else [1.0]
+              for name in names]
+    assert len(shares[2]) == 8 and shares[1] == [1.0] and shares[0] == [0.3125, 0.3125, 0.3125, 0.0625]
     assert len({order for order, _ in seen}) == 2                                  # both workers
-    for (_, i), parts in seen.items():
-        assert parts == [counts[i]] * (counts[i] * STEPS), names[i]
+    for (_, i), landed in seen.items():
+        assert sorted(landed) == sorted(shares[i] * STEPS), names[i]
 
 
 def test_p3_is_refused_without_the_servers_optimizer_or_without_the_model_naming_the_fix():

@@ -43,6 +43,7 @@ class Handle:
         self._lock = threading.Lock()
         # a partitioned key's request: each part's own (its reply lands on its own), [] for a single request
         self.parts: list[Handle] = []
+        self.share = 1.0                 # a part's request: the share of its key's elements that it carries
         self.error_raised = False        # wait() raised an error: the caller has it, kv.close() must not again
 
     def done(self) -> bool:

@@ -505,8 +505,10 @@ class KVStore:
                                                else np.empty(shape, dtype))
             values = part_views(src, parts) if src is not None else [None] * len(parts)
             outs = part_views(into, parts) if into is not None else [None] * len(parts)
-            h = gather([self._send(op, p.key, v, o, priority) for p, v, o in zip(parts, values, outs, strict=False)],
-                       lambda _: into, f"{op} of key {key!r}")
+            requests = [self._send(op, p.key, v, o, priority) for p, v, o in zip(parts, values, outs, strict=False)]
+            for request, p in zip(requests, parts, strict=True):
+                request.share = (p.stop - p.start) / parts[-1].stop
+            h = gather(requests, lambda _: into, f"{op} of key {key!r}")
             target = into if into is target else None
         if op == Op.PUSH:
             return h

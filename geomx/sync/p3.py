@@ -120,10 +120,8 @@ class P3(FSA):
         handle = self.kv.pushpull(self.params[i][0], sent, out=sent, priority=priority)
         # each part's landing, with its share of the bytes: the pace of the replies is read from them, and a
         # big parameter's parts land over a long time, most of them maybe before backward ends
-        parts = handle.parts or [handle]
-        count = len(parts)
-        for part in parts:
-            part.add_done_callback(lambda _h, i=i: self.order.landed(i, time.monotonic(), parts=count))
+        for part in handle.parts or [handle]:
+            part.add_done_callback(lambda h, i=i: self.order.landed(i, time.monotonic(), share=h.share))
         self._handles[i] = (handle, sent)
 
     def _wait_in_forward(self, indices: list[int]) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 from collections.abc import Sequence
 
 from geomx.errors import ConfigError
@@ -124,6 +125,7 @@ class TailFirst:
         self._backward_end: float | None = None     # the previous step's end of backward
         self._backward_s: float | None = None       # its length (None: no gradient came from backward)
         self._landed: list[tuple[float, float]] = []  # the previous step's replies: (time, bytes)
+        self._lock = threading.Lock()               # landed() runs on the receive thread
 
     def begin_push(self, i: int, now: float, *, from_backward: bool = True) -> int:
         """Parameter ``i``'s priority. ``from_backward`` False: pushed by ``step()`` (no gradient this step), after
@@ -137,16 +139,19 @@ class TailFirst:
             self._first_push = now
         return self._priorities[i]
 
-    def landed(self, i: int, now: float, *, parts: int = 1) -> None:
-        """A reply of parameter ``i`` landed: the whole of it, or one of its ``parts`` (of equal bytes)."""
-        self._landed.append((now, self.sizes[i] / parts))   # list.append is atomic: called from the receive thread
+    def landed(self, i: int, now: float, *, share: float = 1.0) -> None:
+        """A reply of parameter ``i`` landed: the whole of it, or a part holding ``share`` of its elements. Called
+        from the receive thread."""
+        with self._lock:
+            self._landed.append((now, self.sizes[i] * share))
 
     def end_backward(self, now: float) -> None:
         self._backward_s = None if self._first_push is None else now - self._first_push
         self._backward_end, self._first_push, self._pushing = now, None, False
 
     def _update(self) -> None:
-        landed, self._landed = self._landed, []
+        with self._lock:
+            landed, self._landed = self._landed, []
         if self._backward_end is None or self._backward_s is None:    # the first step, or one without backward
             return
         after = sorted((t, nbytes) for t, nbytes in landed if t > self._backward_end)
